@@ -1,0 +1,38 @@
+# dbr — top-level build.  `make build` sets up .venv and the agent; `make test`,
+# `make demo` and `make bench` build first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: build agent test test-long demo bench clean lint
+
+build: $(STAMP) agent
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+agent:
+	$(MAKE) -C dbr_agent
+
+test: build
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-long: build
+	$(PY) -m pytest -q -p no:cacheprovider -m long tests
+
+demo: build
+	$(PY) -m dbr_service.demo
+
+bench: build
+	$(PY) -m bench
+
+lint: build
+	$(VENV)/bin/ruff check dbr_service tests bench || true
+
+clean:
+	$(MAKE) -C dbr_agent clean
+	rm -rf build *.egg-info

@@ -1,0 +1,53 @@
+"""`dbr` command line: one subcommand per module, registered in COMMANDS.
+
+Each command module defines ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help).  Order is the order shown in --help.
+COMMANDS: list[tuple[str, str, str]] = [
+    ("run", "dbr_service.cmd_run", "run PROG under dbr and report what it did"),
+    ("service", "dbr_service.cmd_service", "the per-host daemon (foreground, Type=notify)"),
+    ("ctl", "dbr_service.cmd_ctl", "talk to a running service's control socket"),
+    ("analyze", "dbr_service.region.analyze", "offline region selection on an ELF file"),
+    ("agent-path", "dbr_service.cmd_agent_path", "print the path of libdbr_agent.so"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dbr", description="dbr — sampling-driven dynamic binary rewriter for x86-64 Linux",
+        epilog="examples:\n  dbr run --aggressive -- ./prog arg\n  dbr ctl status\n"
+               "  dbr analyze ./prog --samples samples.txt",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, modname, help_text in COMMANDS:
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as exc:
+            if exc.name != modname:
+                raise
+            continue  # command not built yet
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+/*
+ * dbr_protocol.h — the wire protocol between libdbr_agent.so (in each client)
+ * and the dbr service.  This header is the single source of truth: the agent
+ * includes it, and dbr_service/protocol.py mirrors it (tests/test_protocol_layout.py
+ * compiles a probe against this file and proves every size and offset equal).
+ *
+ * Transport: one AF_UNIX SOCK_SEQPACKET connection per client process, to
+ * $DBR_RUNTIME_DIR/agent.sock.  One datagram is one message.  Every message
+ * starts with struct dbr_msg_hdr; `length` is the whole datagram including the
+ * header and must equal the number of bytes received.  All integers are
+ * little-endian (x86-64 native), all structs are naturally aligned with
+ * explicit padding so that no compiler inserts any.
+ *
+ * File descriptors travel as SCM_RIGHTS ancillary data, only on
+ * DBR_MSG_CODE_BUFFER and DBR_MSG_SAMPLER_RING.
+ *
+ * Ordering: the agent sends HELLO first; the service answers HELLO_ACK; only
+ * then may either side send anything else.  Requests carry a req_id (or
+ * batch_id) that the reply echoes.  A message of unknown type, wrong magic,
+ * wrong version, wrong length, or out of order closes the session (the agent
+ * first sends DBR_MSG_ERROR naming the offending seq when it can).
+ *
+ * Keep in sync with dbr_service/protocol.py (a test enforces it).
+ */
+#ifndef DBR_PROTOCOL_H
+#define DBR_PROTOCOL_H
+
+#include <stdint.h>
+
+#define DBR_PROTO_MAGIC   0x31524244u /* "DBR1" as little-endian bytes */
+#define DBR_PROTO_VERSION 1u
+
+#define DBR_MSG_MAX        65536u /* largest datagram either side accepts */
+#define DBR_MAX_SITES      512u   /* sites in one PATCH/UNPATCH batch */
+#define DBR_MAX_CENSUS     1024u  /* thread entries in one PC_CENSUS message */
+#define DBR_MAX_EXITS      32u    /* exit ranges in one REGION message */
+#define DBR_EXE_MAX        256u   /* bytes of exe path in HELLO (NUL padded) */
+#define DBR_BUILD_ID_MAX   32u
+#define DBR_ERRMSG_MAX     120u
+#define DBR_PATCH_LEN      5u     /* a patch is always `jmp rel32` (E9 xx xx xx xx) */
+
+/* Message types.  Direction: A = agent -> service, S = service -> agent. */
+enum dbr_msg_type {
+    DBR_MSG_HELLO            = 1,  /* A: first message of a session */
+    DBR_MSG_HELLO_ACK        = 2,  /* S: session accepted */
+    DBR_MSG_THREAD_NEW       = 3,  /* A: a thread started (advisory) */
+    DBR_MSG_THREAD_EXIT      = 4,  /* A: a thread ended (advisory) */
+    DBR_MSG_MAP_CHANGED      = 5,  /* A: dlclose/munmap/mprotect/dlopen notice */
+    DBR_MSG_ACK              = 6,  /* A or S: generic reply {req_id, result} */
+    DBR_MSG_CODE_BUFFER_REQ  = 7,  /* S: allocate a code buffer near an address */
+    DBR_MSG_CODE_BUFFER      = 8,  /* A: the buffer (fd in SCM_RIGHTS) or failure */
+    DBR_MSG_CODE_BUFFER_FREE = 9,  /* S: unmap a buffer; reply ACK */
+    DBR_MSG_REGION           = 10, /* S: describe a region (code range, exit ranges); reply ACK */
+    DBR_MSG_REGION_FORGET    = 11, /* S: region removed; reply ACK */
+    DBR_MSG_PATCH            = 12, /* S: batch of sites to patch */
+    DBR_MSG_UNPATCH          = 13, /* S: batch of sites to restore */
+    DBR_MSG_PATCH_RESULT     = 14, /* A: one result per site of a PATCH/UNPATCH */
+    DBR_MSG_PC_CENSUS_REQ    = 15, /* S: collect every thread's PC */
+    DBR_MSG_PC_CENSUS        = 16, /* A: census entries (may span several messages) */
+    DBR_MSG_SAMPLER_START    = 17, /* S: start the agent-timer sampler */
+    DBR_MSG_SAMPLER_RING     = 18, /* A: the sampler ring (fd in SCM_RIGHTS) or failure */
+    DBR_MSG_SAMPLER_STOP     = 19, /* S: stop the agent-timer sampler; reply ACK */
+    DBR_MSG_BYE              = 20, /* A or S: orderly end of session */
+    DBR_MSG_ERROR            = 21, /* A or S: protocol error report */
+    DBR_MSG_TYPE_MAX         = 21
+};
+
+/* Result codes: 0 is success, errors are negative. */
+enum dbr_result {
+    DBR_OK             = 0,
+    DBR_E_MISMATCH     = -1,  /* bytes at the site are not the expected ones */
+    DBR_E_NOT_EXEC     = -2,  /* site not inside an executable mapping */
+    DBR_E_TARGET       = -3,  /* target not inside one of the agent's code buffers */
+    DBR_E_BUSY         = -4,  /* site already patched, or overlaps another patched site */
+    DBR_E_ALIGN        = -5,  /* this protocol variant cannot be used at this site's offset */
+    DBR_E_PROTECT      = -6,  /* mprotect of the site's page failed */
+    DBR_E_NOSYNC       = -7,  /* membarrier SYNC_CORE unavailable: no live patching */
+    DBR_E_INVAL        = -8,  /* malformed field (bad variant, bad length, ...) */
+    DBR_E_NOMEM        = -9,  /* allocation failed */
+    DBR_E_RANGE        = -10, /* no free space within +-2 GiB of the requested address */
+    DBR_E_VERSION      = -11, /* protocol version mismatch */
+    DBR_E_PROTO        = -12, /* unknown type, bad length, out-of-order message */
+    DBR_E_NOT_PATCHED  = -13, /* UNPATCH of a site the agent has not patched */
+    DBR_E_TIMEOUT      = -14, /* bounded wait expired */
+    DBR_E_IN_USE       = -15, /* buffer still targeted by installed sites */
+    DBR_E_FORBIDDEN    = -16, /* site inside the agent itself or inside a code buffer */
+    DBR_E_UNKNOWN      = -17, /* unknown buffer/region id */
+    DBR_E_DENIED       = -18, /* refused by policy (uid, pid mismatch, ...) */
+    DBR_E_LIMIT        = -19  /* a table is full (sites, buffers, regions) */
+};
+
+/* Cross-modifying-code protocol of one site (DESIGN.md invariant 5). */
+enum dbr_variant {
+    DBR_VARIANT_INT3        = 0, /* CC, sync, bytes 1-4, sync, byte 0, sync (default) */
+    DBR_VARIANT_SELF_BRANCH = 1, /* EB FE, sync, bytes 2-4, sync, bytes 0-1, sync */
+    DBR_VARIANT_SINGLE      = 2  /* 5 bytes inside one aligned 8-byte word, one store, sync */
+};
+
+/* HELLO.flags */
+#define DBR_HELLO_FORKED     0x1u /* this process is a fork child of a patched process */
+#define DBR_HELLO_SYNC_CORE  0x2u /* membarrier SYNC_CORE registered: live patching possible */
+#define DBR_HELLO_INHERITED  0x4u /* carries patches inherited across fork */
+
+/* HELLO_ACK.on_disconnect (the environment variable DBR_ON_DISCONNECT overrides) */
+#define DBR_DISCONNECT_KEEP   0u
+#define DBR_DISCONNECT_REVERT 1u
+
+/* MAP_CHANGED.kind */
+enum dbr_map_kind {
+    DBR_MAP_DLCLOSE  = 1, /* waits for ACK (bounded) before the call proceeds */
+    DBR_MAP_MUNMAP   = 2, /* waits for ACK (bounded) */
+    DBR_MAP_MPROTECT = 3, /* waits for ACK (bounded) */
+    DBR_MAP_DLOPEN   = 4, /* advisory, req_id 0, no reply */
+    DBR_MAP_MMAP_EXEC = 5 /* advisory, req_id 0, no reply */
+};
+
+/* BYE.flags */
+#define DBR_BYE_REVERT 0x1u /* S->A: revert every patch before closing */
+
+/* PC_CENSUS entry.state */
+#define DBR_CENSUS_OK       0u /* pc is the thread's interrupted user PC */
+#define DBR_CENSUS_NO_REPLY 1u /* thread did not answer within the bound: assume anywhere */
+#define DBR_CENSUS_AGENT    2u /* the agent's own thread (never in replacement code) */
+#define DBR_CENSUS_GONE     3u /* thread exited during the census */
+
+/* PC_CENSUS.flags */
+#define DBR_CENSUS_MORE 0x1u /* more messages of this census follow */
+
+struct dbr_msg_hdr {
+    uint32_t magic;    /* DBR_PROTO_MAGIC */
+    uint16_t version;  /* DBR_PROTO_VERSION */
+    uint16_t type;     /* enum dbr_msg_type */
+    uint32_t length;   /* whole datagram in bytes, header included */
+    uint32_t seq;      /* sender's message counter, from 1 */
+};
+
+struct dbr_hello {
+    struct dbr_msg_hdr hdr;
+    uint32_t pid;
+    uint32_t ppid;
+    uint32_t uid;
+    uint32_t flags;          /* DBR_HELLO_* */
+    uint32_t agent_version;  /* agent build version (informational) */
+    uint32_t n_threads;      /* threads at HELLO time */
+    uint32_t page_size;
+    uint32_t census_signal;  /* signal number the agent uses for PC census */
+    uint32_t build_id_len;
+    uint32_t sampler_signal; /* signal number of the agent-timer sampler */
+    uint8_t  build_id[DBR_BUILD_ID_MAX]; /* GNU build-id of the main executable */
+    char     exe[DBR_EXE_MAX];           /* readlink(/proc/self/exe), NUL padded */
+};
+
+struct dbr_hello_ack {
+    struct dbr_msg_hdr hdr;
+    uint32_t service_pid;   /* the agent calls prctl(PR_SET_PTRACER, service_pid) */
+    uint32_t on_disconnect; /* DBR_DISCONNECT_* */
+    uint64_t session_id;
+    uint32_t map_wait_ms;   /* bound on waiting for an ACK to MAP_CHANGED */
+    uint32_t flags;         /* reserved, 0 */
+};
+
+struct dbr_thread {
+    struct dbr_msg_hdr hdr;
+    uint32_t tid;
+    uint32_t reserved;
+};
+
+struct dbr_map_changed {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;   /* 0 for advisory kinds */
+    uint32_t kind;     /* enum dbr_map_kind */
+    uint64_t lo;       /* affected address range [lo, hi) */
+    uint64_t hi;
+    uint32_t prot;     /* new protection for MPROTECT */
+    uint32_t reserved;
+};
+
+struct dbr_ack {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    int32_t  result;   /* enum dbr_result */
+};
+
+struct dbr_code_buffer_req {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    uint32_t reserved;
+    uint64_t near;     /* every byte of the buffer lies within +-2 GiB of this */
+    uint64_t size;     /* bytes, rounded up to pages by the agent */
+};
+
+struct dbr_code_buffer {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    int32_t  result;     /* DBR_OK: one fd in SCM_RIGHTS */
+    uint32_t buffer_id;
+    uint32_t reserved;
+    uint64_t base;       /* address of the R-X mapping in the client */
+    uint64_t size;
+};
+
+struct dbr_code_buffer_free {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    uint32_t buffer_id;
+};
+
+struct dbr_range {
+    uint64_t lo;
+    uint64_t hi;
+};
+
+struct dbr_region {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    uint32_t region_id;
+    uint64_t code_lo;     /* replacement code range inside a buffer */
+    uint64_t code_hi;
+    uint32_t n_exits;     /* entries used in exits[] */
+    uint32_t reserved;
+    struct dbr_range exits[DBR_MAX_EXITS]; /* original-code ranges the region exits into */
+};
+
+struct dbr_region_forget {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    uint32_t region_id;
+};
+
+struct dbr_patch_site {
+    uint64_t site;       /* address of the first byte to overwrite */
+    uint64_t target;     /* replacement entry (must be in a code buffer) */
+    uint32_t region_id;  /* 0 if none announced */
+    uint8_t  variant;    /* enum dbr_variant */
+    uint8_t  len;        /* DBR_PATCH_LEN */
+    uint8_t  reserved[2];
+    uint8_t  orig[8];    /* expected original bytes (first len used) */
+};
+
+/* PATCH and UNPATCH share this layout; `n` sites follow the fixed part. */
+struct dbr_patch_batch {
+    struct dbr_msg_hdr hdr;
+    uint32_t batch_id;
+    uint32_t n;
+    struct dbr_patch_site sites[]; /* n entries */
+};
+
+struct dbr_site_result {
+    uint64_t site;
+    int32_t  result;     /* enum dbr_result */
+    uint32_t reserved;
+};
+
+struct dbr_patch_result {
+    struct dbr_msg_hdr hdr;
+    uint32_t batch_id;
+    uint32_t n;
+    struct dbr_site_result results[]; /* n entries, in request order */
+};
+
+struct dbr_census_req {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    uint32_t timeout_ms;  /* bound on waiting for threads to answer */
+};
+
+struct dbr_census_entry {
+    uint32_t tid;
+    uint32_t state;   /* DBR_CENSUS_* */
+    uint64_t pc;
+};
+
+struct dbr_census {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    uint32_t n;          /* entries in this message */
+    uint32_t flags;      /* DBR_CENSUS_MORE */
+    uint32_t n_total;    /* threads in the whole census */
+    struct dbr_census_entry entries[]; /* n entries */
+};
+
+struct dbr_sampler_start {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    uint32_t period_us;    /* per-thread CPU-time period */
+    uint32_t ring_entries; /* power of two */
+    uint32_t reserved;
+};
+
+struct dbr_sampler_ring {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    int32_t  result;       /* DBR_OK: one fd in SCM_RIGHTS */
+    uint64_t ring_bytes;   /* size of the shared ring mapping */
+};
+
+struct dbr_bye {
+    struct dbr_msg_hdr hdr;
+    uint32_t reason;   /* enum dbr_result or 0 */
+    uint32_t flags;    /* DBR_BYE_* */
+};
+
+struct dbr_error {
+    struct dbr_msg_hdr hdr;
+    int32_t  code;     /* enum dbr_result */
+    uint32_t ref_seq;  /* seq of the offending message, 0 if none */
+    char     msg[DBR_ERRMSG_MAX]; /* NUL-terminated */
+};
+
+/*
+ * Agent-timer sampler ring (shared memfd, mapped RW by both sides).
+ * Producers: the agent's SIGPROF-style handler on any thread.  A producer
+ * reserves slot `head` with a CAS (head - tail < capacity, else it counts a
+ * drop), fills pc/tid, then stores seq = (uint32_t)(slot + 1) with release
+ * ordering.  The consumer (service) reads slots from tail while
+ * entry.seq == (uint32_t)(slot + 1), then advances tail.
+ */
+#define DBR_RING_MAGIC 0x474e5252u /* "RRNG" */
+
+struct dbr_ring_header {
+    uint32_t magic;
+    uint32_t version;   /* DBR_PROTO_VERSION */
+    uint32_t capacity;  /* entries, power of two */
+    uint32_t entry_size;
+    uint64_t head;      /* next slot to reserve (producers) */
+    uint64_t tail;      /* next slot to consume (service) */
+    uint64_t dropped;   /* samples lost because the ring was full */
+    uint64_t reserved[3];
+};
+
+struct dbr_ring_entry {
+    uint64_t pc;
+    uint32_t tid;
+    uint32_t seq;
+};
+
+#ifndef __cplusplus
+_Static_assert(sizeof(struct dbr_msg_hdr) == 16, "hdr");
+_Static_assert(sizeof(struct dbr_patch_site) == 32, "patch site");
+_Static_assert(sizeof(struct dbr_ring_header) == 64, "ring header");
+#endif
+
+#endif /* DBR_PROTOCOL_H */

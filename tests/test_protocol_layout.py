@@ -1,0 +1,84 @@
+"""The Python mirror of shared/dbr_protocol.h has the same sizes, offsets and constants."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dbr_service import protocol
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADER = ROOT / "shared" / "dbr_protocol.h"
+
+
+def _probe_source() -> str:
+    lines = ["#include <stdio.h>", "#include <stddef.h>", f'#include "{HEADER}"',
+             "int main(void) {"]
+    for cname, cls in protocol.C_STRUCTS.items():
+        lines.append(f'printf("size {cname} %zu\\n", sizeof(struct {cname}));')
+        for fname, *_ in cls._fields_:
+            lines.append(f'printf("off {cname}.{fname} %zu\\n", offsetof(struct {cname}, {fname}));')
+    for const in protocol.C_CONSTANTS:
+        lines.append(f'printf("const {const} %lld\\n", (long long)({const}));')
+    lines += ["return 0;", "}"]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def probe_output(tmp_path_factory) -> dict[str, int]:
+    d = tmp_path_factory.mktemp("probe")
+    src, exe = d / "probe.c", d / "probe"
+    src.write_text(_probe_source())
+    subprocess.run(["gcc", "-std=gnu11", "-Wall", "-Werror", "-o", str(exe), str(src)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    result = {}
+    for line in out.splitlines():
+        kind, key, value = line.split()
+        result[f"{kind} {key}"] = int(value)
+    return result
+
+
+@pytest.mark.parametrize("cname", sorted(protocol.C_STRUCTS))
+def test_struct_layout(probe_output, cname):
+    cls = protocol.C_STRUCTS[cname]
+    assert ctypes.sizeof(cls) == probe_output[f"size {cname}"], cname
+    for fname, *_ in cls._fields_:
+        assert getattr(cls, fname).offset == probe_output[f"off {cname}.{fname}"], (cname, fname)
+
+
+def test_constants(probe_output):
+    for const, value in protocol.C_CONSTANTS.items():
+        assert probe_output[f"const {const}"] == value, const
+
+
+def test_every_header_struct_is_mirrored():
+    import re
+
+    names = set(re.findall(r"^struct (dbr_\w+) \{", HEADER.read_text(), re.M))
+    assert names == set(protocol.C_STRUCTS), names ^ set(protocol.C_STRUCTS)
+
+
+def test_roundtrip_array_message():
+    sites = [protocol.PatchSite(site=0x401000 + 8 * k, target=0x7F0000000000, region_id=k,
+                                variant=protocol.Variant.INT3, len=5) for k in range(3)]
+    raw = protocol.pack_array_msg(protocol.PatchBatch(batch_id=7), protocol.MsgType.PATCH,
+                                  sites, seq=9)
+    msg = protocol.unpack(raw)
+    assert msg.type is protocol.MsgType.PATCH and msg.body.batch_id == 7 and msg.seq == 9
+    assert [s.site for s in msg.items] == [0x401000, 0x401008, 0x401010]
+
+
+@pytest.mark.parametrize("mutate, why", [
+    (lambda b: b[:10], "truncated"),
+    (lambda b: b"\0\0\0\0" + b[4:], "magic"),
+    (lambda b: b[:4] + b"\x02\x00" + b[6:], "version"),
+    (lambda b: b[:6] + b"\x63\x00" + b[8:], "type"),
+    (lambda b: b + b"\0" * 8, "length"),
+])
+def test_unpack_rejects_bad_input(mutate, why):
+    raw = protocol.pack(protocol.Ack(req_id=1, result=0), protocol.MsgType.ACK, seq=1)
+    with pytest.raises(protocol.ProtocolError):
+        protocol.unpack(mutate(raw))
