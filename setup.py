@@ -14,9 +14,9 @@ class BuildWithAgent(build_py):
     """Compile the agent with its own Makefile, then copy it into the build tree."""
 
     def run(self):
-        subprocess.check_call(["make", "-C", os.path.join(HERE, "dbr_agent")])
         super().run()
-        if not self.editable_mode:
+        if not self.editable_mode:  # editable installs: `make build` compiles it in place
+            subprocess.check_call(["make", "-C", os.path.join(HERE, "dbr_agent")])
             dest = os.path.join(self.build_lib, "dbr_agent")
             os.makedirs(dest, exist_ok=True)
             shutil.copy2(os.path.join(HERE, "dbr_agent", "libdbr_agent.so"), dest)
