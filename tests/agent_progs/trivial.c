@@ -1,0 +1,2 @@
+/* Start-up cost probe: does nothing. */
+int main(void) { return 0; }

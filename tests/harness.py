@@ -1,0 +1,240 @@
+"""A small fake service for agent tests: accepts the agent, hands it code buffers,
+writes hand-assembled replacement code (keystone), drives PATCH/UNPATCH.
+
+It is built on dbr_service.agentconn, the same session code the real service uses.
+Also: compiling test programs (cached per test session), reading client memory,
+and a line reader with timeouts for client stdout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Iterable
+
+import keystone
+
+import dbr_agent
+from dbr_service import protocol as P
+from dbr_service.agentconn import AgentConnection, CodeBufferHandle, jmp_rel32, listen, make_site
+
+TESTS = Path(__file__).resolve().parent
+PROGS = TESTS / "agent_progs"
+_BUILD_DIR = Path(tempfile.gettempdir()) / f"dbr-test-build-{os.getuid()}"
+
+SITE_INSN = bytes.fromhex("69c7e8030000")  # imul eax, edi, 1000 (6 bytes)
+SITE_LEN = len(SITE_INSN)
+
+
+def compile_c(sources: Iterable[str | Path], *, flags: Iterable[str] = (), out_name: str | None = None,
+              shared: bool = False) -> Path:
+    """Compile C sources (relative names are under tests/agent_progs); cached by content."""
+    srcs = [Path(s) if Path(s).is_absolute() else PROGS / s for s in sources]
+    flags = list(flags)
+    h = hashlib.sha256()
+    for s in srcs:
+        h.update(s.read_bytes())
+    for inc in PROGS.glob("*.h"):
+        h.update(inc.read_bytes())
+    h.update(repr((flags, shared)).encode())
+    _BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    name = out_name or srcs[0].stem
+    out = _BUILD_DIR / f"{name}-{h.hexdigest()[:12]}{'.so' if shared else ''}"
+    if not out.exists():
+        cmd = ["gcc", "-O2", "-g", "-pthread", f"-I{PROGS}", *flags]
+        if shared:
+            cmd += ["-shared", "-fPIC"]
+        tmp = out.with_suffix(out.suffix + f".tmp{os.getpid()}")
+        subprocess.run([*cmd, "-o", str(tmp), *map(str, srcs), "-ldl"], check=True)
+        os.replace(tmp, out)
+    return out
+
+
+def assemble(asm: str, addr: int) -> bytes:
+    """Assemble Intel-syntax ``asm`` for address ``addr`` with keystone."""
+    ks = keystone.Ks(keystone.KS_ARCH_X86, keystone.KS_MODE_64)
+    enc, _ = ks.asm(asm, addr)
+    return bytes(enc)
+
+
+def read_mem(pid: int, addr: int, n: int) -> bytes:
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as f:
+        f.seek(addr)
+        return f.read(n)
+
+
+class LineReader:
+    """Reads a pipe line by line on a thread; ``expect`` waits (bounded) for a match."""
+
+    def __init__(self, stream) -> None:
+        self.q: queue.Queue[str | None] = queue.Queue()
+        self.lines: list[str] = []
+        self._t = threading.Thread(target=self._run, args=(stream,), daemon=True)
+        self._t.start()
+
+    def _run(self, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            self.q.put(raw.decode(errors="replace").rstrip("\n"))
+        self.q.put(None)
+
+    def expect(self, prefix: str, timeout: float = 10.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no line starting with {prefix!r} within {timeout}s; "
+                                   f"last lines: {self.lines[-5:]}")
+            try:
+                line = self.q.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise EOFError(f"stream ended before {prefix!r}; lines: {self.lines[-5:]}")
+            self.lines.append(line)
+            if line.startswith(prefix):
+                return line
+
+    def rest(self, timeout: float = 10.0) -> list[str]:
+        """Every remaining line until EOF (bounded)."""
+        out = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                continue
+            if line is None:
+                return out
+            self.lines.append(line)
+            out.append(line)
+        raise TimeoutError("stream did not end")
+
+
+class Client:
+    """A client process started with the agent preloaded."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.out = LineReader(proc.stdout)
+        self.err = LineReader(proc.stderr)
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def finish(self, timeout: float = 20.0) -> tuple[int, list[str]]:
+        """Close stdin and wait (bounded) for exit: (returncode, remaining stdout lines)."""
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        rest = self.out.rest(timeout)
+        return self.proc.wait(timeout), rest
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class FakeService:
+    """Accepts agents on a private runtime dir and drives them by hand."""
+
+    def __init__(self, *, on_disconnect: int = P.DISCONNECT_KEEP, map_wait_ms: int = 300) -> None:
+        self.runtime_dir = tempfile.mkdtemp(prefix="dbr-rt-")
+        self.sock_path = os.path.join(self.runtime_dir, "agent.sock")
+        self.listener = listen(self.sock_path)
+        self.on_disconnect = on_disconnect
+        self.map_wait_ms = map_wait_ms
+        self.clients: list[Client] = []
+        self.conns: list[AgentConnection] = []
+        self._session = 0
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env["DBR_RUNTIME_DIR"] = self.runtime_dir
+        env["LD_PRELOAD"] = dbr_agent.agent_path()
+        env.update(extra or {})
+        return env
+
+    def spawn(self, argv: list[str], env: dict[str, str] | None = None) -> Client:
+        proc = subprocess.Popen([str(a) for a in argv], env=self.env(env), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        c = Client(proc)
+        self.clients.append(c)
+        return c
+
+    def accept(self, timeout: float = 10.0, pid: int | None = None) -> AgentConnection:
+        """Accept the next agent (optionally: the one of ``pid``) and do the handshake."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no agent connected within {timeout}s")
+            self.listener.settimeout(left)
+            try:
+                sock, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            conn = AgentConnection(sock)
+            if pid is not None and conn.peer_pid != pid:
+                conn.close()
+                continue
+            self._session += 1
+            conn.handshake(service_pid=os.getpid(), session_id=self._session,
+                           on_disconnect=self.on_disconnect, map_wait_ms=self.map_wait_ms,
+                           timeout=max(0.5, deadline - time.monotonic()))
+            self.conns.append(conn)
+            return conn
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.kill()
+        for conn in self.conns:
+            conn.close()
+        self.listener.close()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def exit_stub(buf: CodeBufferHandle, at: int, site: int, first_insn: bytes = SITE_INSN) -> int:
+    """Write replacement code equivalent to the original: the (position-independent)
+    first instruction, then ``jmp`` back to the instruction after it.  Returns ``at``."""
+    code = first_insn + jmp_rel32(at + len(first_insn), site + len(first_insn))
+    buf.write(at, code)
+    return at
+
+
+def parse_sites(line: str) -> list[int]:
+    """'sites 0x.. 0x..' -> addresses."""
+    return [int(w, 16) for w in line.split()[1:]]
+
+
+def patch_sites(conn: AgentConnection, pid: int, targets: dict[int, int],
+                variant: int = P.Variant.INT3) -> list[P.PatchSite]:
+    """PatchSite records for site -> target, with the original bytes read from the client."""
+    return [make_site(s, t, read_mem(pid, s, P.PATCH_LEN), variant) for s, t in targets.items()]
+
+
+def terminate(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+__all__ = ["FakeService", "Client", "compile_c", "assemble", "read_mem", "exit_stub",
+           "parse_sites", "patch_sites", "jmp_rel32", "make_site", "SITE_INSN", "SITE_LEN",
+           "terminate"]
