@@ -1,0 +1,1 @@
+"""dbr benchmarks: A/B alternated runs, medians, ratios (never lone absolute times)."""

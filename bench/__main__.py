@@ -1,0 +1,37 @@
+"""`make bench` / `python -m bench [--quick] [NAME...]`: run the registered benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> module with main(argv) -> int, in the order they run.
+BENCHMARKS = [
+    ("agent_overhead", "bench.agent_overhead"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="fewer runs, smaller inputs")
+    ap.add_argument("names", nargs="*", help="subset of: " + ", ".join(n for n, _ in BENCHMARKS))
+    args = ap.parse_args(argv)
+    unknown = set(args.names) - {n for n, _ in BENCHMARKS}
+    if unknown:
+        ap.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
+    rc = 0
+    for name, mod in BENCHMARKS:
+        if args.names and name not in args.names:
+            continue
+        print(f"== {name}", flush=True)
+        try:
+            rc |= importlib.import_module(mod).main(["--quick"] if args.quick else [])
+        except Exception as exc:  # a crashed benchmark is reported, the rest still run
+            print(f"!! {name} failed: {exc!r}", flush=True)
+            rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""What the agent costs a client that is never patched (issue 2, item 6).
+
+* start-up: a trivial program with vs. without LD_PRELOAD of the agent (no
+  service answering: the agent is dormant), many alternated runs, median delta.
+* steady state: a CPU-bound program with vs. without the agent, median ratio.
+
+Targets: under 2 ms added start-up, under 0.5 % steady state.
+usage: python -m bench.agent_overhead [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import dbr_agent
+from bench.common import ab, machine, time_cmd, write_results
+
+PROGS = Path(__file__).resolve().parents[1] / "tests" / "agent_progs"
+
+
+def build(src: str, out_dir: str) -> str:
+    out = os.path.join(out_dir, Path(src).stem)
+    subprocess.run(["gcc", "-O2", "-o", out, str(PROGS / src)], check=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer runs")
+    args = ap.parse_args(argv)
+    agent = dbr_agent.agent_path()
+    with tempfile.TemporaryDirectory() as d:
+        trivial, cpu = build("trivial.c", d), build("cpuloop.c", d)
+        rt = os.path.join(d, "rt")  # nobody listens here: the agent stays dormant
+        os.mkdir(rt)
+        base = dict(os.environ, DBR_RUNTIME_DIR=rt)
+        base.pop("LD_PRELOAD", None)
+        with_agent = dict(base, LD_PRELOAD=agent)
+
+        def runner(argv, env):
+            def run() -> float:
+                secs, _, rc = time_cmd(argv, env=env)
+                if rc != 0:
+                    raise SystemExit(f"{argv} exited {rc}")
+                return secs
+            return run
+
+        n_start = 60 if args.quick else 300
+        startup = ab("startup-trivial", runner([trivial], base), runner([trivial], with_agent),
+                     runs=n_start, warmup=5)
+        iters = "150" if args.quick else "400"
+        n_cpu = 3 if args.quick else 7
+        steady = ab("steady-cpuloop", runner([cpu, iters], base), runner([cpu, iters], with_agent),
+                    runs=n_cpu)
+    rows = [
+        ("start-up added (ms, median)", f"{startup.delta * 1e3:+.3f}", "< 2 ms",
+         startup.delta < 0.002),
+        ("start-up ratio agent/native", f"{startup.ratio:.3f}", "", None),
+        ("steady state ratio agent/native", f"{steady.ratio:.4f}", "< 1.005",
+         steady.ratio < 1.005),
+    ]
+    print(f"# agent overhead, never patched ({startup.runs} / {steady.runs} alternated runs)")
+    print("| metric | value | target | met |\n|---|---|---|---|")
+    for name, val, target, met in rows:
+        print(f"| {name} | {val} | {target} | {'' if met is None else ('yes' if met else 'NO')} |")
+    path = write_results("agent_overhead", {"machine": machine(), "startup": startup,
+                                            "steady": steady})
+    print(f"written {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
