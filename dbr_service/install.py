@@ -1,0 +1,314 @@
+"""Installing generated replacement code into one client, and taking it out again.
+
+This is the process-plumbing half of "Replacement code" (DESIGN.md, One cycle
+steps 6-8); ``codegen/`` is the pure half.  Per client:
+
+* :class:`CodeSpace` hands out space in code buffers that lie within +-2 GiB of
+  the module a region patches (invariant 4), asks the agent for a new buffer
+  when none fits, and reuses freed space only after a quarantine period *and*
+  two clean PC censuses (a thread may sit in replacement code, or hold such a PC
+  in a signal frame).
+* :class:`Installer` writes a region's bytes through the service's RW mapping,
+  describes the region to the agent (REGION: code range and exit ranges, for
+  its dlclose/munmap/mprotect hooks), patches its entry sites in one batch,
+  and unpatches, invalidates and reclaims.
+
+Nothing here runs while the installer is not called: the service drives it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+from dbr_service import protocol as P
+from dbr_service.agentconn import AgentConnection, CodeBufferHandle, make_site, result_name
+from dbr_service.errors import AgentError, CodegenError
+
+REL32 = (1 << 31) - 1
+ALIGN = 16
+
+
+class Generated(Protocol):
+    """What codegen hands over (dbr_service.codegen.emit.GeneratedCode)."""
+
+    code: bytes
+    base: int
+    entries: dict[int, int]                    # original patch site -> replacement address
+    addr_map: list[tuple[int, int, int]]       # (repl_start, repl_end, original address)
+    exits: list[tuple[int, int]]               # (replacement address, original target)
+
+
+class InstallState(str, enum.Enum):
+    """Lifecycle of one installed region (mirrors region.model.RegionState)."""
+
+    WRITTEN = "written"          # bytes in the buffer, no site patched yet
+    INSTALLED = "installed"      # at least one entry site patched
+    REMOVED = "removed"          # every site restored; code space quarantined
+    FAILED = "failed"            # nothing patched (agent refused every site)
+
+
+@dataclass
+class Chunk:
+    buffer: CodeBufferHandle
+    addr: int
+    size: int
+
+
+@dataclass
+class InstalledRegion:
+    """One region's code in the client and its patch sites."""
+
+    region_id: int
+    name: str
+    chunk: Chunk
+    gen: Generated
+    sites: list[P.PatchSite] = field(default_factory=list)
+    results: dict[int, int] = field(default_factory=dict)     # site -> dbr_result
+    state: InstallState = InstallState.WRITTEN
+    installed_at: float = 0.0
+    removed_at: float = 0.0
+    module: str | None = None
+    why_removed: str = ""
+
+    @property
+    def patched_sites(self) -> list[P.PatchSite]:
+        return [s for s in self.sites if self.results.get(s.site) == P.Result.OK]
+
+    def code_range(self) -> tuple[int, int]:
+        return self.chunk.addr, self.chunk.addr + self.chunk.size
+
+    def contains_code(self, addr: int) -> bool:
+        lo, hi = self.code_range()
+        return lo <= addr < hi
+
+    def original_of(self, addr: int) -> int | None:
+        """Original address of a replacement-code address (sample attribution)."""
+        for lo, hi, orig in self.gen.addr_map:
+            if lo <= addr < hi:
+                return orig
+        return None
+
+
+@dataclass
+class _Quarantined:
+    chunk: Chunk
+    since: float
+    clean_censuses: int = 0
+
+
+class CodeSpace:
+    """Bump allocation inside code buffers near each module, with quarantined reuse."""
+
+    def __init__(self, conn: AgentConnection, *, buffer_size: int = 1 << 20,
+                 quarantine_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.conn = conn
+        self.buffer_size = buffer_size
+        self.quarantine_s = quarantine_s
+        self.clock = clock
+        self.free: list[Chunk] = []              # reusable holes
+        self.bump: dict[int, int] = {}           # buffer_id -> next free offset
+        self.quarantine: list[_Quarantined] = []
+
+    @staticmethod
+    def _reaches(buf: CodeBufferHandle, addr: int, size: int, points: Sequence[int]) -> bool:
+        return all(abs(addr - p) < REL32 - size and abs(addr + size - p) < REL32 for p in points)
+
+    def allocate(self, size: int, reach: Sequence[int]) -> Chunk:
+        """Space for ``size`` bytes from which every address in ``reach`` is rel32-reachable."""
+        size = (size + ALIGN - 1) & ~(ALIGN - 1)
+        for i, c in enumerate(self.free):
+            if c.size >= size and self._reaches(c.buffer, c.addr, size, reach):
+                self.free.pop(i)
+                if c.size > size:
+                    self.free.append(Chunk(c.buffer, c.addr + size, c.size - size))
+                return Chunk(c.buffer, c.addr, size)
+        for buf in self.conn.buffers.values():
+            off = self.bump.get(buf.buffer_id, 0)
+            if off + size <= buf.size and self._reaches(buf, buf.base + off, size, reach):
+                self.bump[buf.buffer_id] = off + size
+                return Chunk(buf, buf.base + off, size)
+        want = max(self.buffer_size, size)
+        near = (min(reach) + max(reach)) // 2
+        if max(reach) - min(reach) > REL32 - want:
+            raise CodegenError("region reaches addresses more than 2 GiB apart")
+        buf = self.conn.code_buffer(near=near, size=want)
+        if not self._reaches(buf, buf.base, size, reach):
+            raise CodegenError(f"agent placed a buffer at {buf.base:#x}, out of reach of "
+                               f"{near:#x}")
+        self.bump[buf.buffer_id] = size
+        return Chunk(buf, buf.base, size)
+
+    def release(self, chunk: Chunk) -> None:
+        """Code no longer entered: quarantine it until censuses prove nobody is inside."""
+        self.quarantine.append(_Quarantined(chunk, self.clock()))
+
+    def census_done(self, pcs: Sequence[P.CensusEntry]) -> int:
+        """Feed one PC census; returns how many chunks became reusable."""
+        freed = 0
+        now = self.clock()
+        unknown = any(e.state == P.CENSUS_NO_REPLY for e in pcs)
+        keep = []
+        for q in self.quarantine:
+            lo, hi = q.chunk.addr, q.chunk.addr + q.chunk.size
+            inside = unknown or any(e.state == P.CENSUS_OK and lo <= e.pc < hi for e in pcs)
+            q.clean_censuses = 0 if inside else q.clean_censuses + 1
+            if q.clean_censuses >= 2 and now - q.since >= self.quarantine_s:
+                q.chunk.buffer.write(q.chunk.addr, b"\xcc" * q.chunk.size)  # int3 fill
+                self.free.append(q.chunk)
+                freed += 1
+            else:
+                keep.append(q)
+        self.quarantine = keep
+        return freed
+
+
+class Installer:
+    """Installs and removes regions in one client through its agent session."""
+
+    def __init__(self, conn: AgentConnection, read_original: Callable[[int, int], bytes], *,
+                 variant: int = P.Variant.INT3, space: CodeSpace | None = None,
+                 on_event: Callable[[str, dict], None] | None = None) -> None:
+        self.conn = conn
+        self.read_original = read_original
+        self.variant = variant
+        self.space = space or CodeSpace(conn)
+        self.regions: dict[int, InstalledRegion] = {}
+        self.on_event = on_event or (lambda kind, data: None)
+        self._next_id = 1
+        self.patches_installed = 0
+        self.patches_removed = 0
+        self.first_patch_at: float | None = None
+
+    # ---- install ---------------------------------------------------------
+    def reserve(self, size: int, reach: Sequence[int]) -> Chunk:
+        """Space for a region of ``size`` bytes; codegen then emits at ``chunk.addr``."""
+        return self.space.allocate(size, reach)
+
+    def install(self, chunk: Chunk, gen: Generated, *, name: str = "",
+                exit_ranges: Sequence[tuple[int, int]] = (), module: str | None = None
+                ) -> InstalledRegion:
+        """Write ``gen`` (emitted for ``chunk.addr``) and patch its entry sites."""
+        if gen.base != chunk.addr or len(gen.code) > chunk.size:
+            self.space.release(chunk)
+            raise CodegenError(f"code for {gen.base:#x} ({len(gen.code)} bytes) does not fit "
+                               f"chunk {chunk.addr:#x}+{chunk.size}")
+        region_id = self._next_id
+        self._next_id += 1
+        reg = InstalledRegion(region_id, name or f"r{region_id}", chunk, gen, module=module)
+        chunk.buffer.write(chunk.addr, gen.code)
+        lo, hi = reg.code_range()
+        exits = _merge_ranges(list(exit_ranges) or [(t, t + 1) for _, t in gen.exits])
+        if len(exits) > P.MAX_EXITS:
+            exits = [(min(a for a, _ in exits), max(b for _, b in exits))]
+        rc = self.conn.region(region_id, lo, hi, exits)
+        if rc != P.Result.OK:
+            self.space.release(chunk)
+            raise AgentError(f"agent refused REGION: {result_name(rc)}")
+        reg.sites = [make_site(site, target, self.read_original(site, P.PATCH_LEN),
+                               self.variant, region_id)
+                     for site, target in sorted(gen.entries.items())]
+        self.regions[region_id] = reg
+        results = self.conn.patch(reg.sites) if reg.sites else []
+        reg.results = {s.site: r for s, r in zip(reg.sites, results)}
+        ok = sum(1 for r in results if r == P.Result.OK)
+        if ok == 0:
+            reg.state = InstallState.FAILED
+            self._retire(reg, "agent refused every site: " +
+                         ", ".join(sorted({result_name(r) for r in results})))
+            return reg
+        reg.state = InstallState.INSTALLED
+        reg.installed_at = time.monotonic()
+        self.first_patch_at = self.first_patch_at or reg.installed_at
+        self.patches_installed += ok
+        self.on_event("patch-installed", {"region": reg.name, "sites": ok})
+        return reg
+
+    # ---- removal ---------------------------------------------------------
+    def uninstall(self, region_id: int, why: str = "") -> InstalledRegion:
+        """Restore every patched site of a region, then quarantine its code."""
+        reg = self.regions[region_id]
+        if reg.state is InstallState.INSTALLED:
+            sites = reg.patched_sites
+            results = self.conn.unpatch(sites) if sites else []
+            for s, r in zip(sites, results):
+                # NOT_PATCHED: the agent already restored it (e.g. its own hook timed out).
+                if r in (P.Result.OK, P.Result.E_NOT_PATCHED):
+                    reg.results[s.site] = P.Result.E_NOT_PATCHED
+                    self.patches_removed += r == P.Result.OK
+                else:
+                    raise AgentError(f"unpatch of {s.site:#x} refused: {result_name(r)}")
+            self.on_event("patch-removed", {"region": reg.name, "why": why})
+        self._retire(reg, why)
+        return reg
+
+    def _retire(self, reg: InstalledRegion, why: str) -> None:
+        if reg.state is not InstallState.FAILED:
+            reg.state = InstallState.REMOVED
+        reg.removed_at = time.monotonic()
+        reg.why_removed = why
+        try:
+            self.conn.region_forget(reg.region_id)
+        except AgentError:
+            pass
+        self.space.release(reg.chunk)
+
+    def uninstall_all(self, why: str = "") -> None:
+        for rid, reg in list(self.regions.items()):
+            if reg.state is InstallState.INSTALLED:
+                self.uninstall(rid, why)
+
+    def affected_by(self, lo: int, hi: int) -> list[InstalledRegion]:
+        """Installed regions with a patch site or an exit target in [lo, hi)."""
+        out = []
+        for reg in self.regions.values():
+            if reg.state is not InstallState.INSTALLED:
+                continue
+            if any(lo <= s.site < hi for s in reg.patched_sites) or \
+                    any(lo <= t < hi for _, t in reg.gen.exits) or \
+                    any(lo <= o < hi for _, _, o in reg.gen.addr_map):
+                out.append(reg)
+        return out
+
+    def on_map_changed(self, lo: int, hi: int) -> list[InstalledRegion]:
+        """Invalidate every region that patches, exits into or copies [lo, hi)."""
+        hit = self.affected_by(lo, hi)
+        for reg in hit:
+            self.uninstall(reg.region_id, f"map change {lo:#x}-{hi:#x}")
+        return hit
+
+    def reclaim(self, census_timeout_ms: int = 100) -> int:
+        """One PC census; returns how many quarantined chunks became reusable."""
+        if not self.space.quarantine:
+            return 0
+        return self.space.census_done(self.conn.census(census_timeout_ms))
+
+    # ---- attribution -------------------------------------------------------
+    def attribute(self, pc: int) -> tuple[int, InstalledRegion | None]:
+        """Map a sampled PC to its original address and the region whose code holds it."""
+        for reg in self.regions.values():
+            if reg.contains_code(pc):
+                orig = reg.original_of(pc)
+                return (orig if orig is not None else pc), reg
+        return pc, None
+
+    def perf_map_lines(self) -> list[str]:
+        """Lines for /tmp/perf-PID.map naming every live piece of replacement code."""
+        lines = []
+        for reg in self.regions.values():
+            if reg.state is InstallState.INSTALLED:
+                for lo, hi, orig in reg.gen.addr_map:
+                    lines.append(f"{lo:x} {hi - lo:x} dbr:{reg.name}@{orig:#x}")
+        return lines
+
+
+def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 64:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out

@@ -1,0 +1,147 @@
+"""dbr_service.install against the real agent: install, unpatch, quarantine and
+census-gated reuse, invalidation on map changes, refusal handling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from dbr_service import protocol as P
+from dbr_service.agentconn import jmp_rel32
+from dbr_service.errors import CodegenError
+from dbr_service.install import CodeSpace, InstallState, Installer
+from harness import SITE_INSN, FakeService, compile_c, parse_sites, read_mem
+
+
+@dataclass
+class FakeGen:
+    """Codegen output for 'relocated first instruction + exit' stubs."""
+
+    code: bytes
+    base: int
+    entries: dict[int, int]
+    addr_map: list[tuple[int, int, int]] = field(default_factory=list)
+    exits: list[tuple[int, int]] = field(default_factory=list)
+
+
+def stub_gen(base: int, sites: list[int]) -> FakeGen:
+    code = b""
+    gen = FakeGen(b"", base, {})
+    for s in sites:
+        at = base + len(code)
+        back = jmp_rel32(at + len(SITE_INSN), s + len(SITE_INSN))
+        gen.entries[s] = at
+        gen.addr_map += [(at, at + 6, s), (at + 6, at + 11, s + 6)]
+        gen.exits.append((at + 6, s + 6))
+        code += SITE_INSN + back
+        code += b"\xcc" * (-len(code) % 16)
+    gen.code = code
+    return gen
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def client_conn():
+    svc = FakeService()
+    exe = compile_c(["storm.c"])
+    client = svc.spawn([exe, "4"])
+    sites = parse_sites(client.out.expect("sites"))
+    client.out.expect("ready")
+    conn = svc.accept(pid=client.pid)
+    yield svc, client, conn, sites
+    rc, _ = client.finish()
+    assert rc == 0, client.err.lines
+    svc.close()
+
+
+def test_install_uninstall_and_census_gated_reuse(client_conn):
+    _, client, conn, sites = client_conn
+    clock = Clock()
+    space = CodeSpace(conn, buffer_size=65536, quarantine_s=0.5, clock=clock)
+    inst = Installer(conn, lambda a, n: read_mem(client.pid, a, n), space=space)
+    chunk = inst.reserve(64, reach=sites[:2])
+    reg = inst.install(chunk, stub_gen(chunk.addr, sites[:2]), name="loop")
+    assert reg.state is InstallState.INSTALLED and inst.patches_installed == 2
+    for s in sites[:2]:
+        assert read_mem(client.pid, s, 5) == jmp_rel32(s, reg.gen.entries[s])
+    # Attribution maps replacement PCs back to original addresses.
+    assert inst.attribute(reg.gen.entries[sites[1]] + 2) == (sites[1], reg)
+    assert inst.perf_map_lines()
+    inst.uninstall(reg.region_id, "test")
+    assert reg.state is InstallState.REMOVED and inst.patches_removed == 2
+    for s in sites[:2]:
+        assert read_mem(client.pid, s, 6) == SITE_INSN
+    # Quarantine: not reusable before the period and two clean censuses.
+    assert inst.reclaim() == 0
+    clock.t += 1.0
+    assert inst.reclaim() == 1
+    again = inst.reserve(64, reach=sites[:2])
+    assert again.addr == chunk.addr
+    # Reused space was int3-filled before reuse.
+    assert again.buffer.read(again.addr, 16) == b"\xcc" * 16
+
+
+def test_thread_inside_quarantined_code_blocks_reuse(client_conn):
+    _, client, conn, sites = client_conn
+    clock = Clock()
+    space = CodeSpace(conn, quarantine_s=0.0, clock=clock)
+    inst = Installer(conn, lambda a, n: read_mem(client.pid, a, n), space=space)
+    chunk = inst.reserve(32, reach=[sites[0]])
+    inst.install(chunk, stub_gen(chunk.addr, [sites[0]]))
+    inst.uninstall(1)
+    fake_inside = [P.CensusEntry(tid=1, state=P.CENSUS_OK, pc=chunk.addr + 3)]
+    no_reply = [P.CensusEntry(tid=1, state=P.CENSUS_NO_REPLY, pc=0)]
+    clean = [P.CensusEntry(tid=1, state=P.CENSUS_OK, pc=sites[0])]
+    assert space.census_done(clean) == 0       # one clean census
+    assert space.census_done(fake_inside) == 0  # resets the count
+    assert space.census_done(clean) == 0
+    assert space.census_done(no_reply) == 0     # unknown PC counts as inside
+    assert space.census_done(clean) == 0
+    assert space.census_done(clean) == 1
+
+
+def test_map_change_invalidates_affected_regions_only(client_conn):
+    _, client, conn, sites = client_conn
+    inst = Installer(conn, lambda a, n: read_mem(client.pid, a, n))
+    c1 = inst.reserve(32, reach=[sites[0]])
+    r1 = inst.install(c1, stub_gen(c1.addr, [sites[0]]))
+    c2 = inst.reserve(32, reach=[sites[5]])
+    r2 = inst.install(c2, stub_gen(c2.addr, [sites[5]]))
+    hit = inst.on_map_changed(sites[5], sites[5] + 1)
+    assert hit == [r2]
+    assert r2.state is InstallState.REMOVED and r1.state is InstallState.INSTALLED
+    assert read_mem(client.pid, sites[5], 6) == SITE_INSN
+    assert read_mem(client.pid, sites[0], 1) == b"\xe9"
+    inst.uninstall_all("done")
+    assert read_mem(client.pid, sites[0], 6) == SITE_INSN
+
+
+def test_refused_sites_leave_region_failed_and_space_released(client_conn):
+    _, client, conn, sites = client_conn
+    inst = Installer(conn, lambda a, n: b"\x90" * n)  # wrong original bytes
+    chunk = inst.reserve(32, reach=[sites[0]])
+    reg = inst.install(chunk, stub_gen(chunk.addr, [sites[0]]))
+    assert reg.state is InstallState.FAILED
+    assert reg.results == {sites[0]: P.Result.E_MISMATCH}
+    assert "E_MISMATCH" in reg.why_removed
+    assert read_mem(client.pid, sites[0], 6) == SITE_INSN
+    assert len(inst.space.quarantine) == 1
+
+
+def test_code_that_does_not_fit_its_chunk_is_refused(client_conn):
+    _, client, conn, sites = client_conn
+    inst = Installer(conn, lambda a, n: read_mem(client.pid, a, n))
+    chunk = inst.reserve(16, reach=[sites[0]])
+    with pytest.raises(CodegenError):
+        inst.install(chunk, stub_gen(chunk.addr, sites[:3]))
+    with pytest.raises(CodegenError):
+        inst.reserve(64, reach=[sites[0], sites[0] + (3 << 30)])
+    assert read_mem(client.pid, sites[0], 6) == SITE_INSN
