@@ -1,0 +1,108 @@
+"""What sampling the host offers, and which source dbr should use (``dbr ctl status``).
+
+Each probe opens (never enables) an event on the calling thread or looks at sysfs; none
+of them needs a client.  The order of :data:`PREFERENCE` is the order of quality: IBS op
+gives IP plus branch and load information with no skid, LBR gives taken-branch stacks,
+precise cycles less skid than the software clock, and the agent timer works everywhere
+the agent runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+from dbr_service.sampling import perf
+
+#: Source names from best to worst.  Live sources implemented today: perf-cpu-clock,
+#: perf-cycles and agent-timer; ibs-op and lbr are parsed from recorded streams only.
+PREFERENCE = ("ibs-op", "lbr", "perf-cycles", "perf-cpu-clock", "agent-timer")
+LIVE_SOURCES = frozenset({"perf-cycles", "perf-cpu-clock", "agent-timer"})
+
+IBS_OP_SYSFS = "/sys/bus/event_source/devices/ibs_op"
+CPU_PMU_SYSFS = "/sys/bus/event_source/devices/cpu"
+
+
+@dataclass(slots=True)
+class Capability:
+    """One sampling facility: whether it works here and why (not)."""
+
+    name: str
+    available: bool
+    reason: str
+
+
+@dataclass(slots=True)
+class SamplingReport:
+    """Everything detect() found."""
+
+    #: /proc/sys/kernel/perf_event_paranoid (None: no perf in this kernel).
+    perf_event_paranoid: int | None
+    #: Whether we run with CAP_PERFMON/CAP_SYS_ADMIN-equivalent privileges (euid 0).
+    privileged: bool
+    capabilities: dict[str, Capability] = field(default_factory=dict)
+    #: Best facility the host offers (may be one dbr only replays from recordings).
+    best_offered: str = "agent-timer"
+    #: Best source dbr can sample with live on this host.
+    best: str = "agent-timer"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def probe_ibs_op() -> Capability:
+    """AMD IBS op: the PMU must be registered in sysfs and accept a sampling event."""
+    try:
+        with open(os.path.join(IBS_OP_SYSFS, "type")) as f:
+            pmu_type = int(f.read())
+    except (OSError, ValueError):
+        return Capability("ibs-op", False, f"no {IBS_OP_SYSFS} (not an AMD host with IBS)")
+    spec = perf.PerfEventSpec("ibs_op", pmu_type, 0, False)
+    ok, reason = perf.probe_event(spec)
+    return Capability("ibs-op", ok, reason)
+
+
+def probe_lbr(cycles_ok: bool) -> Capability:
+    """Intel LBR (or AMD BRS/LbrExtV2): a cycles event with a user branch stack opens."""
+    flags = _cpu_flags()
+    hint = ", ".join(sorted(flags & {"arch_lbr", "brs", "amd_lbr_v2"})) or "no lbr cpu flag"
+    branches = os.path.join(CPU_PMU_SYSFS, "caps", "branches")
+    if os.path.exists(branches):
+        with open(branches) as f:
+            hint += f", caps/branches={f.read().strip()}"
+    if not cycles_ok:
+        return Capability("lbr", False, f"no hardware PMU to drive branch stacks ({hint})")
+    ok, reason = perf.probe_event(
+        perf.EVENTS["cycles"], perf.PERF_SAMPLE_IP | perf.PERF_SAMPLE_BRANCH_STACK,
+        perf.PERF_SAMPLE_BRANCH_USER | perf.PERF_SAMPLE_BRANCH_ANY)
+    return Capability("lbr", ok, f"{reason} ({hint})")
+
+
+def detect() -> SamplingReport:
+    """Probe every facility and pick the best offered and the best usable source."""
+    report = SamplingReport(perf_event_paranoid=perf.read_paranoid(),
+                            privileged=os.geteuid() == 0)
+    caps = report.capabilities
+    ok, reason = perf.PerfSource.available("cpu-clock")
+    caps["perf-cpu-clock"] = Capability("perf-cpu-clock", ok, reason)
+    ok, reason = perf.PerfSource.available("cycles")
+    caps["perf-cycles"] = Capability("perf-cycles", ok, reason)
+    caps["ibs-op"] = probe_ibs_op()
+    caps["lbr"] = probe_lbr(caps["perf-cycles"].available)
+    caps["agent-timer"] = Capability("agent-timer", True,
+                                     "agent timer: needs the dbr agent in the client")
+    offered = [n for n in PREFERENCE if caps[n].available]
+    report.best_offered = offered[0]
+    report.best = next(n for n in offered if n in LIVE_SOURCES)
+    return report
