@@ -1,0 +1,480 @@
+"""Agent sessions: one :class:`ClientSession` (and one thread) per connected client.
+
+The session thread is the only reader of its :class:`AgentConnection` ("one reader at
+a time"): it runs the handshake, answers MAP_CHANGED with ACK at once, tracks the
+client's threads and memory map, and executes commands posted by other threads
+(sampling windows, unpatch, BYE) between messages, so the control thread never waits
+on a client.  A client that exits, crashes or sends garbage ends only its own session.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import enum
+import logging
+import os
+import queue
+import select
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+
+from dbr_service import protocol as P
+from dbr_service.agentconn import AgentConnection, Received
+from dbr_service.errors import AgentError, MemoryViewError, ProtocolError, SamplingError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dbr_service.sampling.base import SamplingSource
+    from dbr_service.service import Service
+
+log = logging.getLogger("dbr.clients")
+
+# Messages only the service sends: an agent sending one is out of order.
+_SERVICE_ONLY = {P.MsgType.HELLO_ACK, P.MsgType.CODE_BUFFER_REQ, P.MsgType.CODE_BUFFER_FREE,
+                 P.MsgType.REGION, P.MsgType.REGION_FORGET, P.MsgType.PATCH,
+                 P.MsgType.UNPATCH, P.MsgType.PC_CENSUS_REQ, P.MsgType.SAMPLER_START,
+                 P.MsgType.SAMPLER_STOP}
+# Replies that may arrive late, after their request timed out: dropped, not fatal.
+_LATE_REPLIES = {P.MsgType.ACK, P.MsgType.CODE_BUFFER, P.MsgType.PATCH_RESULT,
+                 P.MsgType.PC_CENSUS, P.MsgType.SAMPLER_RING}
+
+
+# --------------------------------------------------------------------------- memory
+class MapEntry(NamedTuple):
+    """One line of /proc/PID/maps."""
+
+    lo: int
+    hi: int
+    perms: str
+    offset: int
+    path: str
+
+    @property
+    def executable(self) -> bool:
+        return "x" in self.perms
+
+
+def read_maps(pid: int) -> list[MapEntry]:
+    """Parse /proc/PID/maps (sorted by address); MemoryViewError if unreadable."""
+    try:
+        with open(f"/proc/{pid}/maps") as fh:
+            lines = fh.read().splitlines()
+    except OSError as exc:
+        raise MemoryViewError(f"cannot read maps of pid {pid}: {exc}") from exc
+    out = []
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) < 5:
+            continue
+        lo, _, hi = parts[0].partition("-")
+        out.append(MapEntry(int(lo, 16), int(hi, 16), parts[1], int(parts[2], 16),
+                            parts[5] if len(parts) > 5 else ""))
+    return out
+
+
+def find_mapping(maps: list[MapEntry], addr: int) -> MapEntry | None:
+    """The mapping that contains ``addr`` (``maps`` sorted by address)."""
+    k = bisect.bisect_right([m.lo for m in maps], addr) - 1
+    if k >= 0 and maps[k].lo <= addr < maps[k].hi:
+        return maps[k]
+    return None
+
+
+def module_base(maps: list[MapEntry], path: str) -> int:
+    """Load base of a file mapping: lowest address of a mapping of ``path``."""
+    return min((m.lo - m.offset for m in maps if m.path == path), default=0)
+
+
+@dataclass(frozen=True)
+class MemoryReader:
+    """Reads a client's memory through /proc/PID/mem.  Picklable: it is just the pid,
+    so worker processes get one in their job and open the file themselves."""
+
+    pid: int
+
+    def read(self, addr: int, size: int) -> bytes:
+        """``size`` bytes at ``addr``; MemoryViewError if any of them is unreadable."""
+        try:
+            fd = os.open(f"/proc/{self.pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise MemoryViewError(f"cannot open memory of pid {self.pid}: {exc}") from exc
+        try:
+            data = os.pread(fd, size, addr)
+        except OSError as exc:
+            raise MemoryViewError(f"pid {self.pid}: read of {size} bytes at {addr:#x}: "
+                                  f"{exc}") from exc
+        finally:
+            os.close(fd)
+        if len(data) != size:
+            raise MemoryViewError(f"pid {self.pid}: short read at {addr:#x}")
+        return data
+
+    def maps(self) -> list[MapEntry]:
+        return read_maps(self.pid)
+
+
+# --------------------------------------------------------------------------- regions
+class RegionState(str, enum.Enum):
+    """Lifecycle of a region in a client (checked where patches change)."""
+
+    SELECTED = "selected"
+    GENERATED = "generated"
+    INSTALLED = "installed"
+    REMOVED = "removed"
+
+
+@dataclass
+class RegionRecord:
+    """A region known for one client, as the operator API and the report show it."""
+
+    id: str
+    module: str
+    entries: list[int]
+    blocks: int
+    code_bytes: int
+    state: RegionState = RegionState.SELECTED
+    #: Patch sites of an installed region (protocol records), for unpatch.
+    sites: list[Any] = field(default_factory=list)
+    #: Graph of the region for `dbr ctl region --dot` (DOT text), if the pipeline gave one.
+    dot: str | None = None
+    #: Free-form details from the pipeline (loops, trip counts, ...).
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "module": self.module, "entries": list(self.entries),
+                "blocks": self.blocks, "code_bytes": self.code_bytes,
+                "state": self.state.value, "info": self.info}
+
+
+# --------------------------------------------------------------------------- session
+class SessionState(str, enum.Enum):
+    HANDSHAKE = "handshake"
+    CONNECTED = "connected"
+    CLOSED = "closed"
+
+
+class ClientSession:
+    """One agent session: the connection, the client's threads, map, samples and regions.
+
+    Fields written by the session thread are read by other threads without a lock
+    (single attribute reads); compound updates hold ``self.lock``.
+    """
+
+    def __init__(self, service: "Service", conn: AgentConnection, session_id: int) -> None:
+        self.service = service
+        self.conn = conn
+        self.session_id = session_id
+        self.pid = conn.peer_pid
+        self.uid = conn.peer_uid
+        self.ppid = 0
+        self.exe = ""
+        self.build_id = ""
+        self.hello_flags = 0
+        self.state = SessionState.HANDSHAKE
+        self.close_reason = ""
+        self.connected_at = time.time()
+        self.connected_mono = time.monotonic()
+        self.ended_at: float | None = None
+        self.lock = threading.RLock()
+        #: Thread ids (from /proc/PID/task and THREAD_NEW/THREAD_EXIT notices).
+        self.threads: set[int] = set()
+        self.maps: list[MapEntry] = []
+        self.map_changes = 0
+        self.paused = False
+        #: Samples per IP, cumulative and of the last snapshot.
+        self.ip_counts: collections.Counter[int] = collections.Counter()
+        self.last_snapshot: collections.Counter[int] = collections.Counter()
+        self.samples_total = 0
+        self.snapshots = 0
+        #: Hot spots from the last finished worker job (list of dicts, hottest first).
+        self.hotspots: list[dict[str, Any]] = []
+        self.regions: dict[str, RegionRecord] = {}
+        self.region_status = "no job run yet"
+        self.patches_installed = 0
+        self.patches_removed = 0
+        self.first_patch_mono: float | None = None
+        self.samples_after_first_patch = 0
+        self.samples_in_replacement = 0
+        self.job_running = False
+        self.jobs_done = 0
+        self.errors: collections.deque[str] = collections.deque(maxlen=20)
+        self.source: SamplingSource | None = None
+        self.source_name = ""
+        self._sampler_fd: int | None = None
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stop = False
+        self.thread = threading.Thread(target=self._main, name=f"dbr-session-{session_id}",
+                                       daemon=True)
+        conn.on_unsolicited = self._on_unsolicited
+
+    # ------------------------------------------------------------------ control
+    def start(self) -> None:
+        self.thread.start()
+
+    def post(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the session thread (the connection's only reader); a Future."""
+        fut: Future = Future()
+        if self.state is SessionState.CLOSED:
+            fut.set_exception(AgentError(f"session of pid {self.pid} is closed"))
+            return fut
+        self._commands.put((fn, fut))
+        self._wake()
+        return fut
+
+    def call(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
+        """``post`` and wait (bounded) for the result."""
+        return self.post(fn).result(timeout)
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Ask the session thread to end (it closes the connection)."""
+        if not self.close_reason:
+            self.close_reason = reason
+        self._stop = True
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    @property
+    def alive(self) -> bool:
+        return self.state is not SessionState.CLOSED
+
+    # ------------------------------------------------------------------ thread
+    def _main(self) -> None:
+        svc = self.service
+        try:
+            self._handshake()
+        except (AgentError, ProtocolError, OSError) as exc:
+            self.close_reason = f"refused: {exc}"
+            self._finish()
+            svc.session_refused(self, str(exc))
+            return
+        self.state = SessionState.CONNECTED
+        svc.session_started(self)
+        try:
+            self._loop()
+        except ProtocolError as exc:
+            self.close_reason = self.close_reason or f"protocol error: {exc}"
+            self.conn.error(P.Result.E_PROTO, str(exc)[:100])
+        except (AgentError, OSError) as exc:
+            self.close_reason = self.close_reason or f"disconnected: {exc}"
+        except Exception as exc:  # a bug must end this session only
+            log.exception("session %d (pid %d) failed", self.session_id, self.pid)
+            self.close_reason = self.close_reason or f"internal error: {exc!r}"
+        self._finish()
+        svc.session_ended(self)
+
+    def _handshake(self) -> None:
+        cfg = self.service.config
+        hello = self.conn.handshake(
+            service_pid=os.getpid(), session_id=self.session_id,
+            on_disconnect=P.DISCONNECT_REVERT if cfg.on_disconnect == "revert"
+            else P.DISCONNECT_KEEP,
+            map_wait_ms=cfg.map_wait_ms, timeout=2.0)
+        self.ppid = hello.ppid
+        self.exe = hello.exe.decode(errors="replace")
+        self.build_id = bytes(hello.build_id[: min(hello.build_id_len, P.BUILD_ID_MAX)]).hex()
+        self.hello_flags = hello.flags
+        self._refresh_threads()
+        self._refresh_maps()
+
+    def _loop(self) -> None:
+        sock_fd = self.conn.fileno()
+        while not self._stop:
+            self._run_commands()
+            if self._stop:
+                break
+            r, _, _ = select.select([sock_fd, self._wake_r], [], [], 1.0)
+            if self._wake_r in r:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            if sock_fd in r:
+                rec = self.conn.recv(0)
+                if rec is not None:
+                    self._handle(rec)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # delivered to the caller
+                fut.set_exception(exc)
+                if isinstance(exc, (AgentError, ProtocolError)) and self.conn.closed:
+                    raise
+
+    def _finish(self) -> None:
+        self.state = SessionState.CLOSED
+        self.ended_at = time.time()
+        self._close_source()
+        self.conn.close()
+        while True:  # fail whatever is still queued
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(AgentError(f"session of pid {self.pid} ended"))
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ messages
+    def _on_unsolicited(self, rec: Received) -> None:
+        """Messages that arrive while a request waits: handled at once (MAP_CHANGED
+        must be ACKed promptly, the agent is waiting)."""
+        self.conn.inbox.clear()
+        self._handle(rec)
+
+    def _handle(self, rec: Received) -> None:
+        t = rec.type
+        if t in (P.MsgType.THREAD_NEW, P.MsgType.THREAD_EXIT):
+            self._thread_notice(t, rec.msg.body.tid)
+        elif t is P.MsgType.MAP_CHANGED:
+            body = rec.msg.body
+            self._refresh_maps()
+            if body.req_id:
+                self.conn.ack(body.req_id, P.Result.OK)
+            self.service.events.publish("map-changed", pid=self.pid, kind=int(body.kind),
+                                        lo=body.lo, hi=body.hi)
+        elif t is P.MsgType.BYE:
+            self.close_reason = "agent said BYE"
+            self._stop = True
+        elif t is P.MsgType.ERROR:
+            err = rec.msg.body
+            text = err.msg.decode(errors="replace")
+            raise AgentError(f"agent error {err.code}: {text}")
+        elif t in _LATE_REPLIES:
+            for fd in rec.fds:
+                os.close(fd)
+            log.debug("pid %d: late %s dropped", self.pid, t.name)
+        else:  # HELLO again, or a service-only type
+            for fd in rec.fds:
+                os.close(fd)
+            raise ProtocolError(f"unexpected {t.name} from the agent")
+
+    def _thread_notice(self, t: P.MsgType, tid: int) -> None:
+        with self.lock:
+            if t is P.MsgType.THREAD_NEW:
+                self.threads.add(tid)
+                src = self.source
+                if src is not None:
+                    try:
+                        src.add_thread(tid)
+                    except SamplingError as exc:
+                        self.errors.append(str(exc))
+            else:
+                self.threads.discard(tid)
+                if self.source is not None:
+                    self.source.remove_thread(tid)
+
+    def _refresh_threads(self) -> None:
+        try:
+            tids = {int(t) for t in os.listdir(f"/proc/{self.pid}/task")}
+        except OSError:
+            return
+        with self.lock:
+            self.threads = tids
+
+    def _refresh_maps(self) -> None:
+        try:
+            maps = read_maps(self.pid)
+        except MemoryViewError as exc:
+            self.errors.append(str(exc))
+            return
+        self.maps = maps
+        self.map_changes += 1
+
+    # ------------------------------------------------------------------ sampling
+    def begin_window(self, make_source: Callable[["ClientSession"], "SamplingSource"]) -> None:
+        """Session thread: open (if needed) and enable the sampling source."""
+        self._refresh_threads()
+        with self.lock:
+            if self.source is None:
+                self.source = make_source(self)
+                self.source_name = self.source.name
+            self.source.enable()
+
+    def end_window(self, keep_open: bool) -> list:
+        """Session thread: disable (unless continuous), drain, and return the samples."""
+        with self.lock:
+            src = self.source
+            if src is None:
+                return []
+            if not keep_open:
+                src.disable()
+            samples = src.read()
+            if not keep_open:
+                self._close_source()
+        return samples
+
+    def open_agent_ring(self, period_us: int, ring_entries: int) -> tuple[int, int]:
+        """Session thread: SAMPLER_START; the ring fd stays owned by the session."""
+        fd, size = self.conn.sampler_start(period_us, ring_entries)
+        self._sampler_fd = fd
+        return fd, size
+
+    def _close_source(self) -> None:
+        with self.lock:
+            src, self.source = self.source, None
+            if src is not None:
+                try:
+                    src.close()
+                except SamplingError as exc:
+                    self.errors.append(str(exc))
+            if self._sampler_fd is not None:
+                fd, self._sampler_fd = self._sampler_fd, None
+                if not self.conn.closed:
+                    try:
+                        self.conn.sampler_stop(timeout=0.5)
+                    except (AgentError, ProtocolError):
+                        pass
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def add_samples(self, ips: collections.Counter[int]) -> None:
+        """Control thread: account one snapshot's samples of this client."""
+        n = sum(ips.values())
+        with self.lock:
+            self.last_snapshot = ips
+            self.ip_counts.update(ips)
+            self.samples_total += n
+            self.snapshots += 1
+            if self.first_patch_mono is not None:
+                self.samples_after_first_patch += n
+
+    # ------------------------------------------------------------------ views
+    def summary(self) -> dict[str, Any]:
+        """One row of `dbr ctl clients`."""
+        return {"pid": self.pid, "ppid": self.ppid, "uid": self.uid,
+                "session": self.session_id, "exe": self.exe, "build_id": self.build_id,
+                "state": self.state.value, "threads": len(self.threads),
+                "samples": self.samples_total, "snapshots": self.snapshots,
+                "paused": self.paused, "source": self.source_name,
+                "regions": len(self.regions), "patches_installed": self.patches_installed,
+                "connected_at": self.connected_at, "ended_at": self.ended_at,
+                "close_reason": self.close_reason, "errors": list(self.errors)[-3:]}
+
+    def report(self) -> dict[str, Any]:
+        """This client's entry of a dbr.run/1 report (DESIGN.md "Reports")."""
+        from dbr_service.report import client_report
+
+        return client_report(self)

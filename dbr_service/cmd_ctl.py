@@ -1,0 +1,190 @@
+"""dbr ctl — talk to a running dbr service over its control socket.
+
+Verbs: status, clients [--all], hotspots PID [--top N], regions PID,
+region PID ID [--dot FILE | --svg FILE], unpatch PID [ID], pause [PID], resume [PID],
+config get [KEY], config set KEY VALUE, events, shutdown.
+Human-readable tables by default, --json for scripts.  Exit status: 0 ok, 1 the
+service refused the request or did not answer, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from dbr_service.config import resolve_runtime_dir
+from dbr_service.control import Code, ControlClient
+
+EPILOG = """examples:
+  dbr ctl status
+  dbr ctl --json clients
+  dbr ctl hotspots 1234 --top 5
+  dbr ctl region 1234 r1 --dot r1.dot
+  dbr ctl config set snapshot_interval_s 0.5
+  dbr ctl pause 1234; dbr ctl resume
+  DBR_RUNTIME_DIR=/tmp/dbr dbr ctl shutdown
+"""
+
+
+def _pid(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a pid") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a pid")
+    return v
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return v
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.add_argument("--json", action="store_true", help="print the raw JSON result")
+    parser.add_argument("--timeout", type=float, default=1.5, metavar="S",
+                        help="seconds to wait for the service (default 1.5)")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    sub.add_parser("status", help="version, uptime, sampling source, clients, config")
+    p = sub.add_parser("clients", help="connected clients")
+    p.add_argument("--all", action="store_true", help="also sessions that ended")
+    p = sub.add_parser("hotspots", help="hottest addresses of a client")
+    p.add_argument("pid", type=_pid)
+    p.add_argument("--top", type=_positive, default=20)
+    p = sub.add_parser("regions", help="regions of a client")
+    p.add_argument("pid", type=_pid)
+    p = sub.add_parser("region", help="one region (JSON, or its graph with --dot/--svg)")
+    p.add_argument("pid", type=_pid)
+    p.add_argument("id")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--dot", metavar="FILE", help="write the region graph as DOT")
+    g.add_argument("--svg", metavar="FILE", help="write the region graph as SVG")
+    p = sub.add_parser("unpatch", help="remove a client's patches (one region or all)")
+    p.add_argument("pid", type=_pid)
+    p.add_argument("id", nargs="?")
+    for name in ("pause", "resume"):
+        p = sub.add_parser(name, help=f"{name} sampling of one client or of the service")
+        p.add_argument("pid", type=_pid, nargs="?")
+    p = sub.add_parser("config", help="config get [KEY] | config set KEY VALUE")
+    csub = p.add_subparsers(dest="op", metavar="OP", required=True)
+    g = csub.add_parser("get")
+    g.add_argument("key", nargs="?")
+    s = csub.add_parser("set")
+    s.add_argument("key")
+    s.add_argument("value")
+    sub.add_parser("events", help="recent events")
+    sub.add_parser("shutdown", help="stop the service")
+
+
+def request_of(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """The JSON verb and args of a parsed command line."""
+    v = args.verb
+    if v == "status" or v == "shutdown" or v == "events":
+        return v, {}
+    if v == "clients":
+        return v, {"all": args.all}
+    if v == "hotspots":
+        return v, {"pid": args.pid, "top": args.top}
+    if v == "regions":
+        return v, {"pid": args.pid}
+    if v == "region":
+        fmt = "dot" if args.dot else "svg" if args.svg else "json"
+        return v, {"pid": args.pid, "id": args.id, "format": fmt}
+    if v == "unpatch":
+        return v, {"pid": args.pid, **({"id": args.id} if args.id else {})}
+    if v in ("pause", "resume"):
+        return v, ({"pid": args.pid} if args.pid else {})
+    if args.op == "get":
+        return "config_get", ({"key": args.key} if args.key else {})
+    return "config_set", {"key": args.key, "value": args.value}
+
+
+def run(args: argparse.Namespace) -> int:
+    rdir = resolve_runtime_dir()
+    client = ControlClient(rdir, timeout=args.timeout)
+    verb, vargs = request_of(args)
+    try:
+        reply = client.call(verb, vargs)
+    except (OSError, TimeoutError) as exc:
+        print(f"dbr ctl: no dbr service answers on {rdir}: {exc}", file=sys.stderr)
+        return 1
+    if not reply.get("ok"):
+        err = reply.get("error", {})
+        if args.json:
+            print(json.dumps(reply, indent=2))
+        print(f"dbr ctl: {verb} refused: {err.get('message')} (code {err.get('code')})",
+              file=sys.stderr)
+        return 2 if err.get("code") in (Code.BAD_ARGS, Code.UNKNOWN_VERB) else 1
+    result = reply["result"]
+    if args.verb == "region" and (args.dot or args.svg):
+        path = args.dot or args.svg
+        with open(path, "w") as fh:
+            fh.write(result["dot" if args.dot else "svg"])
+        if not args.json:
+            print(f"wrote {path}")
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    elif not (args.verb == "region" and (args.dot or args.svg)):
+        print(render(args.verb, result))
+    return 0
+
+
+# --------------------------------------------------------------------------- tables
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [header] + [[("" if c is None else str(c)) for c in r] for r in rows]
+    widths = [max(len(r[k]) for r in cells) for k in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def render(verb: str, result: Any) -> str:
+    """Human-readable form of a result."""
+    if verb == "status":
+        smp = result["sampling"]
+        lines = [f"dbr service {result['version']}  pid {result['pid']}  "
+                 f"up {result['uptime_s']:.1f}s  {result['runtime_dir']}",
+                 f"clients: {result['clients']} connected, {result['clients_seen']} seen; "
+                 f"snapshots: {result['snapshots']}{'  (paused)' if result['paused'] else ''}",
+                 f"sampling: {smp['active']} (configured {smp['configured']}); "
+                 f"every {smp['interval_s']}s for {smp['window_s']}s at {smp['period_us']}us",
+                 "capabilities: " + ", ".join(
+                     f"{k}={'yes' if v.get('available') else 'no'}"
+                     for k, v in smp["capabilities"].items() if isinstance(v, dict)),
+                 f"workers: {result['scheduler']}"]
+        return "\n".join(lines)
+    if verb == "clients":
+        if not result:
+            return "no clients"
+        return table([[c["pid"], c["state"], c["threads"], c["samples"], c["source"],
+                       "yes" if c["paused"] else "", c["regions"], c["exe"]] for c in result],
+                     ["PID", "STATE", "THREADS", "SAMPLES", "SOURCE", "PAUSED", "REGIONS", "EXE"])
+    if verb == "hotspots":
+        head = f"pid {result['pid']}: {result['samples']} samples in {result['snapshots']} snapshots"
+        rows = [[f"{h['fraction'] * 100:.1f}%", h["samples"], f"{h['ip']:#x}",
+                 h["module"].rsplit("/", 1)[-1],
+                 "" if h["offset"] is None else f"{h['offset']:#x}"] for h in result["hotspots"]]
+        return head + "\n" + table(rows, ["SHARE", "SAMPLES", "IP", "MODULE", "OFFSET"])
+    if verb == "regions":
+        head = f"pid {result['pid']}: {result['status']}"
+        rows = [[r["id"], r["state"], r["blocks"], r["code_bytes"],
+                 " ".join(f"{e:#x}" for e in r["entries"]), r["module"]]
+                for r in result["regions"]]
+        return head + ("\n" + table(rows, ["ID", "STATE", "BLOCKS", "BYTES", "ENTRIES", "MODULE"])
+                       if rows else "")
+    if verb == "events":
+        return "\n".join(f"{time.strftime('%H:%M:%S', time.localtime(e['time']))} "
+                         f"{e['event']:<18} " + " ".join(f"{k}={v}" for k, v in e.items()
+                                                          if k not in ("seq", "time", "event"))
+                         for e in result) or "no events"
+    if isinstance(result, dict):
+        return "\n".join(f"{k}: {v}" for k, v in result.items())
+    return json.dumps(result, indent=2)

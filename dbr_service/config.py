@@ -1,0 +1,297 @@
+"""Service configuration: one typed dataclass, layered defaults < file < environment < -o.
+
+Every key is a field of :class:`Config` with its documentation in the field's
+metadata.  Sources, lowest precedence first:
+
+1. the defaults below (optionally overlaid with the ``--aggressive`` preset),
+2. a TOML file (``-c FILE``; ``/etc/dbr/dbr.toml`` when present and none given),
+3. the environment, ``DBR_<KEY>`` upper-case (``DBR_SNAPSHOT_INTERVAL_S=0.5``),
+4. ``-o KEY=VALUE`` options, in order.
+
+Unknown keys and bad values raise :class:`ConfigError` naming the key and the
+source.  A loaded Config is immutable; :meth:`Config.replace_value` returns a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from dbr_service.errors import ConfigError
+
+DEFAULT_CONFIG_FILE = "/etc/dbr/dbr.toml"
+SAMPLING_SOURCES = ("auto", "perf", "agent-timer")
+POLICIES = ("keep", "revert")
+
+
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    return {"doc": text, **extra}
+
+
+@dataclass(frozen=True)
+class Config:
+    """All tunables of the service; see docs/operators.md for the long form."""
+
+    snapshot_interval_s: float = field(default=1.0, metadata=_doc(
+        "seconds between the starts of two sampling snapshots", min=0.01))
+    snapshot_window_s: float = field(default=0.2, metadata=_doc(
+        "seconds each snapshot samples for (<= snapshot_interval_s)", min=0.005))
+    continuous_sampling: bool = field(default=False, metadata=_doc(
+        "sample all the time instead of one window per interval"))
+    sample_period_us: int = field(default=1000, metadata=_doc(
+        "sampling period per thread, microseconds of CPU time", min=50, max=1_000_000))
+    sampling_source: str = field(default="auto", metadata=_doc(
+        "auto | perf | agent-timer (auto: perf, agent-timer when perf is refused)",
+        choices=SAMPLING_SOURCES))
+    hot_threshold: float = field(default=0.01, metadata=_doc(
+        "fraction of a client's samples an address needs to be a hot spot", min=0.0, max=1.0))
+    jumps_from_hot_limit: int = field(default=4, metadata=_doc(
+        "conditional jumps away from a sampled block that discovery follows", min=0, max=64))
+    min_loop_trip_count: int = field(default=16, metadata=_doc(
+        "super-regions whose loops iterate fewer times than this are dropped", min=0))
+    min_region_size: int = field(default=32, metadata=_doc(
+        "super-regions with fewer bytes of original code are dropped", min=0))
+    inline_budget: float = field(default=2.0, metadata=_doc(
+        "code growth factor allowed for inlining per super-region", min=1.0, max=64.0))
+    max_workers: int = field(default=0, metadata=_doc(
+        "worker processes (0 = from CPU count and load)", min=0, max=256))
+    allowed_uids: tuple[int, ...] | None = field(default=None, metadata=_doc(
+        "uids whose agents may connect (unset: root and the service's uid); "
+        "comma-separated in the environment and -o, empty means nobody"))
+    on_disconnect: str = field(default="keep", metadata=_doc(
+        "keep | revert: what an agent does with its patches when the service goes away",
+        choices=POLICIES))
+    on_shutdown: str = field(default="keep", metadata=_doc(
+        "keep | revert: what the service asks agents to do when it stops",
+        choices=POLICIES))
+    map_wait_ms: int = field(default=200, metadata=_doc(
+        "bound an agent waits for the service's ACK of a map change", min=0, max=60_000))
+    runtime_dir: str = field(default="", metadata=_doc(
+        "socket directory (empty: $DBR_RUNTIME_DIR, /run/dbr as root, "
+        "else $XDG_RUNTIME_DIR/dbr)"))
+    socket_group: str = field(default="", metadata=_doc(
+        "group allowed to use the sockets (runtime dir 0750 then); empty: none"))
+    agent_ring_entries: int = field(default=8192, metadata=_doc(
+        "entries of the agent-timer sample ring (power of two)", min=64, max=1 << 22))
+    hotspots_kept: int = field(default=256, metadata=_doc(
+        "hot spots remembered per client", min=1, max=100_000))
+    log_level: str = field(default="info", metadata=_doc(
+        "debug | info | warning | error",
+        choices=("debug", "info", "warning", "error")))
+
+    # ------------------------------------------------------------------ access
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def field_of(cls, key: str) -> dataclasses.Field:
+        for f in dataclasses.fields(cls):
+            if f.name == key:
+                return f
+        raise ConfigError(f"unknown configuration key {key!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if d["allowed_uids"] is not None:
+            d["allowed_uids"] = list(d["allowed_uids"])
+        return d
+
+    def get(self, key: str) -> Any:
+        self.field_of(key)
+        return self.to_dict()[key]
+
+    def replace_value(self, key: str, value: Any, source: str = "set") -> "Config":
+        """A copy with ``key`` set from a string or a typed value (validated)."""
+        f = self.field_of(key)
+        new = dataclasses.replace(self, **{key: _coerce(f, value, source)})
+        new.validate()
+        return new
+
+    # --------------------------------------------------------------- derived
+    def effective_runtime_dir(self, env: Mapping[str, str] | None = None) -> Path:
+        """The runtime directory this configuration means (see DESIGN.md)."""
+        return resolve_runtime_dir(self.runtime_dir, env)
+
+    def effective_allowed_uids(self) -> frozenset[int]:
+        if self.allowed_uids is None:
+            return frozenset({0, os.getuid()})
+        return frozenset(self.allowed_uids)
+
+    def validate(self) -> None:
+        """Cross-field checks (per-field ones happen while coercing)."""
+        if not self.continuous_sampling and self.snapshot_window_s > self.snapshot_interval_s:
+            raise ConfigError(
+                f"snapshot_window_s: {self.snapshot_window_s} is longer than "
+                f"snapshot_interval_s {self.snapshot_interval_s}")
+        n = self.agent_ring_entries
+        if n & (n - 1):
+            raise ConfigError(f"agent_ring_entries: {n} is not a power of two")
+
+
+AGGRESSIVE: dict[str, Any] = {
+    "snapshot_interval_s": 0.15,
+    "snapshot_window_s": 0.1,
+    "sample_period_us": 500,
+    "hot_threshold": 0.002,
+    "min_loop_trip_count": 2,
+    "min_region_size": 5,
+    "jumps_from_hot_limit": 6,
+}
+"""The ``--aggressive`` preset: hot code is found (and later patched) within a second."""
+
+
+def resolve_runtime_dir(configured: str = "", env: Mapping[str, str] | None = None) -> Path:
+    """Configured value, else $DBR_RUNTIME_DIR, else /run/dbr (root) or $XDG_RUNTIME_DIR/dbr."""
+    env = os.environ if env is None else env
+    if configured:
+        return Path(configured)
+    if env.get("DBR_RUNTIME_DIR"):
+        return Path(env["DBR_RUNTIME_DIR"])
+    if os.geteuid() == 0:
+        return Path("/run/dbr")
+    xdg = env.get("XDG_RUNTIME_DIR") or f"/tmp/dbr-{os.getuid()}"
+    return Path(xdg) / "dbr"
+
+
+def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
+    """Turn a TOML value or a string into the field's type, checking its bounds."""
+    key, meta = f.name, f.metadata
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{key}: {why} (from {source})")
+
+    if key == "allowed_uids":
+        return _coerce_uids(value, bad)
+    typ = f.type if isinstance(f.type, type) else {"float": float, "int": int, "bool": bool,
+                                                   "str": str}[f.type]
+    if typ is bool:
+        if isinstance(value, bool):
+            out: Any = value
+        elif isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+            out = True
+        elif isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+            out = False
+        else:
+            raise bad(f"{value!r} is not a boolean (true/false)")
+    elif typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise bad(f"{value!r} is not an integer")
+        try:
+            out = int(value, 0) if isinstance(value, str) else value
+        except ValueError:
+            raise bad(f"{value!r} is not an integer") from None
+    elif typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise bad(f"{value!r} is not a number")
+        try:
+            out = float(value)
+        except ValueError:
+            raise bad(f"{value!r} is not a number") from None
+        if out != out or out in (float("inf"), float("-inf")):
+            raise bad(f"{value!r} is not a finite number")
+    else:
+        if not isinstance(value, str):
+            raise bad(f"{value!r} is not a string")
+        out = value.strip()
+    if "choices" in meta and out not in meta["choices"]:
+        raise bad(f"{out!r} is not one of {', '.join(meta['choices'])}")
+    if "min" in meta and out < meta["min"]:
+        raise bad(f"{out!r} is below the minimum {meta['min']}")
+    if "max" in meta and out > meta["max"]:
+        raise bad(f"{out!r} is above the maximum {meta['max']}")
+    return out
+
+
+def _coerce_uids(value: Any, bad) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+    elif isinstance(value, (list, tuple)):
+        parts = list(value)
+    else:
+        raise bad(f"{value!r} is not a list of uids")
+    uids = []
+    for p in parts:
+        try:
+            uid = int(p) if not isinstance(p, bool) else None
+        except (TypeError, ValueError):
+            uid = None
+        if uid is None or uid < 0:
+            raise bad(f"{p!r} is not a uid")
+        uids.append(uid)
+    return tuple(sorted(set(uids)))
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` -> (key, value); the key must exist."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"-o {text!r}: expected KEY=VALUE")
+    Config.field_of(key)
+    return key, value
+
+
+@dataclass
+class ConfigSources:
+    """Where a configuration came from, so that SIGHUP can load it again."""
+
+    file: str | None = None          # explicit -c FILE (None: the default file if present)
+    overrides: tuple[str, ...] = ()  # -o KEY=VALUE, in order
+    aggressive: bool = False
+    env: Mapping[str, str] | None = None  # None: os.environ at load time
+
+    def load(self) -> Config:
+        return load_config(self.file, self.overrides, aggressive=self.aggressive, env=self.env)
+
+
+def load_config(file: str | os.PathLike | None = None, overrides: Iterable[str] = (), *,
+                aggressive: bool = False, env: Mapping[str, str] | None = None) -> Config:
+    """Build a Config from every layer; raise ConfigError naming the first bad key."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+
+    def put(key: str, raw: Any, source: str) -> None:
+        if key not in fields:
+            raise ConfigError(f"unknown configuration key {key!r} (from {source})")
+        values[key] = _coerce(fields[key], raw, source)
+
+    if aggressive:
+        for k, v in AGGRESSIVE.items():
+            put(k, v, "--aggressive")
+    path = Path(file) if file else Path(DEFAULT_CONFIG_FILE)
+    if file or path.exists():
+        for k, v in _read_toml(path).items():
+            put(k, v, str(path))
+    # DBR_* variables that are not keys belong to other parts (the agent): skip them.
+    for name, raw in env.items():
+        key = name[4:].lower()
+        if name.startswith("DBR_") and key in fields:
+            put(key, raw, f"${name}")
+    for text in overrides:
+        key, raw = parse_override(text)
+        put(key, raw, f"-o {key}")
+    cfg = Config(**values)
+    cfg.validate()
+    return cfg
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"configuration file {path}: {exc}") from None
+    # Accept either top-level keys or a [service] table.
+    if set(data) == {"service"} and isinstance(data["service"], dict):
+        data = data["service"]
+    return data

@@ -1,0 +1,477 @@
+"""Operator API: JSON request/reply over the zmq control socket, one handler per verb.
+
+Request ``{"verb": NAME, "args": {...}}``; reply ``{"ok": true, "result": ...}`` or
+``{"ok": false, "error": {"code": INT, "message": STR}}``.  Every verb is registered
+with :func:`verb` together with its argument specification; arguments are checked
+(names, types, required) before the handler runs, and anything else is refused with a
+:class:`Fault`.  docs/control-api.md documents every verb and code.
+
+The socket is served by its own thread (:class:`ControlServer`) so that requests are
+answered while the control thread runs snapshots; handlers only read service state
+under its lock or post work to session threads with a bounded wait.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import zmq
+
+import dbr_service
+from dbr_service.errors import AgentError, ConfigError, DbrError, ProtocolError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dbr_service.clients import ClientSession
+    from dbr_service.service import Service
+
+log = logging.getLogger("dbr.control")
+
+MAX_REQUEST = 64 * 1024
+"""Largest request accepted, in bytes; larger ones get TOO_LARGE."""
+
+
+class Code(enum.IntEnum):
+    """Fault codes of the control API (stable; documented in docs/control-api.md)."""
+
+    BAD_REQUEST = 1     # not JSON, not an object, no verb string
+    UNKNOWN_VERB = 2
+    BAD_ARGS = 3        # unknown, missing or wrongly typed argument
+    TOO_LARGE = 4       # request above MAX_REQUEST bytes
+    NO_CLIENT = 5       # no client with that pid
+    NO_REGION = 6       # the client has no region with that id
+    NOT_AVAILABLE = 7   # feature not available on this host / not built yet
+    CONFIG = 8          # unknown key or bad value in config_set
+    AGENT = 9           # the agent refused or did not answer in time
+    INTERNAL = 10       # a bug; the message says which
+    SHUTTING_DOWN = 11  # the service is stopping
+
+
+class Fault(DbrError):
+    """A refused request: an integer code and a message for the operator."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# --------------------------------------------------------------------------- registry
+@dataclass(frozen=True)
+class Arg:
+    """One argument of a verb: accepted JSON types, whether required, default."""
+
+    types: tuple[type, ...]
+    required: bool = False
+    default: Any = None
+
+
+Handler = Callable[["Service", dict[str, Any]], Any]
+VERBS: dict[str, tuple[Handler, dict[str, Arg]]] = {}
+
+
+def verb(name: str, **spec: Arg) -> Callable[[Handler], Handler]:
+    """Register a handler for ``name`` with its argument specification."""
+
+    def deco(fn: Handler) -> Handler:
+        VERBS[name] = (fn, spec)
+        return fn
+
+    return deco
+
+
+def check_args(name: str, spec: dict[str, Arg], args: Any) -> dict[str, Any]:
+    """Validate ``args`` against ``spec``; return them with defaults filled in."""
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise Fault(Code.BAD_ARGS, f"{name}: args must be an object")
+    unknown = sorted(set(args) - set(spec))
+    if unknown:
+        raise Fault(Code.BAD_ARGS, f"{name}: unknown argument(s) {', '.join(unknown)}")
+    out = {}
+    for key, a in spec.items():
+        if key not in args or args[key] is None:
+            if a.required:
+                raise Fault(Code.BAD_ARGS, f"{name}: missing argument {key!r}")
+            out[key] = a.default
+            continue
+        v = args[key]
+        # bool is an int in Python: accept it only where bool is asked for.
+        if (isinstance(v, bool) and bool not in a.types) or not isinstance(v, a.types):
+            want = "/".join(t.__name__ for t in a.types)
+            raise Fault(Code.BAD_ARGS, f"{name}: argument {key!r} must be {want}, "
+                                       f"not {type(v).__name__}")
+        out[key] = v
+    return out
+
+
+def dispatch(service: "Service", raw: bytes) -> dict[str, Any]:
+    """Decode one request, run its handler, and build the reply (never raises)."""
+    try:
+        if len(raw) > MAX_REQUEST:
+            raise Fault(Code.TOO_LARGE, f"request of {len(raw)} bytes exceeds {MAX_REQUEST}")
+        try:
+            req = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise Fault(Code.BAD_REQUEST, f"malformed JSON: {exc}") from None
+        if not isinstance(req, dict) or not isinstance(req.get("verb"), str):
+            raise Fault(Code.BAD_REQUEST, 'request must be {"verb": STRING, "args": {...}}')
+        extra = sorted(set(req) - {"verb", "args"})
+        if extra:
+            raise Fault(Code.BAD_REQUEST, f"unknown request field(s) {', '.join(extra)}")
+        name = req["verb"]
+        if name not in VERBS:
+            raise Fault(Code.UNKNOWN_VERB, f"unknown verb {name!r} (known: "
+                                           f"{', '.join(sorted(VERBS))})")
+        if service.stopping and name != "status":
+            raise Fault(Code.SHUTTING_DOWN, "the service is shutting down")
+        fn, spec = VERBS[name]
+        result = fn(service, check_args(name, spec, req.get("args")))
+        return {"ok": True, "result": result}
+    except Fault as f:
+        return {"ok": False, "error": {"code": int(f.code), "message": f.message}}
+    except Exception as exc:  # a handler bug: report it, keep serving
+        log.exception("control request failed")
+        return {"ok": False, "error": {"code": int(Code.INTERNAL),
+                                       "message": f"internal error: {exc!r}"}}
+
+
+# --------------------------------------------------------------------------- helpers
+def _client(service: "Service", pid: int) -> "ClientSession":
+    """The live session of ``pid``, else its most recent ended one."""
+    s = service.find_client(pid)
+    if s is None:
+        raise Fault(Code.NO_CLIENT, f"no client with pid {pid}")
+    return s
+
+
+def _int_arg(v: Any, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise Fault(Code.BAD_ARGS, f"{name} must be a positive integer")
+    return v
+
+
+# --------------------------------------------------------------------------- verbs
+@verb("status")
+def verb_status(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+    """Version, uptime, pid, sampling source and capabilities, clients, config."""
+    with service.lock:
+        live = [s for s in service.sessions.values() if s.alive]
+        return {
+            "version": dbr_service.__version__, "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - service.started_mono, 3),
+            "runtime_dir": str(service.runtime_dir), "embedded": service.embedded,
+            "sampling": service.sampling_status(),
+            "clients": len(live), "clients_seen": service.sessions_seen,
+            "paused": service.paused, "snapshots": service.snapshot_count,
+            "scheduler": service.scheduler.stats(),
+            "config_generation": service.config_generation,
+            "config_file": service.sources.file,
+            "config": service.config.to_dict(),
+        }
+
+
+@verb("clients", all=Arg((bool,), default=False))
+def verb_clients(service: "Service", args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Connected clients (``all``: also ended sessions still remembered)."""
+    with service.lock:
+        sessions = list(service.sessions.values())
+        if args["all"]:
+            sessions = list(service.history) + sessions
+    return [s.summary() for s in sessions]
+
+
+@verb("hotspots", pid=Arg((int,), required=True), top=Arg((int,), default=20))
+def verb_hotspots(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+    """Hottest addresses of one client, from every sample since it connected."""
+    from dbr_service.scheduler import find_hotspots
+
+    s = _client(service, _int_arg(args["pid"], "pid"))
+    top = _int_arg(args["top"], "top")
+    with s.lock:
+        counts = dict(s.ip_counts)
+        maps = list(s.maps)
+    return {"pid": s.pid, "samples": sum(counts.values()), "snapshots": s.snapshots,
+            "source": s.source_name,
+            "hotspots": find_hotspots(counts, maps, threshold=service.config.hot_threshold,
+                                      top=top)}
+
+
+@verb("regions", pid=Arg((int,), required=True))
+def verb_regions(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+    """Regions selected/installed for one client and the state of region selection."""
+    s = _client(service, _int_arg(args["pid"], "pid"))
+    return {"pid": s.pid, "status": s.region_status,
+            "regions": [r.to_json() for r in s.regions.values()]}
+
+
+@verb("region", pid=Arg((int,), required=True), id=Arg((str,), required=True),
+      format=Arg((str,), default="json"))
+def verb_region(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+    """One region: JSON details, or its graph as DOT or SVG text (``format``)."""
+    s = _client(service, _int_arg(args["pid"], "pid"))
+    fmt = args["format"]
+    if fmt not in ("json", "dot", "svg"):
+        raise Fault(Code.BAD_ARGS, f"region: format must be json, dot or svg, not {fmt!r}")
+    r = s.regions.get(args["id"])
+    if r is None:
+        raise Fault(Code.NO_REGION, f"pid {s.pid} has no region {args['id']!r} "
+                                    f"({s.region_status})")
+    if fmt == "json":
+        return r.to_json()
+    if r.dot is None:
+        raise Fault(Code.NOT_AVAILABLE, f"region {r.id} has no graph")
+    if fmt == "dot":
+        return {"id": r.id, "dot": r.dot}
+    dot = shutil.which("dot")
+    if dot is None:
+        raise Fault(Code.NOT_AVAILABLE, "graphviz `dot` is not installed; use --dot")
+    try:
+        svg = subprocess.run([dot, "-Tsvg"], input=r.dot.encode(), capture_output=True,
+                             timeout=10, check=True).stdout.decode()
+    except (subprocess.SubprocessError, OSError) as exc:
+        raise Fault(Code.INTERNAL, f"dot failed: {exc}") from None
+    return {"id": r.id, "svg": svg}
+
+
+@verb("unpatch", pid=Arg((int,), required=True), id=Arg((str,)))
+def verb_unpatch(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+    """Remove one installed region's patches (``id``) or all of a client's."""
+    s = _client(service, _int_arg(args["pid"], "pid"))
+    if args["id"] is not None and args["id"] not in s.regions:
+        raise Fault(Code.NO_REGION, f"pid {s.pid} has no region {args['id']!r}")
+    if not s.alive:
+        raise Fault(Code.NO_CLIENT, f"client {s.pid} is no longer connected")
+    try:
+        removed = service.unpatch(s, args["id"])
+    except (AgentError, ProtocolError, TimeoutError) as exc:
+        raise Fault(Code.AGENT, f"unpatch in pid {s.pid} failed: {exc}") from None
+    return {"pid": s.pid, "regions_removed": removed}
+
+
+@verb("pause", pid=Arg((int,)))
+def verb_pause(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+    """Stop sampling and optimizing one client, or the whole service."""
+    return _set_paused(service, args["pid"], True)
+
+
+@verb("resume", pid=Arg((int,)))
+def verb_resume(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+    """Undo ``pause``."""
+    return _set_paused(service, args["pid"], False)
+
+
+def _set_paused(service: "Service", pid: int | None, paused: bool) -> dict[str, Any]:
+    if pid is None:
+        service.paused = paused
+        return {"service": True, "paused": paused}
+    s = _client(service, _int_arg(pid, "pid"))
+    s.paused = paused
+    return {"pid": s.pid, "paused": paused}
+
+
+@verb("config_get", key=Arg((str,)))
+def verb_config_get(service: "Service", args: dict[str, Any]) -> Any:
+    """The whole configuration, or one key's value."""
+    if args["key"] is None:
+        return service.config.to_dict()
+    try:
+        return {args["key"]: service.config.get(args["key"])}
+    except ConfigError as exc:
+        raise Fault(Code.CONFIG, str(exc)) from None
+
+
+@verb("config_set", key=Arg((str,), required=True),
+      value=Arg((str, int, float, bool), required=True))
+def verb_config_set(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+    """Change one key at run time (until the next reload); runtime_dir is fixed."""
+    key = args["key"]
+    if key in ("runtime_dir", "socket_group"):
+        raise Fault(Code.CONFIG, f"{key} cannot change while the service runs")
+    value = args["value"]
+    try:
+        service.set_config(service.config.replace_value(
+            key, value if isinstance(value, str) else value, source="config_set"))
+    except ConfigError as exc:
+        raise Fault(Code.CONFIG, str(exc)) from None
+    return {key: service.config.get(key)}
+
+
+@verb("report", pids=Arg((list,), required=True))
+def verb_report(service: "Service", args: dict[str, Any]) -> list[dict[str, Any]]:
+    """dbr.run/1 client entries of the given pids and their descendants (by HELLO ppid),
+    live or ended; used by `dbr run` at exit."""
+    pids = args["pids"]
+    if not all(isinstance(p, int) and not isinstance(p, bool) for p in pids):
+        raise Fault(Code.BAD_ARGS, "report: pids must be a list of integers")
+    with service.lock:
+        sessions = list(service.history) + list(service.sessions.values())
+    wanted = set(pids)
+    changed = True
+    while changed:  # follow forks: children of wanted pids are wanted too
+        changed = False
+        for s in sessions:
+            if s.ppid in wanted and s.pid not in wanted:
+                wanted.add(s.pid)
+                changed = True
+    return [s.report() for s in sessions if s.pid in wanted and s.exe]
+
+
+@verb("events", since=Arg((int,), default=0))
+def verb_events(service: "Service", args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Recent events (the same ones the events socket publishes), after seq ``since``."""
+    return service.events.since(args["since"])
+
+
+@verb("shutdown")
+def verb_shutdown(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+    """Stop the service (agents get BYE; patches kept or reverted per on_shutdown)."""
+    service.request_stop("shutdown requested over the control socket")
+    return {"stopping": True}
+
+
+# --------------------------------------------------------------------------- sockets
+class ControlServer:
+    """Serves the REP control socket from its own thread."""
+
+    def __init__(self, service: "Service", ctx: zmq.Context, path: str) -> None:
+        self.service = service
+        self.path = path
+        self.sock = ctx.socket(zmq.REP)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        old = os.umask(0o177)  # the ipc file is created 0600
+        try:
+            self.sock.bind(f"ipc://{path}")
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        self._stop = threading.Event()
+        self.requests = 0
+        self.thread = threading.Thread(target=self._serve, name="dbr-control", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(100):
+                    continue
+                raw = self.sock.recv(copy=True)
+                reply = dispatch(self.service, raw)
+                self.requests += 1
+                self.sock.send(json.dumps(reply, default=_json_default).encode())
+        except zmq.ZMQError as exc:
+            if not self._stop.is_set():
+                log.error("control socket failed: %s", exc)
+        finally:
+            self.sock.close(0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(2.0)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    if isinstance(o, enum.Enum):
+        return o.value
+    return str(o)
+
+
+class EventBus:
+    """Publishes events on the PUB socket (topic, JSON) and keeps the last ones."""
+
+    def __init__(self, ctx: zmq.Context | None, path: str | None) -> None:
+        self._lock = threading.Lock()
+        self._seq = 0
+        self.recent: deque[dict[str, Any]] = deque(maxlen=1000)
+        self.sock = None
+        if ctx is not None and path is not None:
+            self.sock = ctx.socket(zmq.PUB)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.bind(f"ipc://{path}")
+            os.chmod(path, 0o600)
+
+    def publish(self, kind: str, **data: Any) -> None:
+        """Publish one event (thread-safe; never raises)."""
+        with self._lock:
+            self._seq += 1
+            ev = {"seq": self._seq, "time": time.time(), "event": kind, **data}
+            self.recent.append(ev)
+            if self.sock is not None:
+                try:
+                    self.sock.send_multipart([kind.encode(),
+                                              json.dumps(ev, default=_json_default).encode()],
+                                             flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+
+    def since(self, seq: int) -> list[dict[str, Any]]:
+        with self._lock:
+            return [e for e in self.recent if e["seq"] > seq]
+
+    def close(self) -> None:
+        with self._lock:
+            if self.sock is not None:
+                self.sock.close(0)
+                self.sock = None
+
+
+class ControlClient:
+    """Client side of the control socket (used by `dbr ctl` and `dbr run`)."""
+
+    def __init__(self, runtime_dir: str | os.PathLike, timeout: float = 1.5) -> None:
+        self.path = os.path.join(os.fspath(runtime_dir), "control.sock")
+        self.timeout = timeout
+        self._ctx = zmq.Context.instance()
+
+    def available(self) -> bool:
+        return os.path.exists(self.path)
+
+    def call(self, verb_name: str, args: dict[str, Any] | None = None, *,
+             raw: bytes | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Send one request and return the reply dict; TimeoutError if nobody answers."""
+        if not self.available():
+            raise ConnectionRefusedError(f"no dbr service: {self.path} does not exist")
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"ipc://{self.path}")
+            payload = raw if raw is not None else json.dumps(
+                {"verb": verb_name, "args": args or {}}).encode()
+            sock.send(payload)
+            if not sock.poll(int((timeout or self.timeout) * 1000)):
+                raise TimeoutError(f"no dbr service answered on {self.path} within "
+                                   f"{timeout or self.timeout:.1f}s")
+            return json.loads(sock.recv())
+        finally:
+            sock.close(0)
+
+    def result(self, verb_name: str, args: dict[str, Any] | None = None, **kw: Any) -> Any:
+        """``call`` and unwrap: the result, or a Fault carrying the error code."""
+        reply = self.call(verb_name, args, **kw)
+        if not reply.get("ok"):
+            err = reply.get("error", {})
+            raise Fault(Code(err.get("code", Code.INTERNAL)), err.get("message", "?"))
+        return reply.get("result")
+
+    def answers(self, timeout: float = 1.0) -> bool:
+        """Whether a service answers ``status`` within ``timeout``."""
+        try:
+            return bool(self.call("status", timeout=timeout).get("ok"))
+        except (OSError, TimeoutError, ValueError):
+            return False

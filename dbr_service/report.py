@@ -1,0 +1,70 @@
+"""Run reports: the ``dbr.run/1`` JSON of DESIGN.md "Reports" and its short text form."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dbr_service.clients import RegionState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dbr_service.clients import ClientSession
+
+SCHEMA = "dbr.run/1"
+
+
+def client_report(s: "ClientSession") -> dict[str, Any]:
+    """One client's entry (fixed field names, plus hot spots and the region status)."""
+    from dbr_service.scheduler import find_hotspots
+
+    ttfp = (None if s.first_patch_mono is None
+            else round(s.first_patch_mono - s.connected_mono, 3))
+    cfg = s.service.config
+    return {
+        "pid": s.pid, "ppid": s.ppid, "exe": s.exe,
+        "samples": s.samples_total,
+        "samples_after_first_patch": s.samples_after_first_patch,
+        "samples_in_replacement": s.samples_in_replacement,
+        "time_to_first_patch_s": ttfp,
+        "patches_installed": s.patches_installed,
+        "patches_removed": s.patches_removed,
+        "regions": [r.to_json() for r in s.regions.values()],
+        "sampling_source": s.source_name,
+        "snapshots": s.snapshots,
+        "hotspots": find_hotspots(dict(s.ip_counts), s.maps, threshold=cfg.hot_threshold,
+                                  top=10),
+        "region_status": s.region_status,
+        "close_reason": s.close_reason,
+    }
+
+
+def run_report(program: list[str], exit_code: int, wall_s: float,
+               clients: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """The whole ``dbr.run/1`` document."""
+    totals = {
+        "samples": sum(c["samples"] for c in clients),
+        "samples_in_replacement": sum(c["samples_in_replacement"] for c in clients),
+        "patches_installed": sum(c["patches_installed"] for c in clients),
+        "regions_installed": sum(1 for c in clients for r in c["regions"]
+                                 if r["state"] == RegionState.INSTALLED.value),
+    }
+    return {"schema": SCHEMA, "program": list(program), "exit_code": exit_code,
+            "wall_s": round(wall_s, 3), "clients": clients, "totals": totals, **extra}
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    """A few lines for stderr at the end of `dbr run`."""
+    t = rep["totals"]
+    lines = [f"dbr: {' '.join(rep['program'])} exited {rep['exit_code']} after "
+             f"{rep['wall_s']:.2f} s; {len(rep['clients'])} client(s), {t['samples']} samples, "
+             f"{t['patches_installed']} patches, {t['regions_installed']} regions installed"]
+    if rep.get("service"):
+        lines[0] += f" ({rep['service']} service)"
+    for c in rep["clients"]:
+        lines.append(f"dbr:   pid {c['pid']} {c['exe']}: {c['samples']} samples "
+                     f"via {c.get('sampling_source') or 'none'}, "
+                     f"{c['patches_installed']} patches; regions: {c.get('region_status', '')}")
+        for h in c.get("hotspots", [])[:3]:
+            off = f"+{h['offset']:#x}" if h.get("offset") is not None else ""
+            lines.append(f"dbr:     {h['fraction'] * 100:5.1f}%  {h['ip']:#x}  "
+                         f"{h['module'].rsplit('/', 1)[-1]}{off}")
+    return "\n".join(lines)

@@ -1,0 +1,251 @@
+"""Scheduling client work after each snapshot, and the job that runs in a worker process.
+
+The control thread calls :meth:`Scheduler.schedule` with the clients that have fresh
+samples.  The scheduler orders them by hotness, decides how many jobs the machine can
+take now (``max_workers`` or CPU count minus load), and submits :func:`optimize_client`
+to a process pool; results come back through a callback and are applied on the control
+thread.  The control thread never waits for a worker.
+
+The job, :func:`optimize_client`, is the one place the cycle's worker steps run
+(DESIGN.md "One cycle" 4-5): hot spots now, region selection when
+``dbr_service.region.pipeline`` exists, code generation in the next issue.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import multiprocessing
+import os
+import time
+import traceback
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dbr_service.clients import MapEntry, MemoryReader, find_mapping, module_base
+
+log = logging.getLogger("dbr.scheduler")
+
+
+# --------------------------------------------------------------------------- hot spots
+def find_hotspots(ip_counts: dict[int, int], maps: list[MapEntry], *, threshold: float,
+                  top: int | None = None) -> list[dict[str, Any]]:
+    """Addresses holding at least ``threshold`` of the samples, hottest first.
+
+    Each hot spot names its module and offset (stripped programs have no symbols):
+    ``{"ip", "samples", "fraction", "module", "offset", "perms"}``.
+    """
+    total = sum(ip_counts.values())
+    if not total:
+        return []
+    need = max(1, threshold * total)
+    hot = sorted(((ip, n) for ip, n in ip_counts.items() if n >= need),
+                 key=lambda t: (-t[1], t[0]))
+    if top is not None:
+        hot = hot[:top]
+    bases: dict[str, int] = {}
+    out = []
+    for ip, n in hot:
+        m = find_mapping(maps, ip)
+        module = m.path if m else ""
+        if module and module not in bases:
+            bases[module] = module_base(maps, module)
+        out.append({"ip": ip, "samples": n, "fraction": round(n / total, 4),
+                    "module": module or "[unknown]",
+                    "offset": ip - bases[module] if module else None,
+                    "perms": m.perms if m else ""})
+    return out
+
+
+# --------------------------------------------------------------------------- the job
+@dataclass
+class ClientJob:
+    """Everything a worker needs about one client; picklable."""
+
+    session_id: int
+    pid: int
+    exe: str
+    #: Samples of the last snapshot, per IP.
+    samples: dict[int, int]
+    #: Samples since the client connected, per IP (steadier for region selection).
+    cumulative: dict[int, int]
+    #: The client's memory map at snapshot time.
+    maps: list[MapEntry]
+    #: Configuration as a dict (Config is rebuilt in the worker).
+    config: dict[str, Any]
+    #: Memory reader spec: the worker opens /proc/PID/mem itself.
+    mem: MemoryReader = field(init=False)
+    submitted: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.mem = MemoryReader(self.pid)
+
+
+@dataclass
+class JobResult:
+    """What a worker found for one client."""
+
+    session_id: int
+    pid: int
+    hotspots: list[dict[str, Any]]
+    #: Regions selected (dicts, see clients.RegionRecord), or None when not run.
+    regions: list[dict[str, Any]] | None = None
+    #: Why regions are missing: "not available yet", an error text, ...
+    region_status: str = ""
+    elapsed_s: float = 0.0
+    worker_pid: int = 0
+
+
+def optimize_client(job: ClientJob) -> JobResult:
+    """Worker: hot spots → region selection → (code generation, next issue).
+
+    A failure in region selection is recorded in the result; it never raises, so one
+    client's trouble cannot disturb the pool or the others.
+    """
+    from dbr_service.config import Config
+
+    t0 = time.monotonic()
+    cfg = Config(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in job.config.items()})
+    hotspots = find_hotspots(job.samples, job.maps, threshold=cfg.hot_threshold,
+                             top=cfg.hotspots_kept)
+    regions, status = select_client_regions(job, cfg)
+    return JobResult(job.session_id, job.pid, hotspots, regions, status,
+                     time.monotonic() - t0, os.getpid())
+
+
+def select_client_regions(job: ClientJob, cfg: Any) -> tuple[list[dict] | None, str]:
+    """Run region selection if the pipeline module exists; (regions, status text)."""
+    if importlib.util.find_spec("dbr_service.region.pipeline") is None:
+        return None, "region selection not available yet (dbr_service.region.pipeline missing)"
+    try:
+        pipeline = importlib.import_module("dbr_service.region.pipeline")
+        srs = pipeline.select_regions(job.cumulative, job.mem, cfg)
+    except Exception as exc:  # per-client: recorded, the service goes on
+        tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        return None, f"region selection failed: {tb}"
+    return [describe_region(k, sr) for k, sr in enumerate(srs or [], 1)], "ok"
+
+
+def describe_region(index: int, sr: Any) -> dict[str, Any]:
+    """A picklable summary of one super-region returned by the pipeline."""
+    from dbr_service.region import model
+
+    entries, blocks, code_bytes = [], 0, 0
+    graph = getattr(sr, "graph", sr)
+    try:
+        nodes = [n for n in graph.nodes if n not in (model.START, model.END)]
+        blocks = len(nodes)
+        entries = sorted(int(v) for _, v in graph.out_edges(model.START)
+                         if isinstance(v, int))
+        for n in nodes:
+            bb = graph.nodes[n].get("block")
+            code_bytes += int(getattr(bb, "size", 0) or 0)
+    except Exception:  # unknown shape: keep what we have
+        pass
+    dot = None
+    to_dot = getattr(sr, "to_dot", None)
+    if callable(to_dot):
+        try:
+            dot = to_dot()
+        except Exception:
+            dot = None
+    return {"id": f"r{index}", "module": str(getattr(sr, "module", "") or ""),
+            "entries": entries, "blocks": blocks, "code_bytes": code_bytes, "dot": dot}
+
+
+# --------------------------------------------------------------------------- scheduler
+def auto_workers(cpu_count: int | None = None, load1: float | None = None) -> int:
+    """Workers for ``max_workers = 0``: idle CPUs, at least 1, at most CPUs - 1 (but 1)."""
+    cpus = cpu_count or os.cpu_count() or 1
+    if load1 is None:
+        load1 = os.getloadavg()[0]
+    idle = int(cpus - load1 + 0.5)
+    return max(1, min(max(1, cpus - 1), idle))
+
+
+class Scheduler:
+    """Orders clients by hotness and runs :func:`optimize_client` in worker processes."""
+
+    def __init__(self, on_result: Callable[[JobResult | BaseException, int], None]) -> None:
+        self.on_result = on_result
+        self._pool: ProcessPoolExecutor | None = None
+        self._pool_size = 0
+        self.running: dict[int, Future] = {}  # session id -> job
+        self.submitted = 0
+        self.completed = 0
+        self.failed = 0
+        self.skipped_load = 0
+
+    def capacity(self, max_workers: int) -> int:
+        """How many jobs may run at once now."""
+        if max_workers > 0:
+            return max_workers
+        try:
+            import psutil
+
+            load1 = psutil.getloadavg()[0]
+            cpus = psutil.cpu_count() or 1
+        except Exception:
+            load1, cpus = os.getloadavg()[0], os.cpu_count() or 1
+        return auto_workers(cpus, load1)
+
+    def schedule(self, jobs: list[ClientJob], max_workers: int) -> list[int]:
+        """Submit the hottest jobs that fit; returns the session ids submitted."""
+        cap = self.capacity(max_workers)
+        free = cap - len(self.running)
+        order = sorted((j for j in jobs if j.session_id not in self.running),
+                       key=lambda j: -sum(j.samples.values()))
+        chosen = order[:max(0, free)]
+        self.skipped_load += len(order) - len(chosen)
+        if chosen:
+            pool = self._ensure_pool(cap)
+            for job in chosen:
+                fut = pool.submit(optimize_client, job)
+                self.running[job.session_id] = fut
+                self.submitted += 1
+                fut.add_done_callback(lambda f, sid=job.session_id: self._done(sid, f))
+        return [j.session_id for j in chosen]
+
+    def _done(self, session_id: int, fut: Future) -> None:
+        self.running.pop(session_id, None)
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is None:
+            self.completed += 1
+            self.on_result(fut.result(), session_id)
+        else:
+            self.failed += 1
+            self.on_result(exc, session_id)
+
+    def _ensure_pool(self, size: int) -> ProcessPoolExecutor:
+        if self._pool is None or size > self._pool_size:
+            old = self._pool
+            # forkserver: workers never inherit the service's threads, sockets or zmq.
+            ctx = multiprocessing.get_context("forkserver")
+            self._pool = ProcessPoolExecutor(max_workers=size, mp_context=ctx)
+            self._pool_size = size
+            if old is not None:
+                old.shutdown(wait=False)
+        return self._pool
+
+    def stats(self) -> dict[str, Any]:
+        return {"pool_size": self._pool_size, "running": len(self.running),
+                "submitted": self.submitted, "completed": self.completed,
+                "failed": self.failed, "deferred_for_load": self.skipped_load}
+
+    def shutdown(self) -> None:
+        """Cancel queued jobs and stop workers without waiting for running ones."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        procs = list(getattr(pool, "_processes", {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + 1.0
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,621 @@
+"""The dbr service: sockets, agent sessions, sampling snapshots, scheduling, shutdown.
+
+One :class:`Service` per host (or per `dbr run --embedded`).  Threads:
+
+* the **control thread** (whoever calls :meth:`Service.run`): accepts agent
+  connections, times snapshot windows, hands snapshots to the scheduler, applies
+  worker results, sends systemd notifications, handles signals and reloads;
+* one **session thread** per client (:mod:`dbr_service.clients`);
+* the **control-socket thread** (:mod:`dbr_service.control`);
+* worker **processes** (:mod:`dbr_service.scheduler`).
+
+The control thread never blocks on a client or a worker: work for a client is
+posted to its session thread and collected through futures.
+"""
+
+from __future__ import annotations
+
+import collections
+import grp
+import itertools
+import logging
+import os
+import queue
+import select
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from dbr_service import agentconn
+from dbr_service.clients import ClientSession, RegionRecord, RegionState, SessionState
+from dbr_service.config import Config, ConfigSources
+from dbr_service.control import ControlServer, EventBus
+from dbr_service.errors import ConfigError, DbrError, SamplingError
+from dbr_service.notify import Notifier
+from dbr_service.scheduler import ClientJob, JobResult, Scheduler
+
+log = logging.getLogger("dbr.service")
+
+AGENT_SOCKET = "agent.sock"
+CONTROL_SOCKET = "control.sock"
+EVENTS_SOCKET = "events.sock"
+
+
+class ServiceError(DbrError):
+    """The service cannot start (another one runs, the runtime dir is unusable, ...)."""
+
+
+# --------------------------------------------------------------------------- sampling
+def sampling_capabilities() -> dict[str, Any]:
+    """What this host offers, from sampling/detect.py when present, else probed here."""
+    caps: dict[str, Any] = {}
+    try:
+        from dbr_service.sampling import detect  # type: ignore[attr-defined]
+    except ImportError:
+        detect = None
+    if detect is not None and hasattr(detect, "detect"):
+        try:
+            found = detect.detect()
+            caps["detected"] = found if isinstance(found, (dict, list, str)) else repr(found)
+        except Exception as exc:  # detection must not stop the service
+            caps["detect_error"] = repr(exc)
+    try:
+        from dbr_service.sampling.perf import PerfSource
+    except ImportError:
+        caps["perf"] = {"available": False, "reason": "sampling/perf.py not available yet"}
+    else:
+        ok, why = PerfSource.available()
+        caps["perf"] = {"available": ok, "reason": why}
+    try:
+        from dbr_service.sampling import agent_timer  # noqa: F401
+    except ImportError:
+        caps["agent-timer"] = {"available": False,
+                               "reason": "sampling/agent_timer.py not available yet"}
+    else:
+        caps["agent-timer"] = {"available": True, "reason": "needs the agent's SAMPLER_START"}
+    return caps
+
+
+def choose_source(configured: str, caps: dict[str, Any]) -> str:
+    """perf | agent-timer | none, for ``sampling_source`` and the detected capabilities."""
+    if configured != "auto":
+        return configured
+    if caps.get("perf", {}).get("available"):
+        return "perf"
+    if caps.get("agent-timer", {}).get("available"):
+        return "agent-timer"
+    return "none"
+
+
+def make_agent_timer_source(session: ClientSession, cfg: Config):
+    """An agent-timer source on the ring the agent hands over with SAMPLER_RING."""
+    try:
+        from dbr_service.sampling import agent_timer
+    except ImportError:
+        raise SamplingError("agent-timer sampling not available yet "
+                            "(dbr_service/sampling/agent_timer.py missing)") from None
+    fd, size = session.open_agent_ring(cfg.sample_period_us, cfg.agent_ring_entries)
+    src = agent_timer.AgentTimerSource(fd, size)
+    src.open(session.pid)
+    return src
+
+
+def make_perf_source(session: ClientSession, cfg: Config):
+    from dbr_service.sampling.perf import PerfSource
+
+    pages = 64 if cfg.continuous_sampling else 16
+    src = PerfSource(sample_period_us=cfg.sample_period_us, data_pages=pages)
+    src.open(session.pid)
+    return src
+
+
+# --------------------------------------------------------------------------- snapshots
+@dataclass
+class Snapshot:
+    """One sampling window in progress."""
+
+    gen: int
+    started: float
+    end_at: float
+    phase: str = "sampling"           # sampling -> collecting
+    begun: dict[int, Any] = field(default_factory=dict)      # session id -> Future
+    collecting: dict[int, Any] = field(default_factory=dict)  # session id -> Future
+    collect_deadline: float = 0.0
+
+
+# --------------------------------------------------------------------------- service
+class Service:
+    """See the module docstring."""
+
+    def __init__(self, sources: ConfigSources, *, embedded: bool = False,
+                 notifier: Notifier | None = None) -> None:
+        self.sources = sources
+        self.config: Config = sources.load()
+        self.runtime_dir = self.config.effective_runtime_dir(sources.env)
+        self.embedded = embedded
+        self.notifier = notifier or (Notifier({}) if embedded else Notifier())
+        self.lock = threading.RLock()
+        self.sessions: dict[int, ClientSession] = {}
+        self.pending: dict[int, ClientSession] = {}
+        self.history: collections.deque[ClientSession] = collections.deque(maxlen=1024)
+        self.sessions_seen = 0
+        self.paused = False
+        self.stopping = False
+        self.stop_reason = ""
+        self.snapshot_count = 0
+        self.config_generation = 1
+        self.started_mono = time.monotonic()
+        self.scheduler = Scheduler(self._job_done)
+        self.events = EventBus(None, None)
+        self.capabilities: dict[str, Any] = {}
+        self.source_kind = "none"
+        self._ids = itertools.count(1)
+        self._id_base = (int(time.time()) & 0xFFFFFFFF) << 20
+        self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._reload = False
+        self._snap: Snapshot | None = None
+        self._next_snapshot = 0.0
+        self._listen: socket.socket | None = None
+        self._ctx: zmq.Context | None = None
+        self._control: ControlServer | None = None
+        self._started = False
+        self.stopped = threading.Event()
+
+    # ------------------------------------------------------------------ paths
+    def path(self, name: str) -> str:
+        return str(self.runtime_dir / name)
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> None:
+        """Create the runtime dir, bind every socket, start serving control requests."""
+        self._prepare_runtime_dir()
+        self._refuse_if_running()
+        allowed = self.config.effective_allowed_uids()
+        mode = 0o660 if self.config.socket_group else (
+            0o600 if allowed <= {0, os.getuid()} else 0o666)
+        self._listen = agentconn.listen(self.path(AGENT_SOCKET), mode=mode)
+        self._listen.setblocking(False)
+        self._ctx = zmq.Context()
+        self._control = ControlServer(self, self._ctx, self.path(CONTROL_SOCKET))
+        self.events = EventBus(self._ctx, self.path(EVENTS_SOCKET))
+        self._chgrp_sockets()
+        self.capabilities = sampling_capabilities()
+        self.source_kind = choose_source(self.config.sampling_source, self.capabilities)
+        self._control.start()
+        self._started = True
+        self._next_snapshot = time.monotonic() + min(0.05, self.config.snapshot_interval_s)
+        log.info("dbr service pid %d on %s; sampling: %s", os.getpid(), self.runtime_dir,
+                 self.source_kind)
+        self.notifier.ready(self._status_line())
+
+    def _prepare_runtime_dir(self) -> None:
+        d = self.runtime_dir
+        group = self.config.socket_group
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            os.chmod(d, 0o750 if group else 0o755)
+            if group:
+                os.chown(d, -1, grp.getgrnam(group).gr_gid)
+        except KeyError:
+            raise ServiceError(f"socket_group {group!r} does not exist") from None
+        except OSError as exc:
+            raise ServiceError(f"runtime dir {d}: {exc}") from None
+
+    def _chgrp_sockets(self) -> None:
+        group = self.config.socket_group
+        if not group:
+            return
+        gid = grp.getgrnam(group).gr_gid
+        for name in (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET):
+            os.chown(self.path(name), -1, gid)
+            os.chmod(self.path(name), 0o660)
+
+    def _refuse_if_running(self) -> None:
+        """Another service answering on agent.sock: refuse.  Stale socket files: remove."""
+        agent = self.path(AGENT_SOCKET)
+        if os.path.exists(agent):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            probe.settimeout(0.5)
+            try:
+                probe.connect(agent)
+            except OSError:
+                pass  # nobody listening: stale
+            else:
+                raise ServiceError(f"another dbr service is already running on "
+                                   f"{self.runtime_dir} (it answers on {agent}); stop it "
+                                   f"first or set DBR_RUNTIME_DIR")
+            finally:
+                probe.close()
+        for name in (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET):
+            try:
+                os.unlink(self.path(name))
+                log.info("removed stale %s", self.path(name))
+            except FileNotFoundError:
+                pass
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> None:
+        """The control thread's loop, until :meth:`request_stop`; then shut down."""
+        if not self._started:
+            self.start()
+        self._install_signals()
+        try:
+            while not self.stopping:
+                self._loop_once()
+        finally:
+            self._shutdown()
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # embedded in a thread: the host program owns signals
+        signal.signal(signal.SIGTERM, lambda *_: self.request_stop("SIGTERM"))
+        signal.signal(signal.SIGINT, lambda *_: self.request_stop("SIGINT"))
+        signal.signal(signal.SIGHUP, lambda *_: self.request_reload())
+
+    def request_stop(self, reason: str) -> None:
+        """Any thread or a signal handler: end the loop and shut down."""
+        if not self.stop_reason:
+            self.stop_reason = reason
+        self.stopping = True
+        self._wake()
+
+    def request_reload(self) -> None:
+        self._reload = True
+        self._wake()
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the control thread."""
+        self._inbox.put(fn)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _loop_once(self) -> None:
+        timeout = self._next_deadline() - time.monotonic()
+        r, _, _ = select.select([self._listen, self._wake_r], [], [],
+                                min(0.25, max(0.0, timeout)))
+        if self._wake_r in r:
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+        if self._listen in r:
+            self._accept()
+        while True:
+            try:
+                fn = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                fn()
+            except Exception:
+                log.exception("control-thread task failed")
+        if self._reload:
+            self._reload = False
+            self.reload()
+        self._snapshot_tick(time.monotonic())
+        self.notifier.watchdog()
+
+    def _next_deadline(self) -> float:
+        now = time.monotonic()
+        snap = self._snap
+        if snap is None:
+            t = self._next_snapshot if not self.paused else now + 0.25
+        elif snap.phase == "sampling":
+            t = snap.end_at
+        else:
+            t = now + 0.02
+        due = self.notifier.watchdog_due()
+        return min(t, now + due) if due is not None else t
+
+    # ------------------------------------------------------------------ sessions
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listen.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                return
+            sock.setblocking(True)
+            try:
+                conn = agentconn.AgentConnection(
+                    sock, allowed_uids=set(self.config.effective_allowed_uids()))
+            except OSError as exc:
+                sock.close()
+                log.warning("agent connection dropped before credentials: %s", exc)
+                continue
+            sid = self._id_base + next(self._ids)
+            s = ClientSession(self, conn, sid)
+            with self.lock:
+                self.pending[sid] = s
+            s.start()
+
+    def session_started(self, s: ClientSession) -> None:
+        with self.lock:
+            self.pending.pop(s.session_id, None)
+            self.sessions[s.session_id] = s
+            self.sessions_seen += 1
+        log.info("client pid %d (%s) connected, session %d", s.pid, s.exe, s.session_id)
+        self.events.publish("client-connected", pid=s.pid, exe=s.exe, session=s.session_id,
+                            ppid=s.ppid)
+        if self.stopping:
+            s.stop("service shutting down")
+
+    def session_refused(self, s: ClientSession, why: str) -> None:
+        with self.lock:
+            self.pending.pop(s.session_id, None)
+        log.warning("agent connection from pid %d uid %d refused: %s", s.pid, s.uid, why)
+        self.events.publish("client-refused", pid=s.pid, uid=s.uid, reason=why)
+
+    def session_ended(self, s: ClientSession) -> None:
+        with self.lock:
+            self.sessions.pop(s.session_id, None)
+            self.history.append(s)
+        log.info("client pid %d left: %s", s.pid, s.close_reason)
+        self.events.publish("client-left", pid=s.pid, session=s.session_id,
+                            reason=s.close_reason, samples=s.samples_total)
+        self._wake()
+
+    def find_client(self, pid: int) -> ClientSession | None:
+        """The live session of ``pid``, else its most recent ended one."""
+        with self.lock:
+            for s in self.sessions.values():
+                if s.pid == pid:
+                    return s
+            for s in reversed(self.history):
+                if s.pid == pid:
+                    return s
+        return None
+
+    def live_sessions(self) -> list[ClientSession]:
+        with self.lock:
+            return [s for s in self.sessions.values() if s.state is SessionState.CONNECTED]
+
+    # ------------------------------------------------------------------ sampling
+    def sampling_status(self) -> dict[str, Any]:
+        return {"configured": self.config.sampling_source, "active": self.source_kind,
+                "capabilities": self.capabilities,
+                "continuous": self.config.continuous_sampling,
+                "interval_s": self.config.snapshot_interval_s,
+                "window_s": self.config.snapshot_window_s,
+                "period_us": self.config.sample_period_us}
+
+    def _make_source(self, s: ClientSession):
+        """Session thread: the sampling source for one client (perf, else agent timer)."""
+        cfg = self.config
+        kind = getattr(s, "forced_source", None) or self.source_kind
+        if kind == "none":
+            raise SamplingError("no sampling source available on this host")
+        if kind == "perf":
+            try:
+                return make_perf_source(s, cfg)
+            except SamplingError as exc:
+                if cfg.sampling_source != "auto":
+                    raise
+                log.warning("pid %d: perf refused (%s); using the agent timer", s.pid, exc)
+                s.forced_source = "agent-timer"
+                self.events.publish("sampling-fallback", pid=s.pid, reason=str(exc))
+        return make_agent_timer_source(s, cfg)
+
+    def _snapshot_tick(self, now: float) -> None:
+        snap = self._snap
+        if snap is None:
+            if now >= self._next_snapshot and not self.paused and not self.stopping:
+                self._begin_snapshot(now)
+            return
+        if snap.phase == "sampling" and now >= snap.end_at:
+            self._end_snapshot(now)
+        elif snap.phase == "collecting":
+            done = all(f.done() for f in snap.collecting.values())
+            if done or now >= snap.collect_deadline:
+                self._finish_snapshot()
+
+    def _begin_snapshot(self, now: float) -> None:
+        cfg = self.config
+        window = cfg.snapshot_interval_s if cfg.continuous_sampling else cfg.snapshot_window_s
+        snap = Snapshot(gen=self.snapshot_count + 1, started=now, end_at=now + window)
+        for s in self.live_sessions():
+            if s.paused:
+                continue
+            if cfg.continuous_sampling and s.source is not None:
+                snap.begun[s.session_id] = None  # already sampling
+                continue
+            snap.begun[s.session_id] = s.post(lambda s=s: s.begin_window(self._make_source))
+        self._snap = snap
+        self._next_snapshot = now + cfg.snapshot_interval_s
+
+    def _end_snapshot(self, now: float) -> None:
+        snap = self._snap
+        keep = self.config.continuous_sampling
+        for sid, fut in snap.begun.items():
+            s = self.sessions.get(sid)
+            if s is None:
+                continue
+            if fut is not None and fut.done() and fut.exception() is not None:
+                self._sampling_failed(s, fut.exception())
+                continue
+            snap.collecting[sid] = s.post(lambda s=s: s.end_window(keep_open=keep))
+        snap.phase = "collecting"
+        snap.collect_deadline = now + 1.0
+
+    def _sampling_failed(self, s: ClientSession, exc: BaseException) -> None:
+        msg = f"sampling failed: {exc}"
+        if not s.errors or s.errors[-1] != msg:
+            s.errors.append(msg)
+            log.warning("pid %d: %s", s.pid, msg)
+            self.events.publish("error", pid=s.pid, message=msg)
+
+    def _finish_snapshot(self) -> None:
+        snap, self._snap = self._snap, None
+        self.snapshot_count += 1
+        jobs = []
+        for sid, fut in snap.collecting.items():
+            s = self.sessions.get(sid) or next((h for h in self.history
+                                                if h.session_id == sid), None)
+            if s is None or not fut.done():
+                continue
+            if fut.exception() is not None:
+                self._sampling_failed(s, fut.exception())
+                continue
+            counts = aggregate_ips(fut.result(), s.pid)
+            s.add_samples(counts)
+            if counts and s.alive and not s.paused:
+                jobs.append(ClientJob(s.session_id, s.pid, s.exe, dict(counts),
+                                      dict(s.ip_counts), list(s.maps),
+                                      self.config.to_dict()))
+        if jobs and not self.paused:
+            for sid in self.scheduler.schedule(jobs, self.config.max_workers):
+                s = self.sessions.get(sid)
+                if s is not None:
+                    s.job_running = True
+        self.notifier.status(self._status_line())
+
+    # ------------------------------------------------------------------ results
+    def _job_done(self, res: JobResult | BaseException, session_id: int) -> None:
+        """Pool thread: hand the result to the control thread."""
+        self.post(lambda: self._apply_result(res, session_id))
+
+    def _apply_result(self, res: JobResult | BaseException, session_id: int) -> None:
+        with self.lock:
+            s = self.sessions.get(session_id) or next(
+                (h for h in self.history if h.session_id == session_id), None)
+        if s is None:
+            return
+        s.job_running = False
+        s.jobs_done += 1
+        if isinstance(res, BaseException):
+            s.errors.append(f"worker job failed: {res!r}")
+            self.events.publish("error", pid=s.pid, message=f"worker job failed: {res!r}")
+            return
+        s.hotspots = res.hotspots
+        s.region_status = res.region_status
+        if res.regions is not None:
+            with s.lock:
+                keep = {k: r for k, r in s.regions.items()
+                        if r.state is RegionState.INSTALLED}
+                for d in res.regions:
+                    if d["id"] not in keep:
+                        keep[d["id"]] = RegionRecord(d["id"], d["module"], d["entries"],
+                                                     d["blocks"], d["code_bytes"],
+                                                     dot=d.get("dot"))
+                s.regions = keep
+        self.events.publish("job-done", pid=s.pid, hotspots=len(res.hotspots),
+                            regions=None if res.regions is None else len(res.regions),
+                            status=res.region_status, elapsed_s=round(res.elapsed_s, 3))
+
+    # ------------------------------------------------------------------ operations
+    def unpatch(self, s: ClientSession, region_id: str | None) -> int:
+        """Remove the patches of one installed region (or all); regions removed."""
+        targets = [r for r in s.regions.values()
+                   if r.state is RegionState.INSTALLED and (region_id in (None, r.id))]
+        removed = 0
+        for r in targets:
+            if r.sites:
+                s.call(lambda r=r: s.conn.unpatch(list(r.sites)), timeout=6.0)
+            r.state = RegionState.REMOVED
+            s.patches_removed += len(r.sites)
+            removed += 1
+            self.events.publish("patch-removed", pid=s.pid, region=r.id, sites=len(r.sites))
+        return removed
+
+    def set_config(self, new: Config) -> None:
+        with self.lock:
+            old, self.config = self.config, new
+            self.config_generation += 1
+        if new.sampling_source != old.sampling_source:
+            self.source_kind = choose_source(new.sampling_source, self.capabilities)
+        if new.log_level != old.log_level:
+            logging.getLogger("dbr").setLevel(new.log_level.upper())
+        changed = {k: v for k, v in new.to_dict().items() if old.to_dict()[k] != v}
+        self.events.publish("config-changed", changed=changed)
+
+    def reload(self) -> bool:
+        """SIGHUP: load the configuration again; on error keep the old one (logged)."""
+        self.notifier.reloading()
+        try:
+            new = self.sources.load()
+            if new.effective_runtime_dir(self.sources.env) != self.runtime_dir:
+                raise ConfigError("runtime_dir cannot change on reload (restart instead)")
+        except ConfigError as exc:
+            log.error("reload failed, keeping the old configuration: %s", exc)
+            self.events.publish("error", message=f"reload failed: {exc}")
+            self.notifier.ready(self._status_line())
+            return False
+        self.set_config(new)
+        log.info("configuration reloaded (generation %d)", self.config_generation)
+        self.notifier.ready(self._status_line())
+        return True
+
+    def _status_line(self) -> str:
+        return (f"{len(self.sessions)} clients, {self.snapshot_count} snapshots, "
+                f"sampling {self.source_kind}")
+
+    # ------------------------------------------------------------------ shutdown
+    def _shutdown(self) -> None:
+        """BYE to every agent (revert per on_shutdown), stop threads, remove sockets."""
+        self.stopping = True
+        self.notifier.stopping()
+        log.info("stopping: %s", self.stop_reason or "requested")
+        revert = self.config.on_shutdown == "revert"
+        with self.lock:
+            sessions = list(self.sessions.values()) + list(self.pending.values())
+
+        def farewell(s: ClientSession) -> None:
+            s._close_source()
+            s.conn.bye(revert=revert)
+            s.stop("service shutting down")
+
+        for s in sessions:
+            s.post(lambda s=s: farewell(s))
+            s.stop("service shutting down")
+        deadline = time.monotonic() + 1.0
+        for s in sessions:
+            s.thread.join(max(0.0, deadline - time.monotonic()))
+        self.scheduler.shutdown()
+        if self._control is not None:
+            self._control.stop()
+        self.events.close()
+        if self._listen is not None:
+            self._listen.close()
+        for name in (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET):
+            try:
+                os.unlink(self.path(name))
+            except FileNotFoundError:
+                pass
+        if self._ctx is not None:
+            self._ctx.term()
+        self.notifier.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.stopped.set()
+        log.info("stopped")
+
+
+def aggregate_ips(samples: list, pid: int) -> collections.Counter[int]:
+    """Samples of one client's window -> count per IP (the SampleAggregator's job once it
+    exists; see sampling/aggregate.py)."""
+    try:
+        from dbr_service.sampling.aggregate import SampleAggregator  # type: ignore
+    except ImportError:
+        SampleAggregator = None  # noqa: N806
+    if SampleAggregator is not None and hasattr(SampleAggregator, "ip_counts"):
+        agg = SampleAggregator()
+        agg.add(samples)
+        return collections.Counter(agg.ip_counts(pid))
+    return collections.Counter(smp.ip for smp in samples if smp.pid == pid or not smp.pid)
