@@ -1,0 +1,956 @@
+/*
+ * agent.c — start-up, the agent thread, and the session with the service:
+ * connect (dormant retry with backoff), HELLO/HELLO_ACK, validation of every
+ * datagram, dispatch, replies, disconnect policy, fork and exit.
+ */
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <link.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/membarrier.h>
+
+#include "agent.h"
+
+#define BACKOFF_MIN_MS   50u
+#define BACKOFF_MAX_MS   2000u
+#define HELLO_ACK_WAIT_MS 2000u
+#define SEND_TIMEOUT_MS  2000u
+#define CLIENT_LOCK_WAIT_MS 50u
+#define MAP_WAIT_MAX_MS  10000u
+#define MAP_WAIT_SLOTS   64u
+#define DLOPEN_TICK_MS   250
+#define KNOWN_OBJS_MAX   1024u
+
+pthread_mutex_t g_agent_mu = PTHREAD_MUTEX_INITIALIZER;
+pid_t g_agent_tid;
+int g_sync_core;
+uint64_t g_agent_lo, g_agent_hi;
+
+static pthread_mutex_t g_send_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_sock = -1;
+static int g_ready;          /* HELLO_ACK received: anything may be sent */
+static uint32_t g_seq;
+static int g_wake[2] = { -1, -1 };
+static int g_exiting;
+static int g_forked;
+static int g_on_disconnect = DBR_DISCONNECT_KEEP;
+static uint32_t g_map_wait_ms;
+static uint8_t g_build_id[DBR_BUILD_ID_MAX];
+static uint32_t g_build_id_len;
+
+/* bounded waits of map-changing hooks for the service's ACK */
+struct map_wait {
+    uint32_t req_id;   /* 0: free */
+    int acked;
+    int result;
+};
+static pthread_mutex_t g_wait_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_wait_cv;
+static struct map_wait g_waits[MAP_WAIT_SLOTS];
+static uint32_t g_next_req;
+static uint32_t g_session_gen;
+
+/* objects already known to the service (dlopen notices) */
+static uint64_t g_known_objs[KNOWN_OBJS_MAX];
+static unsigned g_n_known;
+static unsigned long long g_dl_adds;
+
+int dbr_connected(void)
+{
+    return __atomic_load_n(&g_ready, __ATOMIC_ACQUIRE);
+}
+
+/* ---------------- sending ---------------- */
+
+static int lock_for_send(int from_client)
+{
+    struct timespec ts;
+
+    if (!from_client)
+        return pthread_mutex_lock(&g_send_mu);
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += (long)CLIENT_LOCK_WAIT_MS * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return pthread_mutex_timedlock(&g_send_mu, &ts);
+}
+
+int dbr_send(void *msg, uint32_t type, uint32_t len, int fd, int from_client)
+{
+    struct dbr_msg_hdr *h = msg;
+    struct msghdr mh;
+    struct iovec iov;
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } ctl;
+    ssize_t n;
+    int rc = DBR_OK;
+
+    h->magic = DBR_PROTO_MAGIC;
+    h->version = DBR_PROTO_VERSION;
+    h->type = (uint16_t)type;
+    h->length = len;
+    if (lock_for_send(from_client) != 0)
+        return DBR_E_TIMEOUT;
+    if (g_sock < 0 || (!g_ready && type != DBR_MSG_HELLO && type != DBR_MSG_ERROR && type != DBR_MSG_BYE)) {
+        rc = DBR_E_PROTO;
+        goto out;
+    }
+    h->seq = ++g_seq;
+    memset(&mh, 0, sizeof mh);
+    iov.iov_base = msg;
+    iov.iov_len = len;
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    if (fd >= 0) {
+        struct cmsghdr *c;
+
+        memset(&ctl, 0, sizeof ctl);
+        mh.msg_control = ctl.buf;
+        mh.msg_controllen = sizeof ctl.buf;
+        c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &fd, sizeof fd);
+    }
+    do
+        n = sendmsg(g_sock, &mh, MSG_NOSIGNAL | (from_client ? MSG_DONTWAIT : 0));
+    while (n < 0 && errno == EINTR);
+    if (n != (ssize_t)len)
+        rc = n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? DBR_E_TIMEOUT : DBR_E_PROTO;
+out:
+    pthread_mutex_unlock(&g_send_mu);
+    return rc;
+}
+
+static int send_ack(uint32_t req_id, int result)
+{
+    struct dbr_ack a;
+
+    memset(&a, 0, sizeof a);
+    a.req_id = req_id;
+    a.result = result;
+    return dbr_send(&a, DBR_MSG_ACK, sizeof a, -1, 0);
+}
+
+static void send_error(int code, uint32_t ref_seq, const char *text)
+{
+    struct dbr_error e;
+
+    memset(&e, 0, sizeof e);
+    e.code = code;
+    e.ref_seq = ref_seq;
+    strncpy(e.msg, text, sizeof e.msg - 1);
+    dbr_log("protocol error %d (seq %u): %s", code, ref_seq, text);
+    dbr_send(&e, DBR_MSG_ERROR, sizeof e, -1, 0);
+}
+
+/* ---------------- map-change waits ---------------- */
+
+int dbr_map_changed_wait(uint32_t kind, uint64_t lo, uint64_t hi, uint32_t prot)
+{
+    struct dbr_map_changed m;
+    struct map_wait *w = NULL;
+    struct timespec ts;
+    uint32_t gen, wait_ms;
+    unsigned i;
+    int rc;
+
+    if (!dbr_connected())
+        return DBR_E_PROTO;
+    pthread_mutex_lock(&g_wait_mu);
+    for (i = 0; i < MAP_WAIT_SLOTS; i++)
+        if (g_waits[i].req_id == 0) {
+            w = &g_waits[i];
+            break;
+        }
+    if (w) {
+        if (++g_next_req == 0)
+            g_next_req = 1;
+        w->req_id = g_next_req;
+        w->acked = 0;
+        w->result = 0;
+    }
+    gen = g_session_gen;
+    wait_ms = g_map_wait_ms;
+    pthread_mutex_unlock(&g_wait_mu);
+    if (!w)
+        return DBR_E_LIMIT;
+
+    memset(&m, 0, sizeof m);
+    m.req_id = w->req_id;
+    m.kind = kind;
+    m.lo = lo;
+    m.hi = hi;
+    m.prot = prot;
+    rc = dbr_send(&m, DBR_MSG_MAP_CHANGED, sizeof m, -1, 1);
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += wait_ms / 1000u;
+    ts.tv_nsec += (long)(wait_ms % 1000u) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&g_wait_mu);
+    while (rc == DBR_OK && !w->acked && g_session_gen == gen)
+        if (pthread_cond_timedwait(&g_wait_cv, &g_wait_mu, &ts) == ETIMEDOUT)
+            break;
+    if (rc == DBR_OK)
+        rc = w->acked ? w->result : (g_session_gen != gen ? DBR_E_PROTO : DBR_E_TIMEOUT);
+    w->req_id = 0;
+    pthread_mutex_unlock(&g_wait_mu);
+    return rc;
+}
+
+static void map_ack_deliver(uint32_t req_id, int result)
+{
+    unsigned i;
+
+    pthread_mutex_lock(&g_wait_mu);
+    for (i = 0; i < MAP_WAIT_SLOTS; i++)
+        if (req_id && g_waits[i].req_id == req_id) {
+            g_waits[i].acked = 1;
+            g_waits[i].result = result;
+        }
+    pthread_cond_broadcast(&g_wait_cv);
+    pthread_mutex_unlock(&g_wait_mu);
+}
+
+static void map_waits_abort(void)
+{
+    pthread_mutex_lock(&g_wait_mu);
+    g_session_gen++;
+    pthread_cond_broadcast(&g_wait_cv);
+    pthread_mutex_unlock(&g_wait_mu);
+}
+
+void dbr_map_changed_advise(uint32_t kind, uint64_t lo, uint64_t hi)
+{
+    struct dbr_map_changed m;
+
+    if (!dbr_connected())
+        return;
+    memset(&m, 0, sizeof m);
+    m.kind = kind;
+    m.lo = lo;
+    m.hi = hi;
+    dbr_send(&m, DBR_MSG_MAP_CHANGED, sizeof m, -1, 0);
+}
+
+/* ---------------- loaded objects (dlopen notices, agent range, build-id) ---------------- */
+
+struct obj_scan {
+    int mode;            /* 0: snapshot known set, 1: notify new ones */
+    unsigned long long adds;
+};
+
+static void obj_range(struct dl_phdr_info *info, uint64_t *lo, uint64_t *hi)
+{
+    uint64_t pg = (uint64_t)dbr_page_size();
+    int i;
+
+    *lo = *hi = 0;
+    for (i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        uint64_t a, b;
+
+        if (ph->p_type != PT_LOAD)
+            continue;
+        a = (info->dlpi_addr + ph->p_vaddr) & ~(pg - 1);
+        b = (info->dlpi_addr + ph->p_vaddr + ph->p_memsz + pg - 1) & ~(pg - 1);
+        if (*hi == 0 || a < *lo)
+            *lo = a;
+        if (b > *hi)
+            *hi = b;
+    }
+}
+
+static int obj_scan_cb(struct dl_phdr_info *info, size_t size, void *data)
+{
+    struct obj_scan *s = data;
+    uint64_t lo, hi;
+    unsigned i;
+
+    (void)size;
+    s->adds = info->dlpi_adds;
+    obj_range(info, &lo, &hi);
+    if (hi == 0)
+        return 0;
+    for (i = 0; i < g_n_known; i++)
+        if (g_known_objs[i] == lo)
+            return 0;
+    if (g_n_known < KNOWN_OBJS_MAX)
+        g_known_objs[g_n_known++] = lo;
+    if (s->mode == 1)
+        dbr_map_changed_advise(DBR_MAP_DLOPEN, lo, hi);
+    return 0;
+}
+
+static void objects_scan(int notify)
+{
+    struct obj_scan s = { notify, 0 };
+
+    if (!notify)
+        g_n_known = 0;
+    dl_iterate_phdr(obj_scan_cb, &s);
+    g_dl_adds = s.adds;
+}
+
+static int adds_cb(struct dl_phdr_info *info, size_t size, void *data)
+{
+    (void)size;
+    *(unsigned long long *)data = info->dlpi_adds;
+    return 1;
+}
+
+static void objects_poll(void)
+{
+    unsigned long long adds = 0;
+
+    dl_iterate_phdr(adds_cb, &adds);
+    if (adds != g_dl_adds)
+        objects_scan(1);
+}
+
+struct self_scan {
+    const char *agent_name;
+};
+
+static int self_scan_cb(struct dl_phdr_info *info, size_t size, void *data)
+{
+    struct self_scan *s = data;
+    int i;
+
+    (void)size;
+    if (info->dlpi_name && info->dlpi_name[0] == 0 && g_build_id_len == 0) {
+        /* the main executable: GNU build-id from its PT_NOTE segments */
+        for (i = 0; i < info->dlpi_phnum && g_build_id_len == 0; i++) {
+            const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+            const uint8_t *p, *end;
+
+            if (ph->p_type != PT_NOTE)
+                continue;
+            p = (const uint8_t *)(info->dlpi_addr + ph->p_vaddr);
+            end = p + ph->p_memsz;
+            while (p + sizeof(ElfW(Nhdr)) <= end) {
+                const ElfW(Nhdr) *nh = (const ElfW(Nhdr) *)p;
+                const uint8_t *name = p + sizeof *nh;
+                const uint8_t *desc = name + ((nh->n_namesz + 3u) & ~3u);
+
+                if (desc + nh->n_descsz > end)
+                    break;
+                if (nh->n_type == NT_GNU_BUILD_ID && nh->n_namesz == 4 && memcmp(name, "GNU", 4) == 0) {
+                    g_build_id_len = nh->n_descsz < DBR_BUILD_ID_MAX ? nh->n_descsz : DBR_BUILD_ID_MAX;
+                    memcpy(g_build_id, desc, g_build_id_len);
+                    break;
+                }
+                p = desc + ((nh->n_descsz + 3u) & ~3u);
+            }
+        }
+    }
+    if (s->agent_name && info->dlpi_name && strcmp(info->dlpi_name, s->agent_name) == 0)
+        obj_range(info, &g_agent_lo, &g_agent_hi);
+    return 0;
+}
+
+static void self_scan(void)
+{
+    Dl_info di;
+    struct self_scan s = { NULL };
+
+    if (dladdr((void *)self_scan, &di) && di.dli_fname)
+        s.agent_name = di.dli_fname;
+    dl_iterate_phdr(self_scan_cb, &s);
+}
+
+/* ---------------- receiving and validation ---------------- */
+
+static uint8_t g_rx[DBR_MSG_MAX];
+
+enum { ST_HANDSHAKE, ST_SESSION };
+enum { END_NONE = 0, END_EOF, END_ERROR, END_BYE };
+
+static uint32_t fixed_size(uint32_t type)
+{
+    switch (type) {
+    case DBR_MSG_HELLO_ACK:        return sizeof(struct dbr_hello_ack);
+    case DBR_MSG_ACK:              return sizeof(struct dbr_ack);
+    case DBR_MSG_CODE_BUFFER_REQ:  return sizeof(struct dbr_code_buffer_req);
+    case DBR_MSG_CODE_BUFFER_FREE: return sizeof(struct dbr_code_buffer_free);
+    case DBR_MSG_REGION:           return sizeof(struct dbr_region);
+    case DBR_MSG_REGION_FORGET:    return sizeof(struct dbr_region_forget);
+    case DBR_MSG_PATCH:
+    case DBR_MSG_UNPATCH:          return sizeof(struct dbr_patch_batch);
+    case DBR_MSG_PC_CENSUS_REQ:    return sizeof(struct dbr_census_req);
+    case DBR_MSG_SAMPLER_START:    return sizeof(struct dbr_sampler_start);
+    case DBR_MSG_SAMPLER_STOP:     return sizeof(struct dbr_ack);
+    case DBR_MSG_BYE:              return sizeof(struct dbr_bye);
+    case DBR_MSG_ERROR:            return sizeof(struct dbr_error);
+    default:                       return 0; /* not a service->agent type */
+    }
+}
+
+/* Receive one datagram.  Returns its length (> 0), 0 on EOF, or a negative
+ * dbr_result (DBR_E_PROTO with *why set) for an unacceptable datagram. */
+static ssize_t recv_one(int fd, const char **why)
+{
+    struct msghdr mh;
+    struct iovec iov = { g_rx, sizeof g_rx };
+    union {
+        char buf[CMSG_SPACE(16 * sizeof(int))];
+        struct cmsghdr align;
+    } ctl;
+    struct cmsghdr *c;
+    ssize_t n;
+    int got_fds = 0;
+
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = ctl.buf;
+    mh.msg_controllen = sizeof ctl.buf;
+    do
+        n = recvmsg(fd, &mh, MSG_TRUNC | MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    while (n < 0 && errno == EINTR);
+    if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+            return DBR_E_TIMEOUT;
+        *why = "receive failed";
+        return 0;
+    }
+    for (c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            int k, nfd = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (k = 0; k < nfd; k++) {
+                int x;
+                memcpy(&x, CMSG_DATA(c) + k * sizeof(int), sizeof x);
+                close(x);
+            }
+            got_fds = 1;
+        }
+    }
+    if ((mh.msg_flags & MSG_TRUNC) || n > (ssize_t)sizeof g_rx) {
+        *why = "oversized datagram";
+        return DBR_E_PROTO;
+    }
+    if (got_fds || (mh.msg_flags & MSG_CTRUNC)) {
+        *why = "unexpected file descriptors";
+        return DBR_E_PROTO;
+    }
+    return n;
+}
+
+/* Check one received datagram; 0 if acceptable, else sends ERROR and
+ * returns the error code. */
+static int validate(size_t n, int state)
+{
+    const struct dbr_msg_hdr *h = (const struct dbr_msg_hdr *)g_rx;
+    uint32_t fixed;
+
+    if (n < sizeof *h) {
+        send_error(DBR_E_PROTO, 0, "datagram shorter than the header");
+        return DBR_E_PROTO;
+    }
+    if (h->magic != DBR_PROTO_MAGIC) {
+        send_error(DBR_E_PROTO, h->seq, "bad magic");
+        return DBR_E_PROTO;
+    }
+    if (h->version != DBR_PROTO_VERSION) {
+        send_error(DBR_E_VERSION, h->seq, "protocol version mismatch");
+        return DBR_E_VERSION;
+    }
+    if (h->length != n) {
+        send_error(DBR_E_PROTO, h->seq, "length field differs from datagram size");
+        return DBR_E_PROTO;
+    }
+    fixed = h->type >= 1 && h->type <= DBR_MSG_TYPE_MAX ? fixed_size(h->type) : 0;
+    if (fixed == 0) {
+        send_error(DBR_E_PROTO, h->seq, "unknown or agent-only message type");
+        return DBR_E_PROTO;
+    }
+    if (state == ST_HANDSHAKE && h->type != DBR_MSG_HELLO_ACK && h->type != DBR_MSG_BYE &&
+        h->type != DBR_MSG_ERROR) {
+        send_error(DBR_E_PROTO, h->seq, "message before HELLO_ACK");
+        return DBR_E_PROTO;
+    }
+    if (state == ST_SESSION && h->type == DBR_MSG_HELLO_ACK) {
+        send_error(DBR_E_PROTO, h->seq, "duplicate HELLO_ACK");
+        return DBR_E_PROTO;
+    }
+    if (h->type == DBR_MSG_PATCH || h->type == DBR_MSG_UNPATCH) {
+        const struct dbr_patch_batch *b = (const struct dbr_patch_batch *)g_rx;
+
+        if (n < fixed || b->n > DBR_MAX_SITES ||
+            n != fixed + (size_t)b->n * sizeof(struct dbr_patch_site)) {
+            send_error(DBR_E_PROTO, h->seq, "bad PATCH/UNPATCH length");
+            return DBR_E_PROTO;
+        }
+        return DBR_OK;
+    }
+    if (n != fixed) {
+        send_error(DBR_E_PROTO, h->seq, "bad message length for its type");
+        return DBR_E_PROTO;
+    }
+    return DBR_OK;
+}
+
+/* ---------------- handlers ---------------- */
+
+static int end_by_bye(const struct dbr_bye *b)
+{
+    if (b->flags & DBR_BYE_REVERT) {
+        int k = dbr_unpatch_all();
+        dbr_log("BYE with revert: %d sites restored", k);
+    }
+    return END_BYE;
+}
+
+static int handle(size_t n)
+{
+    const struct dbr_msg_hdr *h = (const struct dbr_msg_hdr *)g_rx;
+    int rc = DBR_OK, fd = -1;
+
+    switch (h->type) {
+    case DBR_MSG_ACK: {
+        const struct dbr_ack *a = (const void *)g_rx;
+        map_ack_deliver(a->req_id, a->result);
+        break;
+    }
+    case DBR_MSG_CODE_BUFFER_REQ: {
+        const struct dbr_code_buffer_req *r = (const void *)g_rx;
+        struct dbr_code_buffer rep;
+
+        memset(&rep, 0, sizeof rep);
+        rep.req_id = r->req_id;
+        pthread_mutex_lock(&g_agent_mu);
+        rep.result = dbr_buffer_alloc(r->near, r->size, &rep.buffer_id, &rep.base, &rep.size, &fd);
+        pthread_mutex_unlock(&g_agent_mu);
+        rc = dbr_send(&rep, DBR_MSG_CODE_BUFFER, sizeof rep, rep.result == DBR_OK ? fd : -1, 0);
+        if (fd >= 0)
+            close(fd);
+        break;
+    }
+    case DBR_MSG_CODE_BUFFER_FREE: {
+        const struct dbr_code_buffer_free *r = (const void *)g_rx;
+        int res;
+
+        pthread_mutex_lock(&g_agent_mu);
+        res = dbr_buffer_free(r->buffer_id);
+        pthread_mutex_unlock(&g_agent_mu);
+        rc = send_ack(r->req_id, res);
+        break;
+    }
+    case DBR_MSG_REGION: {
+        const struct dbr_region *r = (const void *)g_rx;
+        int res;
+
+        pthread_mutex_lock(&g_agent_mu);
+        res = dbr_region_set(r);
+        pthread_mutex_unlock(&g_agent_mu);
+        rc = send_ack(r->req_id, res);
+        break;
+    }
+    case DBR_MSG_REGION_FORGET: {
+        const struct dbr_region_forget *r = (const void *)g_rx;
+        int res;
+
+        pthread_mutex_lock(&g_agent_mu);
+        res = dbr_region_forget(r->region_id);
+        pthread_mutex_unlock(&g_agent_mu);
+        rc = send_ack(r->req_id, res);
+        break;
+    }
+    case DBR_MSG_PATCH:
+    case DBR_MSG_UNPATCH: {
+        const struct dbr_patch_batch *b = (const void *)g_rx;
+        struct dbr_patch_result *rep;
+        size_t len = sizeof *rep + (size_t)b->n * sizeof rep->results[0];
+
+        rep = calloc(1, len);
+        if (!rep) {
+            send_error(DBR_E_NOMEM, h->seq, "out of memory");
+            return END_ERROR;
+        }
+        rep->batch_id = b->batch_id;
+        rep->n = b->n;
+        pthread_mutex_lock(&g_agent_mu);
+        dbr_patch_batch(b->sites, b->n, h->type == DBR_MSG_UNPATCH, rep->results);
+        pthread_mutex_unlock(&g_agent_mu);
+        rc = dbr_send(rep, DBR_MSG_PATCH_RESULT, (uint32_t)len, -1, 0);
+        free(rep);
+        break;
+    }
+    case DBR_MSG_PC_CENSUS_REQ: {
+        const struct dbr_census_req *r = (const void *)g_rx;
+        rc = dbr_census_run(r->req_id, r->timeout_ms);
+        if (rc == DBR_E_NOMEM) {
+            struct dbr_census c;
+            memset(&c, 0, sizeof c);
+            c.req_id = r->req_id;
+            rc = dbr_send(&c, DBR_MSG_PC_CENSUS, sizeof c, -1, 0);
+        }
+        break;
+    }
+    case DBR_MSG_SAMPLER_START: {
+        const struct dbr_sampler_start *r = (const void *)g_rx;
+        struct dbr_sampler_ring rep;
+
+        memset(&rep, 0, sizeof rep);
+        rep.req_id = r->req_id;
+        rep.result = dbr_sampler_start(r->period_us, r->ring_entries, &fd, &rep.ring_bytes);
+        rc = dbr_send(&rep, DBR_MSG_SAMPLER_RING, sizeof rep, rep.result == DBR_OK ? fd : -1, 0);
+        if (fd >= 0)
+            close(fd);
+        break;
+    }
+    case DBR_MSG_SAMPLER_STOP: {
+        const struct dbr_ack *r = (const void *)g_rx;
+        rc = send_ack(r->req_id, dbr_sampler_stop());
+        break;
+    }
+    case DBR_MSG_BYE:
+        return end_by_bye((const void *)g_rx);
+    case DBR_MSG_ERROR: {
+        const struct dbr_error *e = (const void *)g_rx;
+        char text[DBR_ERRMSG_MAX + 1];
+        memcpy(text, e->msg, DBR_ERRMSG_MAX);
+        text[DBR_ERRMSG_MAX] = 0;
+        dbr_log("service reported error %d (seq %u): %s", e->code, e->ref_seq, text);
+        return END_ERROR;
+    }
+    default:
+        return END_ERROR; /* validate() admits nothing else */
+    }
+    (void)n;
+    if (rc != DBR_OK) {
+        dbr_log("send failed (%d): ending session", rc);
+        return END_ERROR;
+    }
+    return END_NONE;
+}
+
+/* ---------------- the session ---------------- */
+
+static int connect_service(void)
+{
+    struct sockaddr_un sa;
+    struct timeval tv = { SEND_TIMEOUT_MS / 1000u, (SEND_TIMEOUT_MS % 1000u) * 1000 };
+    int fd, fl;
+
+    if (!g_cfg.sock_path[0])
+        return -1;
+    fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+        return -1;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    memcpy(sa.sun_path, g_cfg.sock_path, sizeof sa.sun_path - 1);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        close(fd);
+        return -1;
+    }
+    fl = fcntl(fd, F_GETFL);
+    fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+static int send_hello(void)
+{
+    struct dbr_hello m;
+    ssize_t k;
+
+    memset(&m, 0, sizeof m);
+    m.pid = (uint32_t)getpid();
+    m.ppid = (uint32_t)getppid();
+    m.uid = (uint32_t)getuid();
+    m.flags = (g_sync_core ? DBR_HELLO_SYNC_CORE : 0) | (g_forked ? DBR_HELLO_FORKED : 0) |
+              (g_forked && dbr_any_installed() ? DBR_HELLO_INHERITED : 0);
+    m.agent_version = DBR_AGENT_VERSION;
+    m.n_threads = (uint32_t)dbr_count_threads();
+    m.page_size = (uint32_t)dbr_page_size();
+    m.census_signal = (uint32_t)g_cfg.census_sig;
+    m.sampler_signal = (uint32_t)g_cfg.sampler_sig;
+    m.build_id_len = g_build_id_len;
+    memcpy(m.build_id, g_build_id, g_build_id_len);
+    k = readlink("/proc/self/exe", m.exe, sizeof m.exe - 1);
+    if (k < 0)
+        m.exe[0] = 0;
+    return dbr_send(&m, DBR_MSG_HELLO, sizeof m, -1, 0);
+}
+
+/* wait for readability of fd (or the wake pipe); 1 readable, 0 timeout/woken */
+static int wait_readable(int fd, int timeout_ms)
+{
+    struct pollfd p[2] = { { fd, POLLIN, 0 }, { g_wake[0], POLLIN, 0 } };
+    int r;
+
+    do
+        r = poll(p, g_wake[0] >= 0 ? 2 : 1, timeout_ms);
+    while (r < 0 && errno == EINTR);
+    if (r > 0 && (p[1].revents & POLLIN)) {
+        char buf[16];
+        while (read(g_wake[0], buf, sizeof buf) > 0)
+            ;
+    }
+    return r > 0 && (p[0].revents & (POLLIN | POLLHUP | POLLERR));
+}
+
+static void end_session(int fd, int how)
+{
+    int policy = g_cfg.on_disconnect_env >= 0 ? g_cfg.on_disconnect_env : g_on_disconnect;
+    int was_ready = g_ready;
+
+    pthread_mutex_lock(&g_send_mu);
+    __atomic_store_n(&g_ready, 0, __ATOMIC_RELEASE);
+    g_sock = -1;
+    close(fd);
+    pthread_mutex_unlock(&g_send_mu);
+    map_waits_abort();
+    dbr_log("session ended (%s)", how == END_BYE ? "bye" : how == END_EOF ? "eof" : "error");
+    if (was_ready && how != END_BYE && policy == DBR_DISCONNECT_REVERT && !__atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE)) {
+        int k = dbr_unpatch_all();
+        dbr_log("disconnect policy revert: %d sites restored", k);
+    }
+}
+
+/* One session; returns 1 if a session was established (HELLO_ACK seen). */
+static int session_run(void)
+{
+    const struct dbr_hello_ack *ack = (const void *)g_rx;
+    const char *why = NULL;
+    uint64_t deadline;
+    int fd, how = END_NONE, established = 0;
+    ssize_t n;
+
+    fd = connect_service();
+    if (fd < 0)
+        return 0;
+    pthread_mutex_lock(&g_send_mu);
+    g_sock = fd;
+    g_seq = 0;
+    pthread_mutex_unlock(&g_send_mu);
+    if (send_hello() != DBR_OK) {
+        end_session(fd, END_ERROR);
+        return 0;
+    }
+    /* handshake: bounded wait for HELLO_ACK */
+    deadline = dbr_now_ms() + HELLO_ACK_WAIT_MS;
+    for (;;) {
+        uint64_t now = dbr_now_ms();
+
+        if (now >= deadline || __atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE)) {
+            dbr_log("no HELLO_ACK");
+            end_session(fd, END_ERROR);
+            return 0;
+        }
+        if (!wait_readable(fd, (int)(deadline - now)))
+            continue;
+        n = recv_one(fd, &why);
+        if (n == DBR_E_TIMEOUT)
+            continue;
+        if (n == 0) {
+            end_session(fd, END_EOF);
+            return 0;
+        }
+        if (n < 0) {
+            send_error((int)n, 0, why);
+            end_session(fd, END_ERROR);
+            return 0;
+        }
+        if (validate((size_t)n, ST_HANDSHAKE) != DBR_OK) {
+            end_session(fd, END_ERROR);
+            return 0;
+        }
+        if (ack->hdr.type != DBR_MSG_HELLO_ACK) {   /* BYE or ERROR */
+            end_session(fd, END_BYE);
+            return 0;
+        }
+        break;
+    }
+    g_on_disconnect = ack->on_disconnect == DBR_DISCONNECT_REVERT ? DBR_DISCONNECT_REVERT : DBR_DISCONNECT_KEEP;
+    pthread_mutex_lock(&g_wait_mu);
+    g_map_wait_ms = ack->map_wait_ms > MAP_WAIT_MAX_MS ? MAP_WAIT_MAX_MS : ack->map_wait_ms;
+    pthread_mutex_unlock(&g_wait_mu);
+    if (ack->service_pid)
+        prctl(PR_SET_PTRACER, (unsigned long)ack->service_pid, 0, 0, 0);
+    dbr_log("session %llu established with service pid %u (on_disconnect %s, map_wait %u ms)",
+            (unsigned long long)ack->session_id, ack->service_pid,
+            g_on_disconnect == DBR_DISCONNECT_REVERT ? "revert" : "keep", g_map_wait_ms);
+    objects_scan(0);
+    __atomic_store_n(&g_ready, 1, __ATOMIC_RELEASE);
+    established = 1;
+
+    while (how == END_NONE) {
+        if (__atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE)) {
+            how = END_BYE;
+            break;
+        }
+        if (!wait_readable(fd, DLOPEN_TICK_MS)) {
+            objects_poll();
+            continue;
+        }
+        n = recv_one(fd, &why);
+        if (n == DBR_E_TIMEOUT)
+            continue;
+        if (n == 0) {
+            how = END_EOF;
+            break;
+        }
+        if (n < 0) {
+            send_error((int)n, 0, why);
+            how = END_ERROR;
+            break;
+        }
+        if (validate((size_t)n, ST_SESSION) != DBR_OK) {
+            how = END_ERROR;
+            break;
+        }
+        how = handle((size_t)n);
+    }
+    end_session(fd, how);
+    return established;
+}
+
+static void *agent_main(void *arg)
+{
+    unsigned backoff = BACKOFF_MIN_MS;
+    sigset_t sync_sigs;
+
+    (void)arg;
+    /* synchronous signals must never be blocked (a trap at a site being patched) */
+    sigemptyset(&sync_sigs);
+    sigaddset(&sync_sigs, SIGTRAP);
+    sigaddset(&sync_sigs, SIGSEGV);
+    sigaddset(&sync_sigs, SIGBUS);
+    sigaddset(&sync_sigs, SIGILL);
+    sigaddset(&sync_sigs, SIGFPE);
+    pthread_sigmask(SIG_UNBLOCK, &sync_sigs, NULL);
+    __atomic_store_n(&g_agent_tid, dbr_gettid(), __ATOMIC_RELEASE);
+    dbr_log("agent thread %d started (socket %s)", (int)g_agent_tid, g_cfg.sock_path);
+    while (!__atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE)) {
+        if (session_run())
+            backoff = BACKOFF_MIN_MS;
+        if (__atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE))
+            break;
+        wait_readable(-1, (int)backoff);
+        backoff = backoff * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : backoff * 2;
+    }
+    return NULL;
+}
+
+void dbr_agent_start_thread(int forked)
+{
+    pthread_attr_t attr;
+    pthread_t t;
+    sigset_t all, old;
+
+    g_forked = forked;
+    sigfillset(&all);
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 256 * 1024);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    if (dbr_real_pthread_create(&t, &attr, agent_main, NULL) != 0)
+        dbr_log("cannot start the agent thread");
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+}
+
+static void register_sync_core(void)
+{
+    long q = syscall(SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
+
+    g_sync_core = q > 0 && (q & MEMBARRIER_CMD_PRIVATE_EXPEDITED_SYNC_CORE) &&
+                  syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_SYNC_CORE, 0, 0) == 0;
+}
+
+static void make_wake_pipe(void)
+{
+    if (pipe2(g_wake, O_CLOEXEC | O_NONBLOCK) < 0)
+        g_wake[0] = g_wake[1] = -1;
+}
+
+static void init_wait_cv(void)
+{
+    pthread_condattr_t ca;
+
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&g_wait_cv, &ca);
+    pthread_condattr_destroy(&ca);
+}
+
+/* atfork child handler (the child has one thread; g_agent_mu was released) */
+void dbr_fork_child_reset(void)
+{
+    if (g_cfg.disabled)
+        return;
+    pthread_mutex_init(&g_send_mu, NULL);
+    pthread_mutex_init(&g_wait_mu, NULL);
+    init_wait_cv();
+    memset(g_waits, 0, sizeof g_waits);
+    if (g_sock >= 0)
+        close(g_sock);     /* the parent's session: never used by the child */
+    g_sock = -1;
+    g_ready = 0;
+    g_agent_tid = 0;
+    if (g_wake[0] >= 0)
+        close(g_wake[0]);
+    if (g_wake[1] >= 0)
+        close(g_wake[1]);
+    make_wake_pipe();
+    dbr_buffers_privatise();
+    dbr_sampler_fork_child();
+    register_sync_core();
+    dbr_agent_start_thread(1);
+}
+
+__attribute__((constructor)) static void dbr_agent_init(void)
+{
+    dbr_config_load();
+    if (g_cfg.disabled)
+        return;
+    dbr_hooks_init();
+    init_wait_cv();
+    self_scan();
+    register_sync_core();
+    dbr_patch_init();
+    dbr_census_init();
+    dbr_sampler_init();
+    dbr_atfork_register();
+    make_wake_pipe();
+    dbr_log("loaded: sync_core %d, census signal %d, sampler signal %d, agent [%#lx,%#lx)", g_sync_core,
+            g_cfg.census_sig, g_cfg.sampler_sig, (unsigned long)g_agent_lo, (unsigned long)g_agent_hi);
+    dbr_agent_start_thread(0);
+}
+
+__attribute__((destructor)) static void dbr_agent_fini(void)
+{
+    struct dbr_bye b;
+
+    if (g_cfg.disabled)
+        return;
+    __atomic_store_n(&g_exiting, 1, __ATOMIC_RELEASE);
+    if (dbr_connected()) {
+        memset(&b, 0, sizeof b);
+        dbr_send(&b, DBR_MSG_BYE, sizeof b, -1, 1);
+    }
+    if (g_wake[1] >= 0 && write(g_wake[1], "x", 1) < 0) {
+        /* the agent thread notices g_exiting at its next wake-up anyway */
+    }
+}

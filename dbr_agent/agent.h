@@ -1,0 +1,161 @@
+/*
+ * agent.h — internal interfaces of libdbr_agent.so (the in-client agent).
+ *
+ * Every symbol here is hidden (-fvisibility=hidden); only the interposed
+ * libc functions in hooks.c are exported (DBR_EXPORT).
+ *
+ * Locking: g_agent_mu ("the agent mutex") guards the site table, the code
+ * buffer table, the region table and every write to client text.  g_send_mu
+ * guards the session socket (sending, closing).  Signal handlers never take a
+ * lock: the site table is append-only (entries become historical, never
+ * removed) and published with release stores so the SIGTRAP handler can read
+ * it at any time.
+ */
+#ifndef DBR_AGENT_H
+#define DBR_AGENT_H
+
+#include <pthread.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "dbr_protocol.h"
+
+#define DBR_EXPORT __attribute__((visibility("default")))
+#define DBR_AGENT_VERSION 1u
+
+/* ---- limits ---- */
+#define DBR_SITE_TABLE_MAX   8192u  /* sites ever patched (installed + historical) */
+#define DBR_BUFFER_TABLE_MAX 256u
+#define DBR_REGION_TABLE_MAX 1024u
+#define DBR_CENSUS_SLOTS     4096u  /* threads one census can signal */
+#define DBR_TIMER_TABLE_MAX  4096u  /* sampler timers */
+
+/* ---- configuration (read once from the environment in the constructor) ---- */
+struct dbr_config {
+    int  disabled;          /* DBR_AGENT_DISABLE=1 */
+    int  debug;             /* DBR_AGENT_DEBUG=1 */
+    int  on_disconnect_env; /* -1: not set; else DBR_DISCONNECT_* from DBR_ON_DISCONNECT */
+    int  census_sig;
+    int  sampler_sig;
+    char sock_path[108];    /* $DBR_RUNTIME_DIR/agent.sock; "" if unknown */
+};
+extern struct dbr_config g_cfg;
+
+/* ---- util.c ---- */
+void dbr_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+pid_t dbr_gettid(void);
+uint64_t dbr_now_ms(void);
+void dbr_sleep_ms(unsigned ms);
+void dbr_config_load(void);
+long dbr_page_size(void);
+
+struct dbr_map_ent {
+    uint64_t lo, hi;
+    int prot;     /* PROT_* */
+    int special;  /* [vdso], [vvar], [vsyscall]: never patched */
+};
+struct dbr_maps {
+    struct dbr_map_ent *e;
+    size_t n;
+};
+int dbr_maps_read(struct dbr_maps *m);       /* DBR_OK or DBR_E_NOMEM */
+void dbr_maps_free(struct dbr_maps *m);
+const struct dbr_map_ent *dbr_maps_find(const struct dbr_maps *m, uint64_t addr);
+int dbr_count_threads(void);
+int dbr_list_threads(pid_t *tids, int max);  /* number found (may exceed max: only max stored) */
+
+/* raw syscalls: the agent's own calls never go through its hooks */
+int dbr_sys_mprotect(void *addr, size_t len, int prot);
+int dbr_sys_munmap(void *addr, size_t len);
+int dbr_membarrier_sync(void);
+
+/* ---- hooks.c ---- */
+int dbr_real_sigaction(int sig, const struct sigaction *act, struct sigaction *old);
+int dbr_real_pthread_create(pthread_t *t, const pthread_attr_t *attr,
+                            void *(*start)(void *), void *arg);
+void dbr_hooks_init(void);
+/* Install the agent's handler for `sig` (recording what the program had),
+ * `handler` is the agent's SA_SIGINFO handler. */
+int dbr_signal_install(int sig, void (*handler)(int, siginfo_t *, void *), int flags);
+/* Give a signal the agent does not own to the program's recorded action. */
+void dbr_signal_chain(int sig, siginfo_t *si, void *uc);
+void dbr_atfork_register(void);
+
+/* ---- agent.c (session) ---- */
+extern pthread_mutex_t g_agent_mu;
+extern pid_t g_agent_tid;           /* tid of the agent thread, 0 if none */
+extern int g_sync_core;             /* membarrier SYNC_CORE registered */
+extern uint64_t g_agent_lo, g_agent_hi; /* the agent library's own mapped range */
+int dbr_connected(void);
+/* Send one message from any thread. fds: -1 or an fd for SCM_RIGHTS.
+ * from_client: the caller is a program thread (never blocks long). */
+int dbr_send(void *msg, uint32_t type, uint32_t len, int fd, int from_client);
+/* MAP_CHANGED with bounded wait for the service's ACK: DBR_OK if acked,
+ * DBR_E_TIMEOUT or DBR_E_PROTO (not connected / session ended) otherwise. */
+int dbr_map_changed_wait(uint32_t kind, uint64_t lo, uint64_t hi, uint32_t prot);
+void dbr_map_changed_advise(uint32_t kind, uint64_t lo, uint64_t hi);
+void dbr_agent_start_thread(int forked);
+void dbr_fork_child_reset(void);
+
+/* ---- buffers.c ---- */
+struct dbr_buffer {
+    uint32_t id;      /* 0: free slot */
+    uint64_t base, size;
+};
+extern struct dbr_buffer g_buffers[DBR_BUFFER_TABLE_MAX];
+extern unsigned g_n_buffers;  /* live buffers (atomic read outside the lock) */
+/* all with g_agent_mu held */
+int dbr_buffer_alloc(uint64_t near, uint64_t size, uint32_t *id, uint64_t *base,
+                     uint64_t *rsize, int *fd);
+int dbr_buffer_free(uint32_t id);
+const struct dbr_buffer *dbr_buffer_containing(uint64_t addr, uint64_t len);
+int dbr_buffers_intersect(uint64_t lo, uint64_t hi);
+void dbr_buffers_privatise(void);  /* fork child */
+
+/* ---- patch.c ---- */
+struct dbr_site_ent {
+    uint64_t site;
+    uint64_t target;      /* atomic: read by the SIGTRAP handler */
+    uint32_t region_id;
+    uint32_t buffer_id;
+    uint8_t  variant;
+    uint8_t  orig[5];
+    uint8_t  jmp[5];
+    int      installed;   /* atomic: 1 installed, 0 historical */
+};
+extern unsigned g_n_installed; /* atomic */
+void dbr_patch_init(void);
+/* with g_agent_mu held */
+void dbr_patch_batch(const struct dbr_patch_site *sites, uint32_t n, int unpatch,
+                     struct dbr_site_result *res);
+int dbr_sites_target_buffer(uint32_t buffer_id);
+int dbr_site_overlaps_installed(uint64_t lo, uint64_t hi);
+/* Unpatch every installed site in [lo,hi), whose target lies in [lo,hi), or (if
+ * with_exits) whose region's exits intersect [lo,hi).  Returns sites unpatched. */
+int dbr_unpatch_affected(uint64_t lo, uint64_t hi, int with_exits);
+int dbr_unpatch_all(void);
+int dbr_any_installed(void);
+
+/* regions (patch.c) */
+extern unsigned g_n_regions;
+int dbr_region_set(const struct dbr_region *r);
+int dbr_region_forget(uint32_t id);
+int dbr_region_exits_intersect(uint64_t lo, uint64_t hi);
+void dbr_regions_clear(void);
+
+/* ---- census.c ---- */
+void dbr_census_init(void);
+/* run one census; sends its PC_CENSUS replies */
+int dbr_census_run(uint32_t req_id, uint32_t timeout_ms);
+
+/* ---- sampler.c ---- */
+void dbr_sampler_init(void);
+int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, int *fd, uint64_t *bytes);
+int dbr_sampler_stop(void);
+void dbr_sampler_thread_start(void);  /* calling thread: arm its timer if running */
+void dbr_sampler_thread_exit(void);   /* calling thread: delete its timer */
+void dbr_sampler_fork_child(void);
+
+#endif /* DBR_AGENT_H */

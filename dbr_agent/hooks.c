@@ -1,0 +1,417 @@
+/*
+ * hooks.c — interposed libc functions (the only exported symbols) and the
+ * signal bookkeeping that lets the agent own SIGTRAP and its census/sampler
+ * signals while the program's own handlers are recorded and chained.
+ *
+ * Every hook is usable before the constructor ran and before the agent
+ * connected: real functions are resolved lazily with dlsym(RTLD_NEXT), and
+ * the fast path (no patches, no buffers, no regions) is a few atomic loads.
+ */
+#include <dlfcn.h>
+#include <errno.h>
+#include <link.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "agent.h"
+
+/* ---------------- real functions ---------------- */
+
+typedef int (*sigaction_fn)(int, const struct sigaction *, struct sigaction *);
+typedef sighandler_t (*signal_fn)(int, sighandler_t);
+typedef int (*munmap_fn)(void *, size_t);
+typedef int (*mprotect_fn)(void *, size_t, int);
+typedef int (*dlclose_fn)(void *);
+typedef int (*pthread_create_fn)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
+
+static sigaction_fn real_sigaction_p;
+static signal_fn real_signal_p;
+static munmap_fn real_munmap_p;
+static mprotect_fn real_mprotect_p;
+static dlclose_fn real_dlclose_p;
+static pthread_create_fn real_pthread_create_p;
+
+static void *resolve(void **slot, const char *name)
+{
+    void *p = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+
+    if (!p) {
+        p = dlsym(RTLD_NEXT, name);
+        __atomic_store_n(slot, p, __ATOMIC_RELEASE);
+    }
+    return p;
+}
+#define REAL(var, name) ((__typeof__(var))resolve((void **)&(var), (name)))
+
+int dbr_real_sigaction(int sig, const struct sigaction *act, struct sigaction *old)
+{
+    sigaction_fn f = REAL(real_sigaction_p, "sigaction");
+
+    if (!f) {
+        errno = ENOSYS;
+        return -1;
+    }
+    return f(sig, act, old);
+}
+
+int dbr_real_pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*start)(void *), void *arg)
+{
+    pthread_create_fn f = REAL(real_pthread_create_p, "pthread_create");
+
+    return f ? f(t, attr, start, arg) : EAGAIN;
+}
+
+/* ---------------- signals owned by the agent ---------------- */
+
+struct managed_sig {
+    int sig;                  /* 0: unused */
+    int installed;
+    struct sigaction prog;    /* the program's action, as it believes it is installed */
+};
+static struct managed_sig g_managed[3];
+
+static struct managed_sig *managed_find(int sig)
+{
+    unsigned i;
+
+    for (i = 0; i < sizeof g_managed / sizeof g_managed[0]; i++)
+        if (g_managed[i].sig == sig && __atomic_load_n(&g_managed[i].installed, __ATOMIC_ACQUIRE))
+            return &g_managed[i];
+    return NULL;
+}
+
+int dbr_signal_install(int sig, void (*handler)(int, siginfo_t *, void *), int flags)
+{
+    struct managed_sig *m = NULL;
+    struct sigaction sa, old;
+    unsigned i;
+
+    for (i = 0; i < sizeof g_managed / sizeof g_managed[0]; i++)
+        if (g_managed[i].sig == 0 || g_managed[i].sig == sig) {
+            m = &g_managed[i];
+            break;
+        }
+    if (!m)
+        return DBR_E_LIMIT;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = handler;
+    sa.sa_flags = flags;
+    sigemptyset(&sa.sa_mask);
+    if (dbr_real_sigaction(sig, &sa, &old) < 0)
+        return DBR_E_INVAL;
+    if (!m->installed) {
+        m->prog = old;            /* whatever the program had before us */
+        m->sig = sig;
+        __atomic_store_n(&m->installed, 1, __ATOMIC_RELEASE);
+    }
+    return DBR_OK;
+}
+
+void dbr_signal_chain(int sig, siginfo_t *si, void *uc)
+{
+    struct managed_sig *m = managed_find(sig);
+    struct sigaction pa, dfl, ours;
+    sigset_t mask, oldmask;
+    void *h;
+    int saved_errno = errno;
+
+    if (!m)
+        goto out;
+    pa = m->prog;
+    h = (void *)pa.sa_handler;
+    if (h == (void *)SIG_IGN)
+        goto out;
+    if (h == (void *)SIG_DFL) {
+        /* default action (terminate / core): re-raise with the default installed */
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigemptyset(&dfl.sa_mask);
+        dbr_real_sigaction(sig, &dfl, &ours);
+        sigemptyset(&mask);
+        sigaddset(&mask, sig);
+        pthread_sigmask(SIG_UNBLOCK, &mask, &oldmask);
+        syscall(SYS_tgkill, getpid(), dbr_gettid(), sig);
+        pthread_sigmask(SIG_SETMASK, &oldmask, NULL);
+        dbr_real_sigaction(sig, &ours, NULL);   /* still alive: the default ignored it */
+        goto out;
+    }
+    mask = pa.sa_mask;
+    if (!(pa.sa_flags & SA_NODEFER))
+        sigaddset(&mask, sig);
+    pthread_sigmask(SIG_BLOCK, &mask, &oldmask);
+    if (pa.sa_flags & SA_RESETHAND) {
+        m->prog.sa_handler = SIG_DFL;
+        m->prog.sa_flags &= ~(SA_SIGINFO | SA_RESETHAND);
+    }
+    if (pa.sa_flags & SA_SIGINFO)
+        pa.sa_sigaction(sig, si, uc);
+    else
+        pa.sa_handler(sig);
+    pthread_sigmask(SIG_SETMASK, &oldmask, NULL);
+out:
+    errno = saved_errno;
+}
+
+DBR_EXPORT int sigaction(int sig, const struct sigaction *act, struct sigaction *old)
+{
+    struct managed_sig *m = managed_find(sig);
+    struct sigaction prev;
+
+    if (!m)
+        return dbr_real_sigaction(sig, act, old);
+    prev = m->prog;
+    if (act)
+        m->prog = *act;
+    if (old)
+        *old = prev;
+    return 0;
+}
+
+DBR_EXPORT sighandler_t signal(int sig, sighandler_t handler)
+{
+    struct managed_sig *m = managed_find(sig);
+    struct sigaction prev;
+    signal_fn f;
+
+    if (!m) {
+        f = REAL(real_signal_p, "signal");
+        if (!f) {
+            errno = ENOSYS;
+            return SIG_ERR;
+        }
+        return f(sig, handler);
+    }
+    if (handler == SIG_ERR) {
+        errno = EINVAL;
+        return SIG_ERR;
+    }
+    prev = m->prog;
+    memset(&m->prog, 0, sizeof m->prog);
+    sigemptyset(&m->prog.sa_mask);
+    m->prog.sa_flags = SA_RESTART;      /* glibc signal(): BSD semantics */
+    m->prog.sa_handler = handler;
+    return (prev.sa_flags & SA_SIGINFO) ? (sighandler_t)(void *)prev.sa_sigaction : prev.sa_handler;
+}
+
+/* ---------------- map changes ---------------- */
+
+static int map_interesting(void)
+{
+    return dbr_any_installed() || __atomic_load_n(&g_n_buffers, __ATOMIC_ACQUIRE) ||
+           __atomic_load_n(&g_n_regions, __ATOMIC_ACQUIRE);
+}
+
+/* Before a call that unmaps or changes [lo, hi): tell the service and wait
+ * (bounded); sites in the range are always restored before the call
+ * proceeds; if the service did not answer, also sites whose region exits
+ * into the range. */
+static void map_check(uint32_t kind, uint64_t lo, uint64_t hi, uint32_t prot)
+{
+    int hit, rc, saved_errno = errno;
+
+    if (hi <= lo || !map_interesting())
+        goto out;
+    if (g_agent_tid && dbr_gettid() == g_agent_tid)
+        goto out;               /* the agent's own thread: never wait on itself */
+    pthread_mutex_lock(&g_agent_mu);
+    hit = dbr_site_overlaps_installed(lo, hi) || dbr_region_exits_intersect(lo, hi) ||
+          dbr_buffers_intersect(lo, hi);
+    pthread_mutex_unlock(&g_agent_mu);
+    if (!hit)
+        goto out;
+    rc = dbr_map_changed_wait(kind, lo, hi, prot);
+    dbr_log("map change kind %u [%#lx,%#lx): service %s", kind, (unsigned long)lo, (unsigned long)hi,
+            rc == DBR_OK ? "acked" : "did not answer");
+    dbr_unpatch_affected(lo, hi, rc != DBR_OK);
+out:
+    errno = saved_errno;
+}
+
+static uint64_t page_down(uint64_t a)
+{
+    return a & ~((uint64_t)dbr_page_size() - 1);
+}
+
+static uint64_t page_up(uint64_t a)
+{
+    uint64_t pg = (uint64_t)dbr_page_size();
+
+    return a > UINT64_MAX - pg ? UINT64_MAX & ~(pg - 1) : (a + pg - 1) & ~(pg - 1);
+}
+
+DBR_EXPORT int munmap(void *addr, size_t len)
+{
+    munmap_fn f;
+
+    map_check(DBR_MAP_MUNMAP, page_down((uint64_t)addr), page_up((uint64_t)addr + len), 0);
+    f = REAL(real_munmap_p, "munmap");
+    return f ? f(addr, len) : dbr_sys_munmap(addr, len);
+}
+
+DBR_EXPORT int mprotect(void *addr, size_t len, int prot)
+{
+    mprotect_fn f;
+
+    if (!(prot & PROT_EXEC) || (prot & PROT_WRITE))
+        map_check(DBR_MAP_MPROTECT, page_down((uint64_t)addr), page_up((uint64_t)addr + len),
+                  (uint32_t)prot);
+    f = REAL(real_mprotect_p, "mprotect");
+    return f ? f(addr, len, prot) : dbr_sys_mprotect(addr, len, prot);
+}
+
+struct lib_range {
+    uint64_t base;
+    const char *name;
+    uint64_t lo, hi;
+};
+
+static int phdr_cb(struct dl_phdr_info *info, size_t size, void *data)
+{
+    struct lib_range *r = data;
+    int i;
+
+    (void)size;
+    if (info->dlpi_addr != r->base || !info->dlpi_name || strcmp(info->dlpi_name, r->name) != 0)
+        return 0;
+    for (i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        uint64_t lo, hi;
+
+        if (ph->p_type != PT_LOAD)
+            continue;
+        lo = page_down(info->dlpi_addr + ph->p_vaddr);
+        hi = page_up(info->dlpi_addr + ph->p_vaddr + ph->p_memsz);
+        if (r->hi == 0 || lo < r->lo)
+            r->lo = lo;
+        if (hi > r->hi)
+            r->hi = hi;
+    }
+    return 1;
+}
+
+/* mapped range of a dlopen handle ([0,0) if unknown) */
+static void handle_range(void *handle, uint64_t *lo, uint64_t *hi)
+{
+    struct link_map *lm = NULL;
+    struct lib_range r = { 0 };
+
+    *lo = *hi = 0;
+    if (!handle || dlinfo(handle, RTLD_DI_LINKMAP, &lm) != 0 || !lm)
+        return;
+    r.base = lm->l_addr;
+    r.name = lm->l_name ? lm->l_name : "";
+    dl_iterate_phdr(phdr_cb, &r);
+    *lo = r.lo;
+    *hi = r.hi;
+}
+
+DBR_EXPORT int dlclose(void *handle)
+{
+    dlclose_fn f;
+    uint64_t lo, hi;
+
+    if (map_interesting()) {
+        handle_range(handle, &lo, &hi);
+        if (hi > lo)
+            map_check(DBR_MAP_DLCLOSE, lo, hi, 0);
+    }
+    f = REAL(real_dlclose_p, "dlclose");
+    if (!f) {
+        errno = ENOSYS;
+        return -1;
+    }
+    return f(handle);
+}
+
+/* ---------------- threads ---------------- */
+
+static pthread_key_t g_thread_key;
+static int g_thread_key_ok;
+
+struct start_wrap {
+    void *(*start)(void *);
+    void *arg;
+};
+
+static void thread_exit_notice(void *v)
+{
+    struct dbr_thread m;
+
+    (void)v;
+    dbr_sampler_thread_exit();
+    memset(&m, 0, sizeof m);
+    m.tid = (uint32_t)dbr_gettid();
+    dbr_send(&m, DBR_MSG_THREAD_EXIT, sizeof m, -1, 1);
+}
+
+static void *start_wrapper(void *p)
+{
+    struct start_wrap w = *(struct start_wrap *)p;
+    struct dbr_thread m;
+    int oldstate;
+
+    free(p);
+    pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &oldstate);
+    if (g_thread_key_ok)
+        pthread_setspecific(g_thread_key, (void *)1);
+    dbr_sampler_thread_start();
+    memset(&m, 0, sizeof m);
+    m.tid = (uint32_t)dbr_gettid();
+    dbr_send(&m, DBR_MSG_THREAD_NEW, sizeof m, -1, 1);
+    pthread_setcancelstate(oldstate, NULL);
+    return w.start(w.arg);
+}
+
+DBR_EXPORT int pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*start)(void *), void *arg)
+{
+    struct start_wrap *w;
+    int rc;
+
+    if (g_cfg.disabled)
+        return dbr_real_pthread_create(t, attr, start, arg);
+    w = malloc(sizeof *w);
+    if (!w)
+        return dbr_real_pthread_create(t, attr, start, arg);
+    w->start = start;
+    w->arg = arg;
+    rc = dbr_real_pthread_create(t, attr, start_wrapper, w);
+    if (rc != 0)
+        free(w);
+    return rc;
+}
+
+void dbr_hooks_init(void)
+{
+    REAL(real_sigaction_p, "sigaction");
+    REAL(real_munmap_p, "munmap");
+    REAL(real_mprotect_p, "mprotect");
+    REAL(real_dlclose_p, "dlclose");
+    REAL(real_pthread_create_p, "pthread_create");
+    g_thread_key_ok = pthread_key_create(&g_thread_key, thread_exit_notice) == 0;
+}
+
+/* ---------------- fork ---------------- */
+
+static void atfork_prepare(void)
+{
+    pthread_mutex_lock(&g_agent_mu);
+}
+
+static void atfork_parent(void)
+{
+    pthread_mutex_unlock(&g_agent_mu);
+}
+
+static void atfork_child(void)
+{
+    pthread_mutex_unlock(&g_agent_mu);
+    dbr_fork_child_reset();
+}
+
+void dbr_atfork_register(void)
+{
+    pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+}

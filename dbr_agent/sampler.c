@@ -1,0 +1,243 @@
+/*
+ * sampler.c — the agent-timer sampler: one POSIX CPU-time timer per program
+ * thread (never the agent thread) firing the sampler signal at that thread;
+ * the handler pushes the interrupted PC into a shared memfd ring
+ * (struct dbr_ring_header + capacity x struct dbr_ring_entry).
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include "agent.h"
+
+#ifndef SIGEV_THREAD_ID
+#define SIGEV_THREAD_ID 4
+#endif
+#define SAMPLER_COOKIE   0x0DB5A3B
+#define RING_ENTRIES_MAX (1u << 22)
+#define PERIOD_MIN_US    100u
+
+struct timer_ent {
+    pid_t tid;   /* 0: free */
+    int kid;     /* kernel timer id */
+};
+
+static pthread_mutex_t g_sampler_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct timer_ent g_timers[DBR_TIMER_TABLE_MAX];
+static struct dbr_ring_header *g_ring;      /* read by the handler */
+static struct dbr_ring_header *g_old_ring;  /* stopped ring, unmapped at the next start */
+static uint64_t g_old_ring_bytes, g_ring_bytes;
+static uint32_t g_period_us;
+static int g_running;
+
+static void sampler_handler(int sig, siginfo_t *si, void *ucv)
+{
+    ucontext_t *uc = ucv;
+    struct dbr_ring_header *h;
+    struct dbr_ring_entry *ents;
+    uint64_t head, tail;
+
+    if (si->si_code != SI_TIMER || si->si_value.sival_int != SAMPLER_COOKIE) {
+        dbr_signal_chain(sig, si, ucv);
+        return;
+    }
+    h = __atomic_load_n(&g_ring, __ATOMIC_ACQUIRE);
+    if (!h)
+        return;
+    ents = (struct dbr_ring_entry *)(h + 1);
+    head = __atomic_load_n(&h->head, __ATOMIC_RELAXED);
+    for (;;) {
+        tail = __atomic_load_n(&h->tail, __ATOMIC_ACQUIRE);
+        if (head - tail >= h->capacity) {
+            __atomic_add_fetch(&h->dropped, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        if (__atomic_compare_exchange_n(&h->head, &head, head + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+            break;
+    }
+    ents[head & (h->capacity - 1)].pc = (uint64_t)uc->uc_mcontext.gregs[REG_RIP];
+    ents[head & (h->capacity - 1)].tid = (uint32_t)dbr_gettid();
+    __atomic_store_n(&ents[head & (h->capacity - 1)].seq, (uint32_t)(head + 1), __ATOMIC_RELEASE);
+}
+
+void dbr_sampler_init(void)
+{
+    dbr_signal_install(g_cfg.sampler_sig, sampler_handler, SA_SIGINFO | SA_RESTART | SA_ONSTACK);
+}
+
+/* g_sampler_mu held */
+static int arm_timer(pid_t tid)
+{
+    struct sigevent sev;
+    struct itimerspec its;
+    clockid_t clk = (clockid_t)((~(unsigned)tid << 3) | 6u); /* MAKE_THREAD_CPUCLOCK(tid, SCHED) */
+    int kid = -1, slot = -1;
+    unsigned i;
+
+    for (i = 0; i < DBR_TIMER_TABLE_MAX; i++) {
+        if (g_timers[i].tid == tid)
+            return DBR_OK;
+        if (slot < 0 && g_timers[i].tid == 0)
+            slot = (int)i;
+    }
+    if (slot < 0)
+        return DBR_E_LIMIT;
+    memset(&sev, 0, sizeof sev);
+    sev.sigev_notify = SIGEV_THREAD_ID;
+    sev.sigev_signo = g_cfg.sampler_sig;
+    sev.sigev_value.sival_int = SAMPLER_COOKIE;
+    sev._sigev_un._tid = tid;
+    if (syscall(SYS_timer_create, clk, &sev, &kid) < 0)
+        return errno == ESRCH || errno == EINVAL ? DBR_E_UNKNOWN : DBR_E_NOMEM;
+    memset(&its, 0, sizeof its);
+    its.it_interval.tv_sec = g_period_us / 1000000u;
+    its.it_interval.tv_nsec = (long)(g_period_us % 1000000u) * 1000L;
+    its.it_value = its.it_interval;
+    if (syscall(SYS_timer_settime, kid, 0, &its, NULL) < 0) {
+        syscall(SYS_timer_delete, kid);
+        return DBR_E_INVAL;
+    }
+    g_timers[slot].tid = tid;
+    g_timers[slot].kid = kid;
+    return DBR_OK;
+}
+
+static void delete_all_timers(void)
+{
+    unsigned i;
+
+    for (i = 0; i < DBR_TIMER_TABLE_MAX; i++)
+        if (g_timers[i].tid) {
+            syscall(SYS_timer_delete, g_timers[i].kid);
+            g_timers[i].tid = 0;
+        }
+}
+
+int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, int *fd_out, uint64_t *bytes_out)
+{
+    uint64_t pg = (uint64_t)dbr_page_size(), bytes;
+    struct dbr_ring_header *h = MAP_FAILED;
+    pid_t *tids = NULL;
+    int fd = -1, rc = DBR_OK, n, i, armed = 0;
+
+    *fd_out = -1;
+    *bytes_out = 0;
+    if (period_us == 0 || ring_entries == 0 || ring_entries > RING_ENTRIES_MAX ||
+        (ring_entries & (ring_entries - 1)) != 0)
+        return DBR_E_INVAL;
+    if (period_us < PERIOD_MIN_US)
+        period_us = PERIOD_MIN_US;
+    pthread_mutex_lock(&g_sampler_mu);
+    if (g_running) {      /* restart: the old ring stops being fed and is leaked */
+        __atomic_store_n(&g_ring, NULL, __ATOMIC_RELEASE);
+        delete_all_timers();
+        g_running = 0;
+    }
+    if (g_old_ring) {     /* stopped one round trip ago: no handler can still use it */
+        dbr_sys_munmap(g_old_ring, g_old_ring_bytes);
+        g_old_ring = NULL;
+    }
+    bytes = sizeof(struct dbr_ring_header) + (uint64_t)ring_entries * sizeof(struct dbr_ring_entry);
+    bytes = (bytes + pg - 1) & ~(pg - 1);
+    fd = (int)syscall(SYS_memfd_create, "dbr-ring", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)bytes) < 0) {
+        rc = DBR_E_NOMEM;
+        goto out;
+    }
+    h = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (h == MAP_FAILED) {
+        rc = DBR_E_NOMEM;
+        goto out;
+    }
+    h->magic = DBR_RING_MAGIC;
+    h->version = DBR_PROTO_VERSION;
+    h->capacity = ring_entries;
+    h->entry_size = sizeof(struct dbr_ring_entry);
+    g_ring_bytes = bytes;
+    g_period_us = period_us;
+    __atomic_store_n(&g_ring, h, __ATOMIC_RELEASE);
+    g_running = 1;
+
+    tids = calloc(DBR_TIMER_TABLE_MAX, sizeof *tids);
+    if (!tids) {
+        rc = DBR_E_NOMEM;
+        goto out;
+    }
+    n = dbr_list_threads(tids, DBR_TIMER_TABLE_MAX);
+    if (n > (int)DBR_TIMER_TABLE_MAX)
+        n = DBR_TIMER_TABLE_MAX;
+    for (i = 0; i < n; i++)
+        if (tids[i] != g_agent_tid && tids[i] != dbr_gettid() && arm_timer(tids[i]) == DBR_OK)
+            armed++;
+    dbr_log("sampler started: period %u us, %u entries, %d timers", period_us, ring_entries, armed);
+    *fd_out = fd;
+    *bytes_out = bytes;
+    fd = -1;
+out:
+    if (rc != DBR_OK && h != MAP_FAILED) {
+        __atomic_store_n(&g_ring, NULL, __ATOMIC_RELEASE);
+        delete_all_timers();
+        g_running = 0;
+        dbr_sys_munmap(h, bytes);
+    }
+    pthread_mutex_unlock(&g_sampler_mu);
+    if (fd >= 0)
+        close(fd);
+    free(tids);
+    return rc;
+}
+
+int dbr_sampler_stop(void)
+{
+    pthread_mutex_lock(&g_sampler_mu);
+    if (g_running) {
+        g_old_ring = g_ring;
+        g_old_ring_bytes = g_ring_bytes;
+        __atomic_store_n(&g_ring, NULL, __ATOMIC_RELEASE);
+        delete_all_timers();
+        g_running = 0;
+    }
+    pthread_mutex_unlock(&g_sampler_mu);
+    return DBR_OK;
+}
+
+void dbr_sampler_thread_start(void)
+{
+    if (!__atomic_load_n(&g_running, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&g_sampler_mu);
+    if (g_running)
+        arm_timer(dbr_gettid());
+    pthread_mutex_unlock(&g_sampler_mu);
+}
+
+void dbr_sampler_thread_exit(void)
+{
+    pid_t tid = dbr_gettid();
+    unsigned i;
+
+    if (!__atomic_load_n(&g_running, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&g_sampler_mu);
+    for (i = 0; i < DBR_TIMER_TABLE_MAX; i++)
+        if (g_timers[i].tid == tid) {
+            syscall(SYS_timer_delete, g_timers[i].kid);
+            g_timers[i].tid = 0;
+        }
+    pthread_mutex_unlock(&g_sampler_mu);
+}
+
+/* fork child: POSIX timers are not inherited; the ring belongs to the parent */
+void dbr_sampler_fork_child(void)
+{
+    pthread_mutex_init(&g_sampler_mu, NULL);
+    memset(g_timers, 0, sizeof g_timers);
+    __atomic_store_n(&g_ring, NULL, __ATOMIC_RELEASE);
+    g_running = 0;
+    g_old_ring = NULL;
+}
