@@ -203,7 +203,8 @@ class ClientSession:
         self.errors: collections.deque[str] = collections.deque(maxlen=20)
         self.source: SamplingSource | None = None
         self.source_name = ""
-        self._sampler_fd: int | None = None
+        #: Source this client must use (set when perf was refused for it).
+        self.forced_source: str | None = None
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = False
@@ -268,8 +269,9 @@ class ClientSession:
         except Exception as exc:  # a bug must end this session only
             log.exception("session %d (pid %d) failed", self.session_id, self.pid)
             self.close_reason = self.close_reason or f"internal error: {exc!r}"
+        leftover = self._drain_source()
         self._finish()
-        svc.session_ended(self)
+        svc.session_ended(self, leftover)
 
     def _handshake(self) -> None:
         cfg = self.service.config
@@ -316,6 +318,16 @@ class ClientSession:
                 fut.set_exception(exc)
                 if isinstance(exc, (AgentError, ProtocolError)) and self.conn.closed:
                     raise
+
+    def _drain_source(self) -> list:
+        """Samples still buffered when the session ends (a short client's last window)."""
+        with self.lock:
+            if self.source is None:
+                return []
+            try:
+                return self.source.read()
+            except SamplingError:
+                return []
 
     def _finish(self) -> None:
         self.state = SessionState.CLOSED
@@ -424,12 +436,6 @@ class ClientSession:
                 self._close_source()
         return samples
 
-    def open_agent_ring(self, period_us: int, ring_entries: int) -> tuple[int, int]:
-        """Session thread: SAMPLER_START; the ring fd stays owned by the session."""
-        fd, size = self.conn.sampler_start(period_us, ring_entries)
-        self._sampler_fd = fd
-        return fd, size
-
     def _close_source(self) -> None:
         with self.lock:
             src, self.source = self.source, None
@@ -438,17 +444,6 @@ class ClientSession:
                     src.close()
                 except SamplingError as exc:
                     self.errors.append(str(exc))
-            if self._sampler_fd is not None:
-                fd, self._sampler_fd = self._sampler_fd, None
-                if not self.conn.closed:
-                    try:
-                        self.conn.sampler_stop(timeout=0.5)
-                    except (AgentError, ProtocolError):
-                        pass
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
 
     def add_samples(self, ips: collections.Counter[int]) -> None:
         """Control thread: account one snapshot's samples of this client."""

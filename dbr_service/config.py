@@ -53,10 +53,11 @@ class Config:
         "conditional jumps away from a sampled block that discovery follows", min=0, max=64))
     min_loop_trip_count: int = field(default=16, metadata=_doc(
         "super-regions whose loops iterate fewer times than this are dropped", min=0))
-    min_region_size: int = field(default=32, metadata=_doc(
+    min_region_size: int = field(default=16, metadata=_doc(
         "super-regions with fewer bytes of original code are dropped", min=0))
-    inline_budget: float = field(default=2.0, metadata=_doc(
-        "code growth factor allowed for inlining per super-region", min=1.0, max=64.0))
+    inline_budget: float = field(default=1.0, metadata=_doc(
+        "inlining growth per super-region as a ratio of its body bytes (1.0 = double)",
+        min=0.0, max=64.0))
     max_workers: int = field(default=0, metadata=_doc(
         "worker processes (0 = from CPU count and load)", min=0, max=256))
     allowed_uids: tuple[int, ...] | None = field(default=None, metadata=_doc(

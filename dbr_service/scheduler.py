@@ -75,12 +75,20 @@ class ClientJob:
     maps: list[MapEntry]
     #: Configuration as a dict (Config is rebuilt in the worker).
     config: dict[str, Any]
+    #: Taken branches seen in the snapshot ``{src: {dst: count}}`` (sources with branch info).
+    branches: dict[int, dict[int, int]] = field(default_factory=dict)
     #: Memory reader spec: the worker opens /proc/PID/mem itself.
     mem: MemoryReader = field(init=False)
     submitted: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         self.mem = MemoryReader(self.pid)
+
+    def memory_view(self):
+        """In the worker: the live view region selection reads (region/memview.py)."""
+        from dbr_service.region.memview import LiveMemoryView
+
+        return LiveMemoryView(self.pid)
 
 
 @dataclass
@@ -115,44 +123,44 @@ def optimize_client(job: ClientJob) -> JobResult:
                      time.monotonic() - t0, os.getpid())
 
 
+def region_config(cfg: Any, total_samples: int) -> Any:
+    """The pipeline's RegionConfig from the service Config.  ``hot_threshold`` is a
+    fraction of the client's samples here and a sample count in the pipeline."""
+    from dbr_service.region.pipeline import RegionConfig
+
+    return RegionConfig(jumps_from_hot_limit=cfg.jumps_from_hot_limit,
+                        hot_threshold=max(1.0, cfg.hot_threshold * total_samples),
+                        min_loop_trip_count=cfg.min_loop_trip_count,
+                        min_region_size=cfg.min_region_size, inline_budget=cfg.inline_budget)
+
+
 def select_client_regions(job: ClientJob, cfg: Any) -> tuple[list[dict] | None, str]:
     """Run region selection if the pipeline module exists; (regions, status text)."""
     if importlib.util.find_spec("dbr_service.region.pipeline") is None:
         return None, "region selection not available yet (dbr_service.region.pipeline missing)"
     try:
         pipeline = importlib.import_module("dbr_service.region.pipeline")
-        srs = pipeline.select_regions(job.cumulative, job.mem, cfg)
+        rcfg = region_config(cfg, sum(job.cumulative.values()))
+        res = pipeline.select_regions(job.cumulative, job.memory_view(), rcfg,
+                                      branch_samples=job.branches or None)
     except Exception as exc:  # per-client: recorded, the service goes on
         tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
         return None, f"region selection failed: {tb}"
-    return [describe_region(k, sr) for k, sr in enumerate(srs or [], 1)], "ok"
+    regions = [describe_region(sr) for sr in res.regions]
+    status = f"{len(regions)} region(s) selected"
+    if res.failures:
+        status += f", {len(res.failures)} dropped by failures ({res.failures[0].error})"
+    return regions, status + "; code generation not wired yet"
 
 
-def describe_region(index: int, sr: Any) -> dict[str, Any]:
-    """A picklable summary of one super-region returned by the pipeline."""
-    from dbr_service.region import model
-
-    entries, blocks, code_bytes = [], 0, 0
-    graph = getattr(sr, "graph", sr)
-    try:
-        nodes = [n for n in graph.nodes if n not in (model.START, model.END)]
-        blocks = len(nodes)
-        entries = sorted(int(v) for _, v in graph.out_edges(model.START)
-                         if isinstance(v, int))
-        for n in nodes:
-            bb = graph.nodes[n].get("block")
-            code_bytes += int(getattr(bb, "size", 0) or 0)
-    except Exception:  # unknown shape: keep what we have
-        pass
-    dot = None
-    to_dot = getattr(sr, "to_dot", None)
-    if callable(to_dot):
-        try:
-            dot = to_dot()
-        except Exception:
-            dot = None
-    return {"id": f"r{index}", "module": str(getattr(sr, "module", "") or ""),
-            "entries": entries, "blocks": blocks, "code_bytes": code_bytes, "dot": dot}
+def describe_region(sr: Any) -> dict[str, Any]:
+    """A picklable summary of one super-region (region/model.py SuperRegion)."""
+    blocks = list(sr.blocks())
+    modules = [bb.module for _, bb in blocks if getattr(bb, "module", None)]
+    return {"id": sr.id, "module": modules[0] if modules else "",
+            "entries": sorted(int(n) for n, _ in sr.entry_edges() if isinstance(n, int)),
+            "blocks": len(blocks), "code_bytes": sum(bb.size for _, bb in blocks),
+            "dot": sr.to_dot(sr.id)}
 
 
 # --------------------------------------------------------------------------- scheduler

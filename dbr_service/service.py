@@ -38,6 +38,7 @@ from dbr_service.config import Config, ConfigSources
 from dbr_service.control import ControlServer, EventBus
 from dbr_service.errors import ConfigError, DbrError, SamplingError
 from dbr_service.notify import Notifier
+from dbr_service.sampling.aggregate import SampleAggregator
 from dbr_service.scheduler import ClientJob, JobResult, Scheduler
 
 log = logging.getLogger("dbr.service")
@@ -53,64 +54,46 @@ class ServiceError(DbrError):
 
 # --------------------------------------------------------------------------- sampling
 def sampling_capabilities() -> dict[str, Any]:
-    """What this host offers, from sampling/detect.py when present, else probed here."""
-    caps: dict[str, Any] = {}
+    """What this host offers (sampling/detect.py), as JSON for `dbr ctl status`."""
+    from dbr_service.sampling import detect
+
     try:
-        from dbr_service.sampling import detect  # type: ignore[attr-defined]
-    except ImportError:
-        detect = None
-    if detect is not None and hasattr(detect, "detect"):
-        try:
-            found = detect.detect()
-            caps["detected"] = found if isinstance(found, (dict, list, str)) else repr(found)
-        except Exception as exc:  # detection must not stop the service
-            caps["detect_error"] = repr(exc)
-    try:
-        from dbr_service.sampling.perf import PerfSource
-    except ImportError:
-        caps["perf"] = {"available": False, "reason": "sampling/perf.py not available yet"}
-    else:
-        ok, why = PerfSource.available()
-        caps["perf"] = {"available": ok, "reason": why}
-    try:
-        from dbr_service.sampling import agent_timer  # noqa: F401
-    except ImportError:
-        caps["agent-timer"] = {"available": False,
-                               "reason": "sampling/agent_timer.py not available yet"}
-    else:
-        caps["agent-timer"] = {"available": True, "reason": "needs the agent's SAMPLER_START"}
-    return caps
+        return detect.detect().to_json()
+    except Exception as exc:  # detection must not stop the service
+        log.warning("sampling detection failed: %r", exc)
+        return {"best": "agent-timer", "capabilities": {}, "error": repr(exc)}
 
 
 def choose_source(configured: str, caps: dict[str, Any]) -> str:
-    """perf | agent-timer | none, for ``sampling_source`` and the detected capabilities."""
-    if configured != "auto":
-        return configured
-    if caps.get("perf", {}).get("available"):
-        return "perf"
-    if caps.get("agent-timer", {}).get("available"):
+    """The live source to use: perf-cpu-clock | perf-cycles | agent-timer."""
+    if configured == "agent-timer":
         return "agent-timer"
-    return "none"
+    best = caps.get("best", "agent-timer")
+    if configured == "perf":
+        return best if best.startswith("perf-") else "perf-cpu-clock"
+    return best
 
 
-def make_agent_timer_source(session: ClientSession, cfg: Config):
-    """An agent-timer source on the ring the agent hands over with SAMPLER_RING."""
-    try:
-        from dbr_service.sampling import agent_timer
-    except ImportError:
-        raise SamplingError("agent-timer sampling not available yet "
-                            "(dbr_service/sampling/agent_timer.py missing)") from None
-    fd, size = session.open_agent_ring(cfg.sample_period_us, cfg.agent_ring_entries)
-    src = agent_timer.AgentTimerSource(fd, size)
+def make_perf_source(session: ClientSession, cfg: Config, kind: str):
+    """perf sampling of every thread of the client (threads added later via THREAD_NEW)."""
+    from dbr_service.sampling.perf import PerfSource
+
+    pages = 64 if cfg.continuous_sampling else 16
+    src = PerfSource(event=kind.removeprefix("perf-"), sample_period_us=cfg.sample_period_us,
+                     data_pages=pages)
     src.open(session.pid)
     return src
 
 
-def make_perf_source(session: ClientSession, cfg: Config):
-    from dbr_service.sampling.perf import PerfSource
+def make_agent_timer_source(session: ClientSession, cfg: Config):
+    """The agent's own per-thread timers, through the ring it hands over (SAMPLER_RING).
+    start/stop run on the session thread, the connection's only reader."""
+    from dbr_service.sampling.agent_timer import AgentTimerSource
 
-    pages = 64 if cfg.continuous_sampling else 16
-    src = PerfSource(sample_period_us=cfg.sample_period_us, data_pages=pages)
+    conn = session.conn
+    src = AgentTimerSource(lambda period, entries: conn.sampler_start(period, entries)[0],
+                           lambda: conn.sampler_stop(timeout=1.0),
+                           period_us=cfg.sample_period_us, ring_entries=cfg.agent_ring_entries)
     src.open(session.pid)
     return src
 
@@ -360,7 +343,12 @@ class Service:
         log.warning("agent connection from pid %d uid %d refused: %s", s.pid, s.uid, why)
         self.events.publish("client-refused", pid=s.pid, uid=s.uid, reason=why)
 
-    def session_ended(self, s: ClientSession) -> None:
+    def session_ended(self, s: ClientSession, leftover: list | None = None) -> None:
+        """Session thread: the client left; ``leftover`` are samples of its open window."""
+        if leftover:
+            agg = SampleAggregator(attribute=self.attribute)
+            agg.add(leftover)
+            s.add_samples(collections.Counter(agg.ips.get(s.pid, {})))
         with self.lock:
             self.sessions.pop(s.session_id, None)
             self.history.append(s)
@@ -396,12 +384,10 @@ class Service:
     def _make_source(self, s: ClientSession):
         """Session thread: the sampling source for one client (perf, else agent timer)."""
         cfg = self.config
-        kind = getattr(s, "forced_source", None) or self.source_kind
-        if kind == "none":
-            raise SamplingError("no sampling source available on this host")
-        if kind == "perf":
+        kind = s.forced_source or self.source_kind
+        if kind.startswith("perf-"):
             try:
-                return make_perf_source(s, cfg)
+                return make_perf_source(s, cfg, kind)
             except SamplingError as exc:
                 if cfg.sampling_source != "auto":
                     raise
@@ -452,6 +438,8 @@ class Service:
         snap.collect_deadline = now + 1.0
 
     def _sampling_failed(self, s: ClientSession, exc: BaseException) -> None:
+        if not s.alive:
+            return  # the client left during the window: not a sampling failure
         msg = f"sampling failed: {exc}"
         if not s.errors or s.errors[-1] != msg:
             s.errors.append(msg)
@@ -459,23 +447,30 @@ class Service:
             self.events.publish("error", pid=s.pid, message=msg)
 
     def _finish_snapshot(self) -> None:
+        """Aggregate the window by (client, IP) and hand the hottest clients to workers."""
         snap, self._snap = self._snap, None
         self.snapshot_count += 1
-        jobs = []
+        agg = SampleAggregator(attribute=self.attribute)
+        agg.start_window()
+        done: list[ClientSession] = []
         for sid, fut in snap.collecting.items():
-            s = self.sessions.get(sid) or next((h for h in self.history
-                                                if h.session_id == sid), None)
+            s = self._session_by_id(sid)
             if s is None or not fut.done():
                 continue
             if fut.exception() is not None:
                 self._sampling_failed(s, fut.exception())
                 continue
-            counts = aggregate_ips(fut.result(), s.pid)
+            agg.add(fut.result())
+            done.append(s)
+        window = agg.end_window().aggregator
+        jobs = []
+        for s in done:
+            counts = collections.Counter(window.ips.get(s.pid, {}))
             s.add_samples(counts)
             if counts and s.alive and not s.paused:
                 jobs.append(ClientJob(s.session_id, s.pid, s.exe, dict(counts),
-                                      dict(s.ip_counts), list(s.maps),
-                                      self.config.to_dict()))
+                                      dict(s.ip_counts), list(s.maps), self.config.to_dict(),
+                                      branches=window.branch_counts(s.pid)))
         if jobs and not self.paused:
             for sid in self.scheduler.schedule(jobs, self.config.max_workers):
                 s = self.sessions.get(sid)
@@ -483,15 +478,23 @@ class Service:
                     s.job_running = True
         self.notifier.status(self._status_line())
 
+    def attribute(self, pid: int, ip: int) -> int:
+        """Replacement-code address -> original address (identity until codegen emits
+        address maps; the hook the aggregator calls)."""
+        return ip
+
+    def _session_by_id(self, sid: int) -> ClientSession | None:
+        with self.lock:
+            return self.sessions.get(sid) or next(
+                (h for h in self.history if h.session_id == sid), None)
+
     # ------------------------------------------------------------------ results
     def _job_done(self, res: JobResult | BaseException, session_id: int) -> None:
         """Pool thread: hand the result to the control thread."""
         self.post(lambda: self._apply_result(res, session_id))
 
     def _apply_result(self, res: JobResult | BaseException, session_id: int) -> None:
-        with self.lock:
-            s = self.sessions.get(session_id) or next(
-                (h for h in self.history if h.session_id == session_id), None)
+        s = self._session_by_id(session_id)
         if s is None:
             return
         s.job_running = False
@@ -536,6 +539,8 @@ class Service:
             old, self.config = self.config, new
             self.config_generation += 1
         if new.sampling_source != old.sampling_source:
+            for s in self.live_sessions():
+                s.forced_source = None
             self.source_kind = choose_source(new.sampling_source, self.capabilities)
         if new.log_level != old.log_level:
             logging.getLogger("dbr").setLevel(new.log_level.upper())
@@ -605,17 +610,3 @@ class Service:
                 pass
         self.stopped.set()
         log.info("stopped")
-
-
-def aggregate_ips(samples: list, pid: int) -> collections.Counter[int]:
-    """Samples of one client's window -> count per IP (the SampleAggregator's job once it
-    exists; see sampling/aggregate.py)."""
-    try:
-        from dbr_service.sampling.aggregate import SampleAggregator  # type: ignore
-    except ImportError:
-        SampleAggregator = None  # noqa: N806
-    if SampleAggregator is not None and hasattr(SampleAggregator, "ip_counts"):
-        agg = SampleAggregator()
-        agg.add(samples)
-        return collections.Counter(agg.ip_counts(pid))
-    return collections.Counter(smp.ip for smp in samples if smp.pid == pid or not smp.pid)

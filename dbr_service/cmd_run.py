@@ -1,0 +1,183 @@
+"""dbr run — run PROG under dbr and report what dbr did with it.
+
+Uses the host's service when one answers on $DBR_RUNTIME_DIR, else (or with
+--embedded) starts a private service for the run.  PROG is started with the agent
+in LD_PRELOAD (prepended to any existing value) and DBR_RUNTIME_DIR set, so its
+forks and execs are followed.  The exit status is PROG's (killed by signal N:
+128+N).  At exit a short report goes to stderr; --report FILE writes dbr.run/1 JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from dbr_service.config import ConfigSources, resolve_runtime_dir
+from dbr_service.control import ControlClient
+from dbr_service.errors import ConfigError
+from dbr_service.report import format_report, run_report
+
+log = logging.getLogger("dbr.run")
+
+EPILOG = """examples:
+  dbr run -- ./prog arg1 arg2
+  dbr run --embedded --aggressive --report out.json -- ./prog
+  dbr run -o sampling_source=agent-timer -o sample_period_us=250 -- ./prog
+"""
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.add_argument("--embedded", action="store_true",
+                        help="always start a private service for this run")
+    parser.add_argument("--aggressive", action="store_true",
+                        help="preset for tests and demos: short snapshot interval, low thresholds")
+    parser.add_argument("--report", metavar="FILE", help="write the dbr.run/1 JSON report here")
+    parser.add_argument("-c", "--config", metavar="FILE",
+                        help="configuration file of the embedded service")
+    parser.add_argument("-o", dest="overrides", metavar="KEY=VALUE", action="append",
+                        default=[], help="set a configuration key of the embedded service")
+    parser.add_argument("--quiet", action="store_true", help="no report on stderr")
+    parser.add_argument("prog", nargs=argparse.REMAINDER, metavar="-- PROG ARGS",
+                        help="the program to run and its arguments")
+
+
+class EmbeddedService:
+    """A private service in a thread of this process, with its own runtime dir."""
+
+    def __init__(self, sources: ConfigSources) -> None:
+        from dbr_service.service import Service
+
+        self.tmp = tempfile.mkdtemp(prefix="dbr-run-")
+        env = dict(os.environ)
+        env["DBR_RUNTIME_DIR"] = self.tmp
+        sources.env = env
+        self.service = Service(sources, embedded=True)
+        self.runtime_dir = self.service.runtime_dir
+        self.thread = threading.Thread(target=self.service.run, name="dbr-embedded",
+                                       daemon=True)
+
+    def start(self) -> None:
+        self.service.start()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.service.request_stop("dbr run finished")
+        self.thread.join(5.0)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def child_env(agent: str, runtime_dir: Path) -> dict[str, str]:
+    """The environment of PROG: agent preloaded (before anything already there)."""
+    env = dict(os.environ)
+    old = env.get("LD_PRELOAD", "")
+    env["LD_PRELOAD"] = agent + (":" + old if old else "")
+    env["DBR_RUNTIME_DIR"] = str(runtime_dir)
+    return env
+
+
+def collect_report(client: ControlClient, pid: int, settle_s: float = 2.0) -> list[dict[str, Any]]:
+    """Client entries of PROG and its descendants, once their sessions have ended
+    (bounded wait: an agent that never says goodbye does not hold the report)."""
+    deadline = time.monotonic() + settle_s
+    entries: list[dict[str, Any]] = []
+    while True:
+        try:
+            entries = client.result("report", {"pids": [pid]}, timeout=1.0)
+        except (OSError, TimeoutError) as exc:
+            log.warning("report from the service failed: %s", exc)
+            return entries
+        if all(e.get("close_reason") for e in entries) or time.monotonic() > deadline:
+            return entries
+        time.sleep(0.05)
+
+
+def run(args: argparse.Namespace) -> int:
+    prog = list(args.prog)
+    if prog and prog[0] == "--":
+        prog = prog[1:]
+    if not prog:
+        print("dbr run: no program given (dbr run [OPTIONS] -- PROG ARGS)", file=sys.stderr)
+        return 2
+    import dbr_agent
+
+    try:
+        agent = dbr_agent.agent_path()
+    except (FileNotFoundError, subprocess.CalledProcessError) as exc:
+        print(f"dbr run: the agent is not available: {exc}", file=sys.stderr)
+        return 1
+    sources = ConfigSources(file=args.config, overrides=tuple(args.overrides),
+                            aggressive=args.aggressive)
+    try:
+        sources.load()  # validate -o before anything starts
+    except ConfigError as exc:
+        print(f"dbr run: configuration error: {exc}", file=sys.stderr)
+        return 2
+    embedded: EmbeddedService | None = None
+    runtime_dir = resolve_runtime_dir()
+    if args.embedded or not ControlClient(runtime_dir).answers(timeout=1.0):
+        from dbr_service.cmd_service import setup_logging
+        from dbr_service.service import ServiceError
+
+        explicit = any(o.startswith("log_level=") for o in args.overrides)
+        setup_logging(sources.load().log_level if explicit else "warning")
+        try:
+            embedded = EmbeddedService(sources)
+            embedded.start()
+        except ServiceError as exc:
+            print(f"dbr run: cannot start the embedded service: {exc}", file=sys.stderr)
+            return 1
+        runtime_dir = embedded.runtime_dir
+    elif args.aggressive or args.overrides:
+        print(f"dbr run: using the host service on {runtime_dir}; --aggressive/-o apply only "
+              f"to an embedded service (add --embedded)", file=sys.stderr)
+    try:
+        return _run_prog(args, prog, agent, runtime_dir, "embedded" if embedded else "host")
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir: Path,
+              mode: str) -> int:
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.Popen(prog, env=child_env(agent, runtime_dir))
+    except OSError as exc:
+        print(f"dbr run: cannot run {prog[0]}: {exc}", file=sys.stderr)
+        return 127 if isinstance(exc, FileNotFoundError) else 126
+    old = {sig: signal.signal(sig, lambda n, _f: proc.send_signal(n)) for sig in FORWARDED}
+    try:
+        returncode = proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    wall = time.monotonic() - t0
+    exit_code = _exit_status(returncode)
+    clients = collect_report(ControlClient(runtime_dir), proc.pid)
+    rep = run_report(prog, exit_code, wall, clients, service=mode,
+                     runtime_dir=str(runtime_dir))
+    if not args.quiet:
+        print(format_report(rep), file=sys.stderr)
+    if args.report:
+        with open(args.report, "w") as fh:
+            json.dump(rep, fh, indent=2)
+            fh.write("\n")
+    return exit_code
