@@ -21,7 +21,7 @@ from dbr_service.sampling import perf
 from dbr_service.sampling.aggregate import SampleAggregator
 from dbr_service.sampling.agent_timer import AgentTimerRing, AgentTimerSource, create_ring_memfd
 from dbr_service.sampling.base import Sample
-from dbr_service.sampling.detect import detect
+from dbr_service.sampling.detect import detect, make_source
 from dbr_service.sampling.lbr import edges_from_lbr, fallthroughs_from_lbr, lbr_profile
 from dbr_service.sampling.recorded import (RecordedSource, parse_brstack, read_samples,
                                            write_samples)
@@ -318,6 +318,12 @@ def test_detect_reports_software_clock():
         assert not caps["lbr"].available
     assert rep.perf_event_paranoid == perf.read_paranoid()
     json.dumps(rep.to_json())
+    src = make_source(rep.best, sample_period_us=500)
+    assert isinstance(src, perf.PerfSource) and src.name == rep.best
+    with pytest.raises(SamplingError):
+        make_source("ibs-op")  # offered by some hosts, replayed only
+    with pytest.raises(SamplingError):
+        make_source("agent-timer")  # needs the session's start/stop
     print(json.dumps(rep.to_json(), indent=1))
 
 
@@ -385,6 +391,23 @@ def test_agent_ring_overflow_counts_drops(bins, spawn):
         os.close(fd)
 
 
+def test_agent_ring_seq_wraps_at_32_bits(bins, spawn):
+    """Slot numbers are 64-bit, seq is their low 32 bits: crossing 2**32 must work."""
+    fd = create_ring_memfd(64)
+    try:
+        start = 2 ** 32 - 7
+        os.pwrite(fd, struct.pack("<QQ", start, start), protocol.RingHeader.head.offset)
+        ring = AgentTimerRing(fd)
+        assert ring.tail == start
+        report = _producer_report(_run_producer(spawn, bins, fd, 2, 10))
+        got = ring.read()
+        assert len(got) == 20 and ring.tail == start + 20 and ring.dropped == 0
+        assert all(_check_order(got)[t] == list(range(10)) for t in report)
+        ring.close()
+    finally:
+        os.close(fd)
+
+
 def test_agent_ring_concurrent_consumer(bins, spawn):
     """Consumer racing 4 producers: every entry is read once or counted as dropped."""
     fd = create_ring_memfd(256)
@@ -400,7 +423,7 @@ def test_agent_ring_concurrent_consumer(bins, spawn):
         for tid, (pushed, _) in report.items():
             assert len(per.get(tid, [])) == pushed
         assert len(got) + ring.dropped == 20000 and len(got) > 256
-        assert ring.dropped == sum(d for _, d in report.values())
+        assert ring.dropped == sum(d for _, d in report.values()) and ring.skipped == 0
         print(f"concurrent: read={len(got)} dropped={ring.dropped}")
         ring.close()
     finally:
@@ -429,13 +452,17 @@ def test_agent_ring_rejects_bad_rings():
 def test_agent_ring_skips_slot_of_dead_producer():
     fd = create_ring_memfd(8)
     try:
-        ring = AgentTimerRing(fd, skip_after=2)
+        ring = AgentTimerRing(fd, skip_after_s=0.2)
         with mmap.mmap(fd, 64 + 8 * 16) as mm:
             # slot 0 reserved and never published; slot 1 published
             struct.pack_into("<Q", mm, protocol.RingHeader.head.offset, 2)  # head = 2
             struct.pack_into("<QII", mm, 64 + 16, 0xABC, 77, 2)
-            assert ring.read() == [] and ring.read() == []
-            assert ring.read() == []  # third stalled read skips slot 0
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 0.1:  # a preempted producer: wait for it
+                assert ring.read() == []
+            assert ring.skipped == 0
+            time.sleep(0.15)
+            assert ring.read() == []  # stalled for > 0.2 s: slot 0 is skipped
             assert ring.skipped == 1 and ring.read() == [(0xABC, 77)]
         ring.close()
     finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import time
 from typing import Callable, Sequence
 
 from dbr_service import protocol
@@ -34,9 +35,10 @@ _SEQ_WORD = protocol.RingEntry.seq.offset // 4    # u32 index of seq inside an e
 _TID_WORD = protocol.RingEntry.tid.offset // 4
 _PC_WORD = protocol.RingEntry.pc.offset // 4
 
-#: Consecutive read() calls a reserved-but-unpublished slot may block the ring before
-#: it is skipped (its producer was killed between reserving and publishing).
-DEFAULT_SKIP_AFTER = 64
+#: Seconds a reserved-but-unpublished slot may block the ring before it is skipped
+#: (its producer was killed or stopped between reserving and publishing).  A producer
+#: merely preempted inside its handler publishes within a scheduler timeslice or two.
+DEFAULT_SKIP_AFTER_S = 1.0
 
 
 def ring_bytes(capacity: int, entry_size: int = ENTRY_SIZE) -> int:
@@ -68,7 +70,8 @@ class AgentTimerRing:
     writable ``mmap``.  :meth:`read` returns ``(pc, tid)`` pairs in slot order.
     """
 
-    def __init__(self, source: int | mmap.mmap, skip_after: int = DEFAULT_SKIP_AFTER) -> None:
+    def __init__(self, source: int | mmap.mmap,
+                 skip_after_s: float = DEFAULT_SKIP_AFTER_S) -> None:
         self._ident: tuple[int, int] | None = None
         if isinstance(source, mmap.mmap):
             self.mm, self._own = source, False
@@ -93,9 +96,9 @@ class AgentTimerRing:
         self._dropped = ctypes.c_uint64.from_buffer(self.mm, _DROPPED_OFF)
         self.tail = self._tail.value
         self.dropped_seen = self._dropped.value
-        self.skip_after = skip_after
-        self._stalled_reads = 0
-        #: Entries read, drops noticed, unpublished slots skipped (cumulative).
+        self.skip_after_s = skip_after_s
+        self._stall: tuple[int, float] | None = None  # (blocked slot, since when)
+        #: Entries read and unpublished slots skipped (cumulative).
         self.consumed = 0
         self.skipped = 0
 
@@ -146,14 +149,20 @@ class AgentTimerRing:
         return out
 
     def _maybe_skip(self, tail: int) -> int:
-        """Skip one slot reserved long ago and never published (producer died)."""
+        """Skip the slot at ``tail`` once it has stayed reserved-but-unpublished for
+        ``skip_after_s`` seconds (its producer died, or is stopped, between the CAS and
+        the seq store).  A producer that publishes after the skip writes into a slot the
+        ring may have handed out again; at worst that one sample is lost or garbled."""
         if self._head.value == tail:
-            self._stalled_reads = 0
+            self._stall = None
             return tail
-        self._stalled_reads += 1
-        if self._stalled_reads <= self.skip_after:
+        now = time.monotonic()
+        if self._stall is None or self._stall[0] != tail:
+            self._stall = (tail, now)
             return tail
-        self._stalled_reads = 0
+        if now - self._stall[1] < self.skip_after_s:
+            return tail
+        self._stall = None
         self.skipped += 1
         return tail + 1
 
@@ -269,7 +278,7 @@ class AgentTimerSource(SamplingSource):
         pid = self.pid or 0
         skipped = ring.skipped
         out.extend(Sample(pid, tid, pc) for pc, tid in ring.read())
-        self.stats.lost += ring.new_drops()
+        self.stats.lost += ring.new_drops() + ring.skipped - skipped
         self.stats.extra["skipped"] += ring.skipped - skipped
 
     def read(self) -> list[Sample]:

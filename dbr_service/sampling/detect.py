@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
+from dbr_service.errors import SamplingError
 from dbr_service.sampling import perf
+from dbr_service.sampling.agent_timer import AgentTimerSource, StartFn, StopFn
+from dbr_service.sampling.base import SamplingSource
 
 #: Source names from best to worst.  Live sources implemented today: perf-cpu-clock,
 #: perf-cycles and agent-timer; ibs-op and lbr are parsed from recorded streams only.
@@ -106,3 +109,18 @@ def detect() -> SamplingReport:
     report.best_offered = offered[0]
     report.best = next(n for n in offered if n in LIVE_SOURCES)
     return report
+
+
+def make_source(name: str, sample_period_us: int = 1000,
+                agent_start: StartFn | None = None, agent_stop: StopFn | None = None,
+                ring_entries: int = 4096) -> SamplingSource:
+    """A live source by its detect() name (``report.best``); the agent timer needs the
+    session's start/stop callables."""
+    if name in ("perf-cpu-clock", "perf-cycles"):
+        return perf.PerfSource(name.removeprefix("perf-"), sample_period_us)
+    if name == "agent-timer":
+        if agent_start is None or agent_stop is None:
+            raise SamplingError("agent-timer source needs the agent's start/stop callables")
+        return AgentTimerSource(agent_start, agent_stop, sample_period_us, ring_entries)
+    raise SamplingError(f"no live sampling source named {name!r} "
+                        f"(live: {', '.join(sorted(LIVE_SOURCES))})")
