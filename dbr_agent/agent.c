@@ -404,6 +404,14 @@ static uint32_t fixed_size(uint32_t type)
     }
 }
 
+/* seq of the datagram in g_rx after an oversized receive (header intact) */
+static uint32_t rx_seq(void)
+{
+    const struct dbr_msg_hdr *h = (const struct dbr_msg_hdr *)g_rx;
+
+    return h->magic == DBR_PROTO_MAGIC ? h->seq : 0;
+}
+
 /* Receive one datagram.  Returns its length (> 0), 0 on EOF, or a negative
  * dbr_result (DBR_E_PROTO with *why set) for an unacceptable datagram. */
 static ssize_t recv_one(int fd, const char **why)
@@ -768,7 +776,7 @@ static int session_run(void)
             return 0;
         }
         if (n < 0) {
-            send_error((int)n, 0, why);
+            send_error((int)n, rx_seq(), why);
             end_session(fd, END_ERROR);
             return 0;
         }
@@ -812,7 +820,7 @@ static int session_run(void)
             break;
         }
         if (n < 0) {
-            send_error((int)n, 0, why);
+            send_error((int)n, rx_seq(), why);
             how = END_ERROR;
             break;
         }
