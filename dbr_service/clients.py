@@ -187,6 +187,8 @@ class ClientSession:
         #: Samples per IP, cumulative and of the last snapshot.
         self.ip_counts: collections.Counter[int] = collections.Counter()
         self.last_snapshot: collections.Counter[int] = collections.Counter()
+        #: Samples per thread id, cumulative.
+        self.thread_samples: collections.Counter[int] = collections.Counter()
         self.samples_total = 0
         self.snapshots = 0
         #: Hot spots from the last finished worker job (list of dicts, hottest first).
@@ -445,10 +447,12 @@ class ClientSession:
                 except SamplingError as exc:
                     self.errors.append(str(exc))
 
-    def add_samples(self, ips: collections.Counter[int]) -> None:
+    def add_samples(self, ips: collections.Counter[int],
+                    per_thread: dict[int, int] | None = None) -> None:
         """Control thread: account one snapshot's samples of this client."""
         n = sum(ips.values())
         with self.lock:
+            self.thread_samples.update(per_thread or {})
             self.last_snapshot = ips
             self.ip_counts.update(ips)
             self.samples_total += n

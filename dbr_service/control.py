@@ -201,8 +201,9 @@ def verb_hotspots(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
     with s.lock:
         counts = dict(s.ip_counts)
         maps = list(s.maps)
+        threads = {str(t): n for t, n in sorted(s.thread_samples.items())}
     return {"pid": s.pid, "samples": sum(counts.values()), "snapshots": s.snapshots,
-            "source": s.source_name,
+            "source": s.source_name, "threads": threads,
             "hotspots": find_hotspots(counts, maps, threshold=service.config.hot_threshold,
                                       top=top)}
 
@@ -466,7 +467,9 @@ class ControlClient:
         reply = self.call(verb_name, args, **kw)
         if not reply.get("ok"):
             err = reply.get("error", {})
-            raise Fault(Code(err.get("code", Code.INTERNAL)), err.get("message", "?"))
+            code = err.get("code")
+            raise Fault(Code(code) if code in Code._value2member_map_ else Code.INTERNAL,
+                        err.get("message", "?"))
         return reply.get("result")
 
     def answers(self, timeout: float = 1.0) -> bool:

@@ -348,7 +348,7 @@ class Service:
         if leftover:
             agg = SampleAggregator(attribute=self.attribute)
             agg.add(leftover)
-            s.add_samples(collections.Counter(agg.ips.get(s.pid, {})))
+            s.add_samples(collections.Counter(agg.ips.get(s.pid, {})), agg.per_thread(s.pid))
         with self.lock:
             self.sessions.pop(s.session_id, None)
             self.history.append(s)
@@ -466,7 +466,7 @@ class Service:
         jobs = []
         for s in done:
             counts = collections.Counter(window.ips.get(s.pid, {}))
-            s.add_samples(counts)
+            s.add_samples(counts, window.per_thread(s.pid))
             if counts and s.alive and not s.paused:
                 jobs.append(ClientJob(s.session_id, s.pid, s.exe, dict(counts),
                                       dict(s.ip_counts), list(s.maps), self.config.to_dict(),

@@ -1,0 +1,128 @@
+"""Daemon lifecycle under a fake NOTIFY_SOCKET: READY, ctl, SIGHUP reload, SIGTERM, refusal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from service_helpers import FakeAgent, ServiceProc, agent_path, build_example, kill, spawn_client
+
+
+def _dbr(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dbr_service.cli", *argv], env=env,
+                          capture_output=True, text=True, timeout=20)
+
+
+def _notifications(sock: socket.socket, until: str, timeout: float) -> list[str]:
+    got: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            got.extend(sock.recv(4096).decode().splitlines())
+        except socket.timeout:
+            break
+        if until in got:
+            break
+    return got
+
+
+def test_notify_ctl_reload_and_sigterm(tmp_path):
+    nsock_path = str(tmp_path / "notify.sock")
+    nsock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    nsock.bind(nsock_path)
+    conf = tmp_path / "dbr.toml"
+    conf.write_text("hot_threshold = 0.01\n")
+    svc = ServiceProc(config=str(conf), env={"NOTIFY_SOCKET": nsock_path,
+                                              "WATCHDOG_USEC": "400000"})
+    clients, fakes = [], []
+    try:
+        got = _notifications(nsock, "READY=1", 15.0)
+        assert "READY=1" in got, got
+        # READY comes after the sockets are bound: ctl answers at once.
+        r = _dbr("ctl", "status", env=svc.env)
+        assert r.returncode == 0 and "dbr service" in r.stdout, r.stderr
+        r = _dbr("ctl", "--json", "config", "get", "hot_threshold", env=svc.env)
+        assert '"hot_threshold": 0.01' in r.stdout
+        assert "WATCHDOG=1" in _notifications(nsock, "WATCHDOG=1", 2.0)
+
+        # SIGHUP: a changed file is picked up; a broken one keeps the old config.
+        conf.write_text("hot_threshold = 0.25\n")
+        svc.proc.send_signal(signal.SIGHUP)
+        svc.wait_for(lambda: svc.call("config_get", {"key": "hot_threshold"})
+                     ["hot_threshold"] == 0.25, 5.0, "reload")
+        conf.write_text("hot_threshold = 'lots'\n")
+        svc.proc.send_signal(signal.SIGHUP)
+        svc.wait_for(lambda: "reload failed" in svc.output(), 5.0, "reload error logged")
+        assert svc.call("config_get", {"key": "hot_threshold"})["hot_threshold"] == 0.25
+
+        # A second service on the same runtime dir is refused with a clear message.
+        r = _dbr("service", env=svc.env)
+        assert r.returncode == 1 and "already running" in r.stderr
+
+        # Clients attached (fake agents, and a real one when the agent builds).
+        for _ in range(3):
+            fa = FakeAgent(svc.dir)
+            assert fa.hello().type.name == "HELLO_ACK"
+            fakes.append(fa)
+        if agent_path():
+            clients.append(spawn_client(svc.dir, [build_example("hotloop"), "20000"]))
+        svc.wait_for(lambda: svc.call("status")["clients"] >= 3 + len(clients), 10.0,
+                     "clients attached")
+        t0 = time.monotonic()
+        svc.proc.send_signal(signal.SIGTERM)
+        svc.proc.wait(5)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 2.0, f"SIGTERM took {elapsed:.2f}s"
+        assert svc.proc.returncode == 0
+        assert "STOPPING=1" in _notifications(nsock, "STOPPING=1", 1.0)
+        for fa in fakes:  # every agent got BYE (or at least its session closed)
+            msg = fa.recv_or_eof(2.0)
+            assert msg is None or msg.type.name == "BYE"
+        assert not os.path.exists(os.path.join(svc.dir, "agent.sock"))
+        for c in clients:  # the real client keeps running after the service left
+            assert c.poll() is None
+    finally:
+        for c in clients:
+            kill(c)
+        for fa in fakes:
+            fa.close()
+        svc.stop()
+        nsock.close()
+
+
+def test_ctl_without_service_and_usage_errors(tmp_path):
+    env = dict(os.environ, DBR_RUNTIME_DIR=str(tmp_path))
+    t0 = time.monotonic()
+    r = _dbr("ctl", "status", env=env)
+    assert r.returncode == 1 and "no dbr service" in r.stderr
+    assert time.monotonic() - t0 < 10
+    assert _dbr("ctl", "hotspots", "notapid", env=env).returncode == 2
+    assert _dbr("ctl", "frobnicate", env=env).returncode == 2
+    assert _dbr("run", env=env).returncode == 2
+    assert _dbr("service", "-o", "bogus=1", env=env).returncode == 2
+    # Help texts carry examples (smoke test of each command).
+    for cmd in ("run", "service", "ctl"):
+        r = _dbr(cmd, "--help", env=env)
+        assert r.returncode == 0 and "examples:" in r.stdout
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="posix only")
+def test_stale_socket_is_replaced(tmp_path):
+    rdir = tmp_path / "rt"
+    rdir.mkdir()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stale.bind(str(rdir / "agent.sock"))
+    stale.close()  # a socket file nobody listens on
+    svc = ServiceProc(runtime_dir=str(rdir))
+    try:
+        svc.wait_ready()
+        assert svc.call("status")["pid"] == svc.proc.pid
+    finally:
+        svc.stop()
