@@ -1,0 +1,143 @@
+"""COMPUTE-FALL-THROUGH-ONLY (seed 001): estimate the counts sampling cannot give.
+
+Only control transfers carry sample counts.  Counts are unknown on:
+
+* *fall-through-only* edges: the FALLTHROUGH edge out of a block that ends
+  without a control transfer (``TermKind.FALLTHROUGH``);
+* pseudo edges: entry edges, and exit edges out of blocks ending in
+  ``FALLTHROUGH`` or ``STOP`` (control just runs on into original code).
+
+A call block's continuation edge (the call assumed to return) gets the call's
+count, i.e. the count of its exit edge to the callee.
+
+Maximal chains of fall-through-only edges are scanned (a block without any is a
+chain of one).  Forward (the default): a block's count is the sum of its known
+incoming counts, its fall-through-only out edge gets that minus its known
+outgoing counts.  A chain with an entry edge and no pseudo exit is scanned
+backwards from the last block's known outgoing counts, and the head's entry
+edge gets what its known predecessors do not explain.  A chain with both an
+entry and a pseudo exit assumes 0 for the entry (seed 001) and is scanned
+forwards; its pseudo exit gets the remainder.  When several fall-through-only
+edges reach one block (overlapping code) the lowest predecessor's is used, the
+others are ignored, as the seed says.  Clamped at 0 throughout.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from dbr_service.region.loops import sorted_nodes
+from dbr_service.region.model import END, START, EdgeKind, NodeKey, SuperRegion, TermKind
+
+_CALLS = (TermKind.CALL, TermKind.ICALL)
+
+
+def _is_ft_only(sr: SuperRegion, u: NodeKey, v: NodeKey) -> bool:
+    return (u not in (START, END) and v not in (START, END)
+            and sr.g.edges[u, v]["kind"] == EdgeKind.FALLTHROUGH
+            and sr.block(u).term == TermKind.FALLTHROUGH)
+
+
+def _is_pseudo_exit(sr: SuperRegion, u: NodeKey) -> bool:
+    return sr.g.has_edge(u, END) and sr.block(u).term in (TermKind.FALLTHROUGH, TermKind.STOP)
+
+
+def _is_call_ft(sr: SuperRegion, u: NodeKey, v: NodeKey) -> bool:
+    return (u not in (START, END) and v != END and sr.block(u).term in _CALLS
+            and sr.g.edges[u, v]["kind"] == EdgeKind.FALLTHROUGH)
+
+
+def compute_fall_through_only(sr: SuperRegion, counters: Counter | None = None) -> None:
+    """Fill in unknown edge counts and every block's ``count`` (see module doc)."""
+    counters = counters if counters is not None else Counter()
+    g = sr.g
+    unknown: set[tuple[NodeKey, NodeKey]] = set()
+    for u, v in g.edges:
+        if u == START or (v == END and _is_pseudo_exit(sr, u)) or \
+                (v != END and _is_ft_only(sr, u, v)):
+            unknown.add((u, v))
+    # Calls are assumed to return: the continuation runs as often as the call.
+    for u, v in list(g.edges):
+        if _is_call_ft(sr, u, v):
+            call = g.edges[u, END]["count"] if g.has_edge(u, END) else 0.0
+            g.edges[u, v]["count"] = max(call, g.edges[u, v]["count"])
+
+    def known_in(b: NodeKey) -> float:
+        return sum(d["count"] for u, _, d in g.in_edges(b, data=True) if (u, b) not in unknown)
+
+    def known_out(b: NodeKey) -> float:
+        return sum(d["count"] for _, v, d in g.out_edges(b, data=True)
+                   if (b, v) not in unknown and not _is_call_ft(sr, b, v))
+
+    # Chains: ft_next[u] = v for fall-through-only edges; one chosen predecessor each.
+    ft_next: dict[NodeKey, NodeKey] = {}
+    ft_prev: dict[NodeKey, NodeKey] = {}
+    for u in sorted_nodes(sr.body_nodes()):
+        for v in g.successors(u):
+            if v != END and _is_ft_only(sr, u, v) and v not in ft_prev:
+                ft_next[u] = v
+                ft_prev[v] = u
+                break
+    heads = [b for b in sorted_nodes(sr.body_nodes()) if b not in ft_prev]
+    done: set[NodeKey] = set()
+    for head in heads:
+        chain = [head]
+        while chain[-1] in ft_next and ft_next[chain[-1]] not in done:
+            chain.append(ft_next[chain[-1]])
+        done.update(chain)
+        has_entry = any(g.has_edge(START, b) for b in chain)
+        has_pexit = any(_is_pseudo_exit(sr, b) for b in chain)
+        if has_entry and not has_pexit:
+            _scan_backward(sr, chain, known_in, known_out)
+            counters["chains-backward"] += 1
+        else:
+            for b in chain:
+                if g.has_edge(START, b):
+                    g.edges[START, b]["count"] = 0.0
+            _scan_forward(sr, chain, known_in, known_out, unknown)
+            counters["chains-entry-exit-zero" if has_entry else "chains-forward"] += 1
+    counters["blocks"] += len(sr)
+
+
+def _scan_forward(sr, chain, known_in, known_out, unknown) -> None:
+    g = sr.g
+    running = known_in(chain[0])
+    for i, b in enumerate(chain):
+        sr.block(b).count = running
+        rest = max(0.0, running - known_out(b))
+        if i + 1 < len(chain):
+            nxt = chain[i + 1]
+            g.edges[b, nxt]["count"] = rest
+            running = rest + known_in(nxt)
+        elif _is_pseudo_exit(sr, b) and (b, END) in unknown:
+            _set_exit(sr, b, rest)
+    for b in chain[:-1]:
+        if _is_pseudo_exit(sr, b):
+            _set_exit(sr, b, 0.0)
+
+
+def _scan_backward(sr, chain, known_in, known_out) -> None:
+    g = sr.g
+    running = known_out(chain[-1])
+    for i in range(len(chain) - 1, -1, -1):
+        b = chain[i]
+        sr.block(b).count = running
+        if i > 0:
+            if g.has_edge(START, b):
+                g.edges[START, b]["count"] = 0.0
+            ft = max(0.0, running - known_in(b))
+            prev = chain[i - 1]
+            g.edges[prev, b]["count"] = ft
+            running = ft + known_out(prev)
+        elif g.has_edge(START, b):
+            g.edges[START, b]["count"] = max(0.0, running - known_in(b))
+
+
+def _set_exit(sr: SuperRegion, b: NodeKey, count: float) -> None:
+    d = sr.g.edges[b, END]
+    exits = d["exits"]
+    if exits:
+        share = count / len(exits)
+        for t in exits:
+            exits[t] = share
+    d["count"] = count

@@ -1,0 +1,203 @@
+"""PATCH-POINT-SELECTION (seed 001, fig. 12): the fewest patches that cover
+every loop, each as far out as possible; then split and move the entry edges.
+
+*Covered.*  Original code enters the SR only along its entry edges.  With patch
+set P, the blocks original code can run before hitting a patch are those START
+reaches without passing through P.  A loop is covered when none of its cycles
+lies wholly in that set: original code then enters replacement code within one
+iteration.  This is SUPERCEDES generalised from one patch to the set: p
+dominating b (every way to b passes p), and within a loop p post-dominating b
+(b's iteration runs into p, the back edge brings it round) both mean b cannot
+run a whole iteration in original code.
+
+*Selection* (NESTED-PATCHES), candidates in DFS preorder from START (dominators
+come first, so earlier = further out), only patchable blocks
+(:func:`~dbr_service.region.loops.is_patchable`):
+
+1. root patches: a block in no loop is chosen when original code can still reach
+   it and it leads to an uncovered loop (dominator-style: it cuts paths in);
+2. then each loop, outermost first, children in DFS order: a block of the loop
+   (not of a nested loop) is chosen when it lies on an uncovered cycle; then
+   its nested loops are done the same way;
+3. minimise: a patch whose removal uncovers no loop is dropped, latest chosen
+   first (so an outer patch made useless by an inner one goes, not the inner).
+
+If nothing was chosen (no loop, or no loop coverable) the first patchable block
+in DFS order is the patch, so the SR stays well formed; PRUNE-CODE judges it.
+An SR without any patchable block is dropped.
+
+*Moving entries.*  A chosen block whose first instruction is shorter than 5
+bytes is split before its first instruction of >= 5 bytes (top keeps the
+in-edges, tail the out-edges, a fall-through edge joins them) and the patch is
+the tail.  Old entry edges go; each patch gets an entry edge counting the flow
+that reaches it from original code.  Blocks START no longer reaches are removed
+here (not only in PRUNE-CODE) so that the SR verifies after this pass.
+Invariant: every entry target starts with a >= 5-byte instruction, is known to
+execute, not unpatchable and not a clone.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import networkx as nx
+
+from dbr_service.region.loops import (PATCH_LEN, Loop, dfs_preorder, is_patchable, loop_forest,
+                                      sorted_nodes)
+from dbr_service.region.model import END, START, EdgeKind, NodeKey, SuperRegion, TermKind
+from dbr_service.region.prune import remove_unreachable
+
+
+class _Coverage:
+    """Answers "what can original code still reach / loop in" for a patch set."""
+
+    def __init__(self, sr: SuperRegion) -> None:
+        self.g = sr.g
+        self._cache: dict[frozenset, tuple[set, set]] = {}
+
+    def state(self, patches: frozenset) -> tuple[set[NodeKey], set[NodeKey]]:
+        """(blocks original code reaches before any patch, blocks on such cycles)."""
+        if patches not in self._cache:
+            reach: set[NodeKey] = set()
+            work = [v for v in self.g.successors(START) if v not in patches and v != END]
+            reach.update(work)
+            while work:
+                u = work.pop()
+                for v in self.g.successors(u):
+                    if v != END and v not in patches and v not in reach:
+                        reach.add(v)
+                        work.append(v)
+            sub = self.g.subgraph(reach)
+            cyc = {n for c in nx.strongly_connected_components(sub)
+                   if len(c) > 1 or sub.has_edge(next(iter(c)), next(iter(c))) for n in c}
+            self._cache[patches] = (reach, cyc)
+        return self._cache[patches]
+
+    def leads_to_cycle(self, b: NodeKey, patches: frozenset) -> bool:
+        reach, cyc = self.state(patches)
+        if b not in reach:
+            return False
+        sub = self.g.subgraph(reach)
+        return b in cyc or any(n in cyc for n in nx.descendants(sub, b))
+
+
+def choose_patch_blocks(sr: SuperRegion, counters: Counter | None = None) -> list[NodeKey]:
+    """The blocks to patch (before splitting), in selection order."""
+    counters = counters if counters is not None else Counter()
+    forest = loop_forest(sr)
+    order = [k for k in dfs_preorder(sr.g) if k not in (START, END)]
+    cov = _Coverage(sr)
+    P: list[NodeKey] = []
+    root_own = forest.root.own_blocks
+    for b in order:
+        if b in root_own and is_patchable(sr, b) and cov.leads_to_cycle(b, frozenset(P)):
+            P.append(b)
+            counters["root-patches"] += 1
+
+    def nested(lp: Loop) -> None:
+        own = lp.own_blocks
+        for b in order:
+            if b in own and is_patchable(sr, b) and b in cov.state(frozenset(P))[1]:
+                P.append(b)
+                counters["loop-patches"] += 1
+        for child in lp.children:
+            nested(child)
+
+    for lp in forest.root.children:
+        nested(lp)
+    base = cov.state(frozenset(P))[1]
+    for p in reversed(list(P)):
+        rest = frozenset(q for q in P if q != p)
+        if cov.state(rest)[1] == base:
+            P.remove(p)
+            counters["minimised-away"] += 1
+    if not P:
+        first = next((b for b in order if is_patchable(sr, b)), None)
+        if first is not None:
+            P.append(first)
+            counters["fallback-patches"] += 1
+    counters["uncovered-loop-blocks"] += len(base)
+    return P
+
+
+def split_for_patch(sr: SuperRegion, k: NodeKey) -> NodeKey:
+    """Split block ``k`` before its first >= 5-byte instruction unless it already
+    starts with one; return the key of the block that starts with it."""
+    bb = sr.block(k)
+    a = bb.first_patchable(PATCH_LEN)
+    assert a is not None and isinstance(k, int)
+    if a == bb.start:
+        return k
+    cut = a - bb.start
+    frac = cut / bb.size
+    top = replace(bb, size=cut, insns=[i for i in bb.insns if i[0] < a], data=bb.data[:cut],
+                  term=TermKind.FALLTHROUGH, targets=[], fallthrough=a, unknown_target=False,
+                  samples=bb.samples * frac)
+    tail = replace(bb, start=a, size=bb.size - cut, insns=[i for i in bb.insns if i[0] >= a],
+                   data=bb.data[cut:], targets=list(bb.targets), samples=bb.samples * (1 - frac))
+    out = [(v, dict(d)) for _, v, d in sr.g.out_edges(k, data=True)]
+    for v, _ in out:
+        sr.g.remove_edge(k, v)
+    sr.g.nodes[k]["bb"] = top
+    sr.add_block(tail, a)
+    for v, d in out:
+        sr.g.add_edge(a, k if v == k else v, **d)
+    sr.add_edge(k, a, EdgeKind.FALLTHROUGH, bb.count)
+    return a
+
+
+def _entry_inflow(sr: SuperRegion, P: list[NodeKey]) -> dict[NodeKey, float]:
+    """How often original code reaches each patch: the old entry counts pushed
+    through the blocks original code runs before any patch, each block passing
+    on the share of its out-edge counts (in DFS order; exact when those blocks
+    form no cycle, i.e. when every loop is covered)."""
+    g = sr.g
+    reach, _ = _Coverage(sr).state(frozenset(P))
+    orig: dict[NodeKey, float] = {START: 1.0}   # fraction of START's flow: all of it
+
+    def share(u: NodeKey, v: NodeKey) -> float:
+        if u == START:
+            return g.edges[u, v]["count"]
+        out = sum(d["count"] for _, _, d in g.out_edges(u, data=True))
+        return orig.get(u, 0.0) * g.edges[u, v]["count"] / out if out > 0 else 0.0
+
+    for v in dfs_preorder(g):
+        if v in reach:
+            orig[v] = sum(share(u, v) for u in g.predecessors(v) if u == START or u in reach)
+    return {p: sum(share(u, p) for u in g.predecessors(p) if u == START or u in reach)
+            for p in P}
+
+
+def select_patch_points(sr: SuperRegion, counters: Counter | None = None) -> bool:
+    """PATCH-POINT-SELECTION on one SR.  Returns False when the SR has no
+    patchable block at all (the caller drops it)."""
+    counters = counters if counters is not None else Counter()
+    P = choose_patch_blocks(sr, counters)
+    if not P:
+        counters["dropped-unpatchable"] += 1
+        return False
+    inflow = _entry_inflow(sr, P)
+    sr.g.remove_edges_from([(START, v) for v in list(sr.g.successors(START))])
+    for p in P:
+        q = split_for_patch(sr, p)
+        if q != p:
+            counters["blocks-split"] += 1
+        sr.add_edge(START, q, EdgeKind.ENTRY, inflow[p])
+    counters["patch-points"] += len(P)
+    counters["unreachable-removed"] += remove_unreachable(sr)
+    sr.info["patch_points"] = sorted(sr.block(v).start for v, _ in sr.entry_edges())
+    sr.info["loops"] = loop_forest(sr)
+    return True
+
+
+def check_entry_invariant(sr: SuperRegion) -> None:
+    """Raise AssertionError unless every entry target is a valid patch site."""
+    for v, _ in sr.entry_edges():
+        bb = sr.block(v)
+        assert not bb.is_clone and not bb.unpatchable and bb.known_exec, (sr.id, v)
+        assert bb.insns[0][1] >= PATCH_LEN, (sr.id, v, bb.insns[0])
+
+
+__all__ = ["choose_patch_blocks", "select_patch_points", "split_for_patch",
+           "check_entry_invariant", "sorted_nodes"]

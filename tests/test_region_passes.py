@@ -1,0 +1,693 @@
+"""Each region-selection pass on small hand-built super-regions, exact results."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import networkx as nx
+import pytest
+
+from dbr_service.errors import RegionError
+from dbr_service.region.fallthrough import compute_fall_through_only
+from dbr_service.region.inline import inline_hot_calls, remove_call_blocks
+from dbr_service.region.loops import loop_forest
+from dbr_service.region.model import END, START, CloneKey, EdgeKind, SuperRegion
+from dbr_service.region.partition import connect_terminals, partition_code
+from dbr_service.region.patchpoints import check_entry_invariant, select_patch_points
+from dbr_service.region.pipeline import PASSES, RegionConfig, run_pipeline
+from dbr_service.region.prune import prune_code, remove_cold_tails
+
+from region_graphs import CALL, FLOW, FT, RET, Builder, T, edge_count
+
+
+def entries(sr: SuperRegion) -> list[int]:
+    return sorted(v for v, _ in sr.entry_edges())
+
+
+# ---- COMPUTE-FALL-THROUGH-ONLY --------------------------------------------------------
+def loop_with_chains() -> Builder:
+    """A -> B -> C (jcc back to A 90 / on to D 10), D jmp out; entered at A.
+    True counts: A=B=C=100, D=10, entry 10."""
+    b = Builder()
+    b.block(0x100, (3, 4))
+    b.block(0x107, (2, 5))
+    b.block(0x10E, (6,), T.JCC, targets=[0x100])
+    b.block(0x114, (5,), T.JMP, targets=[0x900])
+    b.ft(0x100, 0x107)
+    b.ft(0x107, 0x10E)
+    b.flow(0x10E, 0x100, 90)
+    b.ft(0x10E, 0x114, 10)
+    b.exit(0x114, 0x900, 10)
+    b.entry(0x100)
+    return b
+
+
+def test_fallthrough_backward_chain_from_entry_reproduces_true_counts():
+    b = loop_with_chains()
+    c = Counter()
+    compute_fall_through_only(b.sr, c)
+    sr = b.sr
+    assert [sr.block(k).count for k in (0x100, 0x107, 0x10E, 0x114)] == [100, 100, 100, 10]
+    assert edge_count(sr, 0x100, 0x107) == 100 and edge_count(sr, 0x107, 0x10E) == 100
+    assert edge_count(sr, START, 0x100) == 10
+    assert c["chains-backward"] == 1 and c["chains-forward"] == 1
+    sr.verify()
+
+
+def test_fallthrough_forward_chain_reproduces_true_counts():
+    """X jcc: taken 30 -> Y, not taken 70 -> M -> N -> Y; Y jcc back to X 90 / out 10."""
+    b = Builder()
+    b.block(0x200, (2, 6), T.JCC, targets=[0x230])
+    b.block(0x208, (3,))
+    b.block(0x20B, (5,))
+    b.block(0x230, (2,), T.JCC, targets=[0x200], ft=0x232)
+    b.flow(0x200, 0x230, 30)
+    b.ft(0x200, 0x208, 70)
+    b.ft(0x208, 0x20B)      # fall-through-only: unknown
+    b.ft(0x20B, 0x230)      # (not adjacent in this toy, but fall-through-only)
+    b.flow(0x230, 0x200, 90)
+    b.exit(0x230, 0x232, 10)
+    b.entry(0x200)
+    sr = b.sr
+    sr.block(0x20B).fallthrough = 0x230
+    compute_fall_through_only(sr)
+    assert [sr.block(k).count for k in (0x200, 0x208, 0x20B, 0x230)] == [100, 70, 70, 100]
+    assert edge_count(sr, 0x208, 0x20B) == 70 and edge_count(sr, 0x20B, 0x230) == 70
+    assert edge_count(sr, START, 0x200) == 10
+
+
+def test_fallthrough_chain_with_entry_and_exit_assumes_zero_for_pseudo_edges():
+    """S -> T falls out of the region; S is entered; Q jumps into T 5 times."""
+    b = Builder()
+    b.block(0x300, (4,))
+    b.block(0x304, (4,))
+    b.block(0x400, (5,), T.JMP, targets=[0x304])
+    b.ft(0x300, 0x304)
+    b.exit(0x304, 0x308)
+    b.flow(0x400, 0x304, 5)
+    b.entry(0x300, 99)
+    b.entry(0x400, 99)
+    c = Counter()
+    compute_fall_through_only(b.sr, c)
+    sr = b.sr
+    assert edge_count(sr, START, 0x300) == 0
+    assert sr.block(0x300).count == 0 and sr.block(0x304).count == 5
+    assert edge_count(sr, 0x304, END) == 5 and sr.g.edges[0x304, END]["exits"] == {0x308: 5}
+    assert c["chains-entry-exit-zero"] == 1
+    # Q's chain is a one-block chain with an entry: backward, entry = its jmp count.
+    assert sr.block(0x400).count == 5 and edge_count(sr, START, 0x400) == 5
+
+
+def test_fallthrough_call_continuation_runs_as_often_as_the_call():
+    b = Builder()
+    b.block(0x10, (5,), T.CALL, targets=[0x900])
+    b.block(0x15, (5,), T.JMP, targets=[0x10])
+    b.call(0x10, 0x900, 40, cont=None)
+    b.ft(0x10, 0x15, 0)
+    b.flow(0x15, 0x10, 39)
+    b.entry(0x10)
+    compute_fall_through_only(b.sr)
+    sr = b.sr
+    assert edge_count(sr, 0x10, 0x15) == 40
+    assert sr.block(0x10).count == 40 and sr.block(0x15).count == 40
+    assert edge_count(sr, START, 0x10) == 1
+
+
+def test_measured_counts_skip_fall_through_pass():
+    assert not PASSES[1]().applies(RegionConfig(measured_counts=True))
+    assert PASSES[1]().applies(RegionConfig())
+
+
+# ---- PARTITION-CODE ---------------------------------------------------------------
+def two_routines() -> Builder:
+    """main: A -> C(call f) -> K -> A (loop); f: F -> R(ret).  Plus an island
+    Z -> W -> Z with neither entry nor exit."""
+    b = Builder("first")
+    b.block(0x10, (5,))
+    b.block(0x15, (5,), T.CALL, targets=[0x100])
+    b.block(0x1A, (2,), T.JMP, targets=[0x10])
+    b.block(0x100, (5,))
+    b.block(0x105, (1,), T.RET)
+    b.block(0x300, (5,))
+    b.block(0x305, (5,), T.JMP, targets=[0x300])
+    b.ft(0x10, 0x15)
+    b.call(0x15, 0x100, 50, cont=0x1A)
+    b.flow(0x1A, 0x10, 49)
+    b.ft(0x100, 0x105)
+    b.exit(0x105, 0, 50)
+    b.entry(0x10)
+    b.ft(0x300, 0x305)
+    b.flow(0x305, 0x300)
+    return b
+
+
+def test_partition_one_region_per_component_with_terminals_connected():
+    b = two_routines()
+    c = Counter()
+    parts = partition_code(b.sr, c)
+    assert [sorted(p.body_nodes()) for p in parts] == [
+        [0x10, 0x15, 0x1A], [0x100, 0x105], [0x300, 0x305]]
+    assert len({p.id for p in parts}) == 3 and "first" not in {p.id for p in parts}
+    for p in parts:
+        p.verify()
+        assert set(nx.descendants(p.g, START)) >= set(p.body_nodes())
+        assert set(nx.ancestors(p.g, END)) >= set(p.body_nodes())
+    island = parts[2]
+    assert entries(island) == [0x300]
+    assert island.exit_edges() == [(0x300, {0x305: 0.0})]
+    assert c["components"] == 3 and c["entries-added"] == 1 and c["exits-added"] == 1
+    assert entries(parts[1]) == [0x100]
+
+
+def test_connect_terminals_prefers_patchable_block_of_a_source_scc():
+    b = Builder()
+    b.block(0x10, (2,), unpatchable=True)
+    b.block(0x12, (5,), T.JCC, targets=[0x10])
+    b.ft(0x10, 0x12)
+    b.flow(0x12, 0x10)
+    b.exit(0x12, 0x17)
+    connect_terminals(b.sr)
+    assert entries(b.sr) == [0x12]
+    b.sr.verify()
+
+
+def test_unreachable_region_fails_verification():
+    b = two_routines()
+    with pytest.raises(RegionError):
+        b.sr.verify()
+
+
+# ---- loop-nesting forest ----------------------------------------------------------
+def nested_loops() -> Builder:
+    """START -> A -> H1 -> H2 -> B -> H2 (inner), B -> C -> H1 (outer), C -> X -> out."""
+    b = Builder()
+    b.block(0x10, (5,))
+    b.block(0x20, (5,))
+    b.block(0x30, (5,))
+    b.block(0x40, (5,), T.JCC, targets=[0x30])
+    b.block(0x50, (5,), T.JCC, targets=[0x20])
+    b.block(0x60, (5,), T.JMP, targets=[0x900])
+    b.ft(0x10, 0x20, 1)
+    b.ft(0x20, 0x30, 10)
+    b.ft(0x30, 0x40, 100)
+    b.flow(0x40, 0x30, 90)
+    b.ft(0x40, 0x50, 10)
+    b.flow(0x50, 0x20, 9)
+    b.ft(0x50, 0x60, 1)
+    b.exit(0x60, 0x900, 1)
+    b.entry(0x10, 1)
+    sr = b.sr
+    for k, n in {0x10: 1, 0x20: 10, 0x30: 100, 0x40: 100, 0x50: 10, 0x60: 1}.items():
+        sr.block(k).count = n
+    return b
+
+
+def test_loops_nested_exact_forest_and_trip_counts():
+    f = loop_forest(nested_loops().sr)
+    d = f.root.describe()
+    assert d["headers"] == [] and d["blocks"] == [0x10, 0x20, 0x30, 0x40, 0x50, 0x60]
+    [outer] = d["children"]
+    assert outer["headers"] == [0x20] and outer["blocks"] == [0x20, 0x30, 0x40, 0x50]
+    assert outer["back_edges"] == [(0x50, 0x20)] and outer["reducible"] and outer["depth"] == 1
+    [inner] = outer["children"]
+    assert inner["headers"] == [0x30] and inner["blocks"] == [0x30, 0x40]
+    assert inner["back_edges"] == [(0x40, 0x30)] and inner["children"] == []
+    assert outer["trip_count"] == 10.0 and inner["trip_count"] == 10.0
+    assert f.innermost[0x40].headers == [0x30] and f.innermost[0x10].is_root
+    assert [lp.id for lp in f.loops()] == [1, 2]
+
+
+def test_loops_multiple_back_edges_one_loop():
+    b = Builder()
+    b.block(0x10, (5,), T.JCC, targets=[0x30])
+    b.block(0x15, (5,), T.JMP, targets=[0x10])
+    b.block(0x30, (5,), T.JCC, targets=[0x10])
+    b.block(0x35, (5,), T.JMP, targets=[0x900])
+    b.ft(0x10, 0x15)
+    b.flow(0x15, 0x10)
+    b.flow(0x10, 0x30)
+    b.flow(0x30, 0x10)
+    b.ft(0x30, 0x35)
+    b.exit(0x35, 0x900)
+    b.entry(0x10)
+    [lp] = loop_forest(b.sr).root.children
+    assert lp.headers == [0x10] and lp.blocks == {0x10, 0x15, 0x30}
+    assert sorted(lp.back_edges) == [(0x15, 0x10), (0x30, 0x10)] and lp.children == []
+    assert lp.entry_edges == [(START, 0x10)]
+
+
+def irreducible() -> Builder:
+    """START -> A; A -> B, A -> C; B <-> C; C -> X -> out; plus D self-loop after X."""
+    b = Builder()
+    b.block(0x10, (5,), T.JCC, targets=[0x30])
+    b.block(0x20, (5,), T.JMP, targets=[0x30])
+    b.block(0x30, (5,), T.JCC, targets=[0x20])
+    b.block(0x40, (5,))
+    b.block(0x50, (5,), T.JCC, targets=[0x50])
+    b.ft(0x10, 0x20)
+    b.flow(0x10, 0x30)
+    b.flow(0x20, 0x30)
+    b.flow(0x30, 0x20)
+    b.ft(0x30, 0x40)
+    b.ft(0x40, 0x50)
+    b.flow(0x50, 0x50)
+    b.exit(0x50, 0x55)
+    b.entry(0x10)
+    return b
+
+
+def test_loops_irreducible_two_headers_and_self_loop():
+    d = loop_forest(irreducible().sr).root.describe()
+    irr, selfloop = d["children"]
+    assert irr["headers"] == [0x20, 0x30] and not irr["reducible"]
+    assert irr["blocks"] == [0x20, 0x30] and irr["children"] == []
+    assert irr["back_edges"] == [(0x20, 0x30), (0x30, 0x20)]
+    assert selfloop["headers"] == [0x50] and selfloop["reducible"]
+    assert selfloop["blocks"] == [0x50] and selfloop["back_edges"] == [(0x50, 0x50)]
+
+
+def test_loops_irreducible_loop_with_inner_loop():
+    """Two-entry loop {B, C, D} where D <-> C also loops: inner loop is {C, D}? No:
+    after removing the edges into both headers B and C, only D's self-loop stays."""
+    b = irreducible()
+    b.block(0x60, (5,), T.JCC, targets=[0x60])
+    b.sr.g.remove_edge(0x30, 0x20)
+    b.flow(0x30, 0x60)
+    b.flow(0x60, 0x20)
+    [irr, selfloop] = loop_forest(b.sr).root.children
+    assert irr.headers == [0x20, 0x30] and irr.blocks == {0x20, 0x30, 0x60}
+    b.flow(0x60, 0x60)
+    [irr, _] = loop_forest(b.sr).root.children
+    [inner] = irr.children
+    assert inner.headers == [0x60] and inner.blocks == {0x60} and inner.depth == 2
+
+
+# ---- INLINE-HOT-CALLS ---------------------------------------------------------------
+def caller_callee(call_count=100.0, other_calls=100.0, callee_calls_self=False):
+    """main loop M: A -> C(call f) -> K -> A.  f: F -> R(ret), entered
+    ``call_count + other_calls`` times in all."""
+    m = Builder("main")
+    m.block(0x10, (5,))
+    m.block(0x15, (5,), T.CALL, targets=[0x100], count=call_count)
+    m.block(0x1A, (2, 3), T.JCC, targets=[0x10], count=call_count)
+    m.block(0x1F, (5,), T.JMP, targets=[0x900], count=1)
+    m.ft(0x10, 0x15, call_count)
+    m.exit(0x15, 0x100, call_count)
+    m.ft(0x15, 0x1A, call_count)
+    m.flow(0x1A, 0x10, call_count - 1)
+    m.ft(0x1A, 0x1F, 1)
+    m.exit(0x1F, 0x900, 1)
+    m.entry(0x10, 1)
+    m.sr.block(0x10).count = call_count
+    total = call_count + other_calls
+    f = Builder("f")
+    f.block(0x100, (5,), T.JCC, targets=[0x110], count=total)
+    f.block(0x105, (5,), count=total / 2)
+    f.block(0x110, (1,), T.RET, count=total)
+    f.ft(0x100, 0x105, total / 2)
+    f.flow(0x100, 0x110, total / 2)
+    f.ft(0x105, 0x110, total / 2)
+    f.exit(0x110, 0, total)
+    f.entry(0x100, total)
+    if callee_calls_self:
+        f.block(0x108, (5,), T.CALL, targets=[0x100], count=total / 2, ft=0x10D)
+        f.sr.g.remove_edge(0x105, 0x110)
+        f.ft(0x105, 0x108, total / 2)
+        f.exit(0x108, 0x100, total / 2)
+        f.block(0x10D, (3,), T.JMP, targets=[0x110], count=total / 2)
+        f.ft(0x108, 0x10D, total / 2)
+        f.flow(0x10D, 0x110, total / 2)
+    return m.sr, f.sr
+
+
+def test_inline_scales_clone_counts_and_subtracts_from_original():
+    main, f = caller_callee()
+    c = Counter()
+    inline_hot_calls([main, f], hot_threshold=10, inline_budget=1.0, counters=c)
+    main.verify()
+    f.verify()
+    path = (0x15,)
+    clones = sorted(k for k in main.body_nodes() if isinstance(k, CloneKey))
+    assert clones == [CloneKey(path, 0x100), CloneKey(path, 0x105), CloneKey(path, 0x110)]
+    assert [main.block(k).count for k in clones] == [100, 50, 100]
+    assert all(main.block(k).unpatchable and main.block(k).clone_of == k.start for k in clones)
+    assert [f.block(k).count for k in (0x100, 0x105, 0x110)] == [100, 50, 100]
+    assert edge_count(f, 0x100, 0x105) == 50 and edge_count(f, 0x110, END) == 100
+    assert main.g.edges[0x15, CloneKey(path, 0x100)] == {"kind": EdgeKind.CALL, "count": 100}
+    assert main.g.edges[CloneKey(path, 0x110), 0x1A]["kind"] == EdgeKind.RETURN
+    assert not main.g.has_edge(0x15, END) and not main.g.has_edge(0x15, 0x1A)
+    site = main.info["inline"]["sites"][0x15]
+    assert site["decision"] == "inlined" and site["return_address"] == 0x1A
+    assert site["targets"] == {0x100: CloneKey(path, 0x100)} and site["fallback_exit"] is None
+    assert c["inlined"] == 1 and main.info["inline"]["growth"] == 11
+
+
+def test_inline_respects_budget_and_removes_uninlined_call_block():
+    main, f = caller_callee()
+    c = Counter()
+    inline_hot_calls([main, f], hot_threshold=10, inline_budget=0.1, inline_min_budget_bytes=8,
+                     counters=c)
+    assert c["rejected-budget"] == 1 and c["inlined"] == 0
+    assert 0x15 not in main.g
+    assert main.g.edges[0x10, END]["exits"] == {0x15: 100}
+    assert entries(main) == [0x10, 0x1A]          # CONNECT-TERMINALS: at the continuation
+    assert main.info["inline"]["sites"][0x15]["reason"] == "budget"
+    assert not any(isinstance(k, CloneKey) for k in main.body_nodes())
+    main.verify()
+
+
+def test_inline_cold_call_not_inlined():
+    main, f = caller_callee(call_count=5)
+    c = Counter()
+    inline_hot_calls([main, f], hot_threshold=10, inline_budget=1.0, counters=c)
+    assert c["inlined"] == 0 and 0x15 not in main.g
+    assert main.info["inline"]["sites"][0x15]["reason"] == "cold"
+
+
+def test_inline_never_inlines_recursion_nor_its_callers():
+    main, f = caller_callee(callee_calls_self=True)
+    c = Counter()
+    inline_hot_calls([main, f], hot_threshold=10, inline_budget=5.0, counters=c)
+    assert c["inlined"] == 0
+    assert f.info["inline"]["sites"][0x108]["reason"] == "recursive"
+    assert main.info["inline"]["sites"][0x15]["reason"] == "callee-has-hot-calls"
+    assert 0x108 not in f.g and 0x15 not in main.g
+    main.verify()
+    f.verify()
+
+
+def test_inline_mutual_recursion_is_rejected():
+    g = Builder("g")
+    g.block(0x200, (5,), T.CALL, targets=[0x300], count=50)
+    g.block(0x205, (1,), T.RET, count=50)
+    g.exit(0x200, 0x300, 50)
+    g.ft(0x200, 0x205, 50)
+    g.exit(0x205, 0, 50)
+    g.entry(0x200, 50)
+    h = Builder("h")
+    h.block(0x300, (5,), T.CALL, targets=[0x200], count=50)
+    h.block(0x305, (1,), T.RET, count=50)
+    h.exit(0x300, 0x200, 50)
+    h.ft(0x300, 0x305, 50)
+    h.exit(0x305, 0, 50)
+    h.entry(0x300, 50)
+    c = Counter()
+    inline_hot_calls([g.sr, h.sr], hot_threshold=10, inline_budget=9.0, counters=c)
+    assert c["inlined"] == 0 and c["rejected-recursive"] == 2
+
+
+def test_inline_bottom_up_nests_clone_paths():
+    """main -> g -> f, all hot: f goes into g first, then g (with f's clone) into main."""
+    main, f = caller_callee()
+    g = Builder("g")
+    g.block(0x200, (5,), T.CALL, targets=[0x100], count=100)
+    g.block(0x205, (1,), T.RET, count=100)
+    g.exit(0x200, 0x100, 100)
+    g.ft(0x200, 0x205, 100)
+    g.exit(0x205, 0, 100)
+    g.entry(0x200, 100)
+    main.block(0x15).targets[:] = [0x200]
+    main.g.edges[0x15, END]["exits"] = {0x200: 100}
+    c = Counter()
+    inline_hot_calls([main, g.sr, f], hot_threshold=10, inline_budget=9.0, counters=c)
+    assert c["inlined"] == 2
+    for sr in (main, g.sr, f):
+        sr.verify()
+    outer, inner = (0x15,), (0x15, 0x200)
+    assert main.g.edges[0x15, CloneKey(outer, 0x200)]["kind"] == EdgeKind.CALL
+    assert main.g.edges[CloneKey(outer, 0x200), CloneKey(inner, 0x100)]["kind"] == EdgeKind.CALL
+    assert main.g.edges[CloneKey(inner, 0x110), CloneKey(outer, 0x205)]["kind"] == EdgeKind.RETURN
+    assert main.g.edges[CloneKey(outer, 0x205), 0x1A]["kind"] == EdgeKind.RETURN
+    assert main.info["inline"]["sites"][CloneKey(outer, 0x200)]["decision"] == "inlined"
+    # f was inlined into g only (g's site went first): f's original counts all went there.
+    assert f.block(0x100).count == 100 and g.sr.block(0x200).count == 0
+
+
+def test_inline_indirect_call_with_two_targets_is_a_cascade():
+    main, f = caller_callee(other_calls=0)
+    f2 = Builder("f2")
+    f2.block(0x400, (1,), T.RET, count=30)
+    f2.exit(0x400, 0, 30)
+    f2.entry(0x400, 30)
+    cb = main.block(0x15)
+    cb.term, cb.targets, cb.unknown_target = T.ICALL, [0x100, 0x400, 0x500], False
+    main.g.edges[0x15, END]["exits"] = {0x100: 60, 0x400: 30, 0x500: 10}
+    inline_hot_calls([main, f, f2.sr], hot_threshold=10, inline_budget=9.0)
+    site = main.info["inline"]["sites"][0x15]
+    assert site["kind"] == "cascade" and site["fallback_exit"] == 0x15
+    assert site["targets"] == {0x100: CloneKey((0x15,), 0x100), 0x400: CloneKey((0x15,), 0x400)}
+    assert main.g.edges[0x15, END]["exits"] == {0x15: 10}
+    assert edge_count(main, 0x15, CloneKey((0x15,), 0x100)) == 60
+    assert main.block(CloneKey((0x15,), 0x100)).count == 60
+    main.verify()
+
+
+def test_remove_call_blocks_predecessors_exit_and_clones_stay_enterable_only_by_call():
+    main, f = caller_callee()
+    remove_call_blocks(main, set())
+    assert 0x15 not in main.g and entries(main) == [0x10, 0x1A]
+    main.verify()
+
+
+# ---- PATCH-POINT-SELECTION ---------------------------------------------------------------
+def single_loop(pre_sizes=(5,), hdr_sizes=(5,), pre_unpatchable=False, hdr_unpatchable=False):
+    """START -> P -> H <-> B; H -> X -> out."""
+    b = Builder()
+    b.block(0x10, pre_sizes, unpatchable=pre_unpatchable, count=1)
+    b.block(0x20, hdr_sizes, T.JCC, targets=[0x40], unpatchable=hdr_unpatchable, count=100,
+            ft=0x20 + sum(hdr_sizes))
+    b.block(0x30, (5,), T.JMP, targets=[0x20], count=99)
+    b.block(0x40, (5,), T.JMP, targets=[0x900], count=1)
+    b.sr.block(0x20).fallthrough = 0x30
+    b.ft(0x10, 0x20, 1)
+    b.ft(0x20, 0x30, 99)
+    b.flow(0x30, 0x20, 99)
+    b.flow(0x20, 0x40, 1)
+    b.exit(0x40, 0x900, 1)
+    b.entry(0x10, 1)
+    return b
+
+
+def selected(sr: SuperRegion) -> list[int]:
+    assert select_patch_points(sr)
+    sr.verify()
+    check_entry_invariant(sr)
+    return entries(sr)
+
+
+def test_patch_single_loop_at_preheader():
+    assert selected(single_loop().sr) == [0x10]
+
+
+def test_patch_single_loop_header_when_preheader_unpatchable():
+    b = single_loop(pre_unpatchable=True)
+    assert selected(b.sr) == [0x20]
+    assert 0x10 not in b.sr.g                         # no longer reachable: removed
+    assert edge_count(b.sr, START, 0x20) == 1         # inflow from original code
+    [lp] = b.sr.info["loops"].loops()
+    assert lp.trip_count == 100
+
+
+def test_patch_short_first_insn_preheader_counts_as_unpatchable():
+    assert selected(single_loop(pre_sizes=(2, 2)).sr) == [0x20]
+
+
+def test_patch_block_split_before_first_long_insn():
+    b = single_loop(pre_unpatchable=True, hdr_sizes=(2, 5, 3))
+    assert selected(b.sr) == [0x22]
+    sr = b.sr
+    top, tail = sr.block(0x20), sr.block(0x22)
+    assert top.insns == [(0x20, 2)] and top.term == T.FALLTHROUGH and top.fallthrough == 0x22
+    assert tail.insns == [(0x22, 5), (0x27, 3)] and tail.term == T.JCC
+    assert sr.g.edges[0x20, 0x22] == {"kind": FT, "count": 100}
+    assert sr.g.has_edge(0x30, 0x20) and sr.g.has_edge(0x22, 0x30) and sr.g.has_edge(0x22, 0x40)
+    assert top.size + tail.size == 10 and tail.data == b"\x90" * 8
+
+
+def test_patch_unpatchable_header_moves_patch_into_the_loop():
+    b = single_loop(pre_unpatchable=True, hdr_unpatchable=True)
+    assert selected(b.sr) == [0x30]
+    # Original code runs H once per loop entry, then B is patched: 1 * 99/100.
+    assert edge_count(b.sr, START, 0x30) == pytest.approx(0.99)
+    [lp] = b.sr.info["loops"].loops()
+    assert lp.headers == [0x30] and lp.trip_count == pytest.approx(100)
+
+
+def test_patch_nested_loops_one_patch_outside():
+    assert selected(nested_loops().sr) == [0x10]
+    b = nested_loops()
+    b.sr.block(0x10).unpatchable = True
+    assert selected(b.sr) == [0x20]                    # outer header, not the inner one
+
+
+def sibling_loops(split_patchable=True) -> Builder:
+    """START -> A (jcc); A -> P1 -> L1 (H1 <-> B1) -> out; A -> P2 -> L2 (H2 <-> B2) -> out."""
+    b = Builder()
+    b.block(0x10, (5,), T.JCC, targets=[0x50], unpatchable=not split_patchable)
+    for p, h, body in ((0x15, 0x20, 0x30), (0x50, 0x60, 0x70)):
+        b.block(p, (5,))
+        b.block(h, (5,), T.JCC, targets=[h + 0x8], ft=body)
+        b.block(body, (5,), T.JMP, targets=[h])
+        b.block(h + 0x8, (5,), T.JMP, targets=[0x900])
+        b.ft(p, h)
+        b.ft(h, body)
+        b.flow(body, h)
+        b.flow(h, h + 0x8)
+        b.exit(h + 0x8, 0x900)
+    b.ft(0x10, 0x15)
+    b.flow(0x10, 0x50)
+    b.entry(0x10)
+    return b
+
+
+def test_patch_two_sibling_loops_minimal_sets():
+    assert selected(sibling_loops().sr) == [0x10]
+    assert selected(sibling_loops(split_patchable=False).sr) == [0x15, 0x50]
+
+
+def test_patch_irreducible_loop_needs_both_entries_covered():
+    b = irreducible()
+    b.sr.block(0x10).unpatchable = True
+    b.sr.block(0x40).unpatchable = True
+    assert selected(b.sr) == [0x20, 0x50]        # B is on every cycle of {B, C}
+    b = irreducible()
+    b.sr.block(0x10).unpatchable = True
+    b.sr.block(0x40).unpatchable = True
+    b.flow(0x30, 0x30)                             # C loops on its own: C is on every
+    assert selected(b.sr) == [0x30]                # cycle and cuts the way to D too
+    b = irreducible()
+    b.sr.block(0x10).unpatchable = True
+    b.flow(0x30, 0x30)
+    b.flow(0x20, 0x20)                             # B loops on its own too: both needed
+    assert selected(b.sr) == [0x20, 0x30]
+    b = irreducible()
+    assert selected(b.sr) == [0x10]
+
+
+def test_patch_outer_patch_dropped_when_useless():
+    """A root block that reaches the loop but does not cut the other way in."""
+    b = single_loop(pre_unpatchable=False)
+    b.block(0x80, (5,), T.JMP, targets=[0x20], unpatchable=True)
+    b.flow(0x80, 0x20)
+    b.entry(0x80)
+    assert selected(b.sr) == [0x20]
+
+
+def test_patch_no_patchable_block_drops_region():
+    b = single_loop(pre_unpatchable=True, hdr_unpatchable=True)
+    for k in (0x30, 0x40):
+        b.sr.block(k).unpatchable = True
+    assert not select_patch_points(b.sr)
+
+
+# ---- PRUNE-CODE -------------------------------------------------------------------------
+def test_prune_removes_exactly_the_cold_tails():
+    b = single_loop()
+    b.block(0x50, (5,), count=0)                      # cold tail after X ...
+    b.block(0x58, (5,), T.JMP, targets=[0x900], count=0)
+    b.sr.g.remove_edge(0x40, END)
+    b.flow(0x40, 0x50, 1)
+    b.ft(0x50, 0x58)
+    b.exit(0x58, 0x900)
+    b.block(0x28, (5,), T.JMP, targets=[0x30], count=0)  # cold but leads back into the loop
+    b.flow(0x20, 0x28)
+    b.flow(0x28, 0x30)
+    cold = remove_cold_tails(b.sr, hot_threshold=1)
+    assert cold == {0x50, 0x58}
+    assert b.sr.g.edges[0x40, END]["exits"] == {0x50: 1}
+    b.sr.verify()
+
+
+def test_prune_drops_loopless_small_and_short_trip_regions():
+    c = Counter()
+    kept = prune_code(single_loop().sr, hot_threshold=1, min_loop_trip_count=4,
+                      min_region_size=16, counters=c)
+    assert len(kept) == 1 and kept[0].info["loops"].max_trip_count() == 100
+    assert prune_code(single_loop().sr, hot_threshold=1, min_loop_trip_count=101,
+                      min_region_size=16, counters=c) == []
+    assert prune_code(single_loop().sr, hot_threshold=1, min_loop_trip_count=4,
+                      min_region_size=21, counters=c) == []
+    b = Builder()
+    b.block(0x10, (5,), T.JMP, targets=[0x900], count=5)
+    b.exit(0x10, 0x900, 5)
+    b.entry(0x10, 5)
+    assert prune_code(b.sr, hot_threshold=1, min_loop_trip_count=0,
+                      min_region_size=0, counters=c) == []
+    assert c["dropped-no-hot-loop"] == 2 and c["dropped-small"] == 1
+
+
+def test_prune_separates_components_again():
+    b = sibling_loops()
+    for k in b.sr.body_nodes():
+        b.sr.block(k).count = 50
+    b.sr.g.remove_edge(0x10, 0x50)
+    b.entry(0x50)
+    parts = prune_code(b.sr, hot_threshold=1, min_loop_trip_count=0, min_region_size=0)
+    assert [sorted(p.body_nodes()) for p in parts] == [
+        [0x10, 0x15, 0x20, 0x28, 0x30], [0x50, 0x60, 0x68, 0x70]]
+    for p in parts:
+        p.verify()
+
+
+# ---- the pass manager ---------------------------------------------------------------------
+def discovery_like() -> SuperRegion:
+    """main loop calling f, f, and a cold island: one SR as discovery leaves it."""
+    main, f = caller_callee()
+    sr = SuperRegion("first")
+    for part in (main, f):
+        sr.g.add_nodes_from(part.g.nodes(data=True))
+        sr.g.add_edges_from(part.g.edges(data=True))
+    for k, _ in sr.blocks():
+        sr.block(k).count = 0.0
+    return sr
+
+
+def test_pipeline_end_to_end_with_stages_counters_and_timings(tmp_path):
+    cfg = RegionConfig(hot_threshold=10, min_loop_trip_count=4, min_region_size=8,
+                       keep_stages=True, dump_dir=str(tmp_path), fail_fast=True)
+    res = run_pipeline(discovery_like(), None, cfg)
+    assert [n for n, _ in res.stages] == ["discovery", "partition-code", "fall-through-only",
+                                         "inline-hot-calls", "patch-point-selection",
+                                         "prune-code"]
+    assert set(res.timings) == {n for n, _ in res.stages[1:]}
+    assert res.counters["partition-code"]["components"] == 2
+    assert res.counters["inline-hot-calls"]["inlined"] == 1
+    [r] = res.regions
+    assert r.state.value == "selected" and entries(r) == [0x10]
+    assert any(isinstance(k, CloneKey) for k in r.body_nodes())
+    assert r.info["loops"].max_trip_count() == 100
+    assert res.failures == []
+    assert len(list(tmp_path.glob("*.dot"))) >= 6
+
+
+def test_pipeline_isolates_a_failing_region(monkeypatch):
+    from dbr_service.region import fallthrough
+
+    real = fallthrough.compute_fall_through_only
+
+    def flaky(sr, counters=None):
+        if 0x100 in sr.g:
+            raise RegionError("boom")
+        return real(sr, counters)
+
+    monkeypatch.setattr(fallthrough, "compute_fall_through_only", flaky)
+    res = run_pipeline(discovery_like(), None, RegionConfig(hot_threshold=10, min_region_size=8))
+    assert [(f.pass_name, "boom" in f.error) for f in res.failures] == [("fall-through-only", True)]
+    # main went on without f: its call could not be inlined, so the call block
+    # went, which broke main's loop, so prune dropped it.
+    assert res.counters["inline-hot-calls"]["rejected-callee-not-in-region"] == 1
+    assert res.regions == [] and res.counters["prune-code"]["kept"] == 0
+    with pytest.raises(RegionError):
+        run_pipeline(discovery_like(), None, RegionConfig(hot_threshold=10, fail_fast=True))
+
+
+def test_pipeline_verification_catches_a_broken_pass(monkeypatch):
+    from dbr_service.region import patchpoints
+
+    def breaks(sr, counters=None):
+        sr.g.remove_edges_from(list(sr.g.out_edges(START)))
+        return True
+
+    monkeypatch.setattr(patchpoints, "select_patch_points", breaks)
+    res = run_pipeline(discovery_like(), None, RegionConfig(hot_threshold=10))
+    assert res.regions == [] and {f.pass_name for f in res.failures} == {"patch-point-selection"}
