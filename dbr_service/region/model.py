@@ -238,7 +238,11 @@ class SuperRegion:
                 if d.get("kind") != EdgeKind.CALL:
                     raise RegionError(f"{self.id}: edge {u!r}->{v!r} enters a clone")
             if isinstance(v, CloneKey) and isinstance(u, CloneKey) and u.path != v.path:
-                if d.get("kind") != EdgeKind.CALL or v.path[:-1] != u.path:
+                # A nested call enters one level deeper; a nested return leaves
+                # one level up to the enclosing clone's continuation.
+                nested_call = d.get("kind") == EdgeKind.CALL and v.path[:-1] == u.path
+                nested_ret = d.get("kind") == EdgeKind.RETURN and u.path[:-1] == v.path
+                if not (nested_call or nested_ret):
                     raise RegionError(f"{self.id}: edge {u!r}->{v!r} crosses inlining paths")
         if len(self) == 0:
             return
