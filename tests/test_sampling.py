@@ -475,14 +475,15 @@ def test_agent_timer_source_through_start_stop(bins, spawn):
     procs: list = []
 
     def start(period_us: int, ring_entries: int) -> int:
+        """The agent's side: the ring fills up (and overflows) before the service maps it."""
         calls.append(("start", period_us, ring_entries))
         fd = create_ring_memfd(ring_entries)
         procs.append(_run_producer(spawn, bins, fd, 3, 500))
+        procs[-1].wait(timeout=20)
         return fd
 
     def stop() -> None:
         calls.append(("stop",))
-        procs[-1].wait(timeout=20)
 
     src = AgentTimerSource(start, stop, period_us=500, ring_entries=1024)
     src.open(4242)

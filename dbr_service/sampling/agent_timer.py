@@ -95,7 +95,8 @@ class AgentTimerRing:
         self._tail = ctypes.c_uint64.from_buffer(self.mm, _TAIL_OFF)
         self._dropped = ctypes.c_uint64.from_buffer(self.mm, _DROPPED_OFF)
         self.tail = self._tail.value
-        self.dropped_seen = self._dropped.value
+        # drops since the ring was created count, even those before we mapped it
+        self.dropped_seen = 0
         self.skip_after_s = skip_after_s
         self._stall: tuple[int, float] | None = None  # (blocked slot, since when)
         #: Entries read and unpublished slots skipped (cumulative).
