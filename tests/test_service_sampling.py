@@ -1,0 +1,70 @@
+"""Sampling through the service with the real agent: the hottest function is the top hot
+spot (perf and agent-timer), and every thread is sampled, also threads started late."""
+
+from __future__ import annotations
+
+import pytest
+
+from service_helpers import ServiceProc, agent_path, build_example, kill, spawn_client, symbol_range
+
+pytestmark = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
+
+
+def _hotspots_when(svc, pid, pred, timeout=10.0):
+    def ready():
+        try:
+            h = svc.call("hotspots", {"pid": pid, "top": 50})
+        except Exception:
+            return None
+        return h if pred(h) else None
+    return svc.wait_for(ready, timeout, f"hot spots of {pid}")
+
+
+def _top_in_function(svc, pid, binary, func, min_samples=100):
+    h = _hotspots_when(svc, pid, lambda h: h["samples"] >= min_samples)
+    lo, hi = symbol_range(binary, func)
+    mine = [x for x in h["hotspots"] if x["module"] == binary]
+    assert mine, h
+    top = mine[0]
+    assert lo <= top["offset"] < hi, (hex(top["offset"]), hex(lo), hex(hi), h["hotspots"][:5])
+    in_func = sum(x["samples"] for x in mine if lo <= x["offset"] < hi)
+    assert in_func > 0.5 * h["samples"], (in_func, h["samples"])
+    return h
+
+
+@pytest.mark.parametrize("source, expect", [("perf", "perf-"), ("agent-timer", "agent-timer")])
+def test_hottest_function_is_top_hotspot(source, expect):
+    svc = ServiceProc("--aggressive", f"sampling_source={source}").wait_ready()
+    prog = build_example("hotloop")
+    client = None
+    try:
+        client = spawn_client(svc.dir, [prog, "4000"])
+        h = _top_in_function(svc, client.pid, prog, "mix")
+        assert h["source"].startswith(expect), h["source"]
+        assert svc.call("status")["sampling"]["active"].startswith(expect)
+    finally:
+        kill(client)
+        svc.stop()
+
+
+def test_every_thread_sampled_including_late_ones():
+    svc = ServiceProc("--aggressive").wait_ready()
+    prog = build_example("threads", ("-pthread",))
+    client = None
+    try:
+        client = spawn_client(svc.dir, [prog, "4", "3000"])
+        tids = []
+        for _ in range(4):  # "thread K tid T": the last starts ~1.1 s after attach
+            line = client.stdout.readline()
+            assert line.startswith("thread"), line
+            tids.append(line.split()[3])
+
+        def all_sampled(h):
+            return all(h["threads"].get(t, 0) >= 3 for t in tids)
+        h = _hotspots_when(svc, client.pid, all_sampled, timeout=10.0)
+        assert all_sampled(h), (tids, h["threads"])
+        out, _ = client.communicate(timeout=20)
+        assert "threads: done" in out and client.returncode == 0
+    finally:
+        kill(client)
+        svc.stop()
