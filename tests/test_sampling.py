@@ -214,6 +214,10 @@ def test_perf_finds_hot_function(bins, spawn):
         src.disable()
         samples += src.read()
         consumer_cpu = time.process_time() - cpu0
+        time.sleep(0.15)
+        assert src.read() == []  # disabled: the still-running program is not sampled
+        src.enable()
+        assert len(sample_for(src, 0.15)) > 0  # and a new window samples again
     finally:
         src.close()
     agg.add(samples)
