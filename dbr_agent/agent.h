@@ -113,6 +113,7 @@ int dbr_buffer_free(uint32_t id);
 const struct dbr_buffer *dbr_buffer_containing(uint64_t addr, uint64_t len);
 int dbr_buffers_intersect(uint64_t lo, uint64_t hi);
 void dbr_buffers_privatise(void);  /* fork child */
+void dbr_buffers_forget(uint64_t lo, uint64_t hi);  /* program unmapped them */
 
 /* ---- patch.c ---- */
 struct dbr_site_ent {

@@ -219,6 +219,23 @@ int dbr_buffers_intersect(uint64_t lo, uint64_t hi)
     return 0;
 }
 
+/* The program unmapped [lo, hi): drop every buffer it touched from the table
+ * (their ids become unknown; installed sites targeting them were restored by
+ * the munmap hook before the call). */
+void dbr_buffers_forget(uint64_t lo, uint64_t hi)
+{
+    unsigned i;
+
+    for (i = 0; i < DBR_BUFFER_TABLE_MAX; i++) {
+        struct dbr_buffer *b = &g_buffers[i];
+        if (b->id && b->base < hi && lo < b->base + b->size) {
+            dbr_log("code buffer %u unmapped by the program", b->id);
+            b->id = 0;
+            __atomic_sub_fetch(&g_n_buffers, 1, __ATOMIC_RELEASE);
+        }
+    }
+}
+
 /* Fork child: replace every inherited (shared with the parent's memfd) buffer
  * by a private copy at the same address without ever unmapping it. */
 void dbr_buffers_privatise(void)

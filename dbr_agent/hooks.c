@@ -244,11 +244,22 @@ static uint64_t page_up(uint64_t a)
 
 DBR_EXPORT int munmap(void *addr, size_t len)
 {
+    uint64_t lo = page_down((uint64_t)addr), hi = page_up((uint64_t)addr + len);
     munmap_fn f;
+    int rc, saved_errno;
 
-    map_check(DBR_MAP_MUNMAP, page_down((uint64_t)addr), page_up((uint64_t)addr + len), 0);
+    map_check(DBR_MAP_MUNMAP, lo, hi, 0);
     f = REAL(real_munmap_p, "munmap");
-    return f ? f(addr, len) : dbr_sys_munmap(addr, len);
+    rc = f ? f(addr, len) : dbr_sys_munmap(addr, len);
+    if (rc == 0 && __atomic_load_n(&g_n_buffers, __ATOMIC_ACQUIRE) && hi > lo) {
+        /* the program unmapped (part of) a code buffer: never target it again */
+        saved_errno = errno;
+        pthread_mutex_lock(&g_agent_mu);
+        dbr_buffers_forget(lo, hi);
+        pthread_mutex_unlock(&g_agent_mu);
+        errno = saved_errno;
+    }
+    return rc;
 }
 
 DBR_EXPORT int mprotect(void *addr, size_t len, int prot)

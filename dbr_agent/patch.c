@@ -403,7 +403,7 @@ static int validate_patch(const struct dbr_patch_site *s, const struct dbr_maps 
     if (!variant_fits(s->variant, s->site))
         return DBR_E_ALIGN;
     e = site_find(s->site);
-    if ((e && e->installed) || dbr_site_overlaps_installed(s->site > 4 ? s->site - 4 : 0, end))
+    if ((e && e->installed) || dbr_site_overlaps_installed(s->site, end))
         return DBR_E_BUSY;
     for (i = 0; i < nops; i++)
         if (overlaps(ops[i].addr, s->site))
