@@ -126,3 +126,66 @@ def random_state(rng: random.Random, rsp: int, mem: dict[int, int],
     fl = rng.getrandbits(12) & FLAG_MASK & ~0x400
     xmm = [rng.getrandbits(128) for _ in XMMS]
     return State(regs, fl, xmm, {a: rng.randbytes(n) for a, n in mem.items()})
+
+
+# -- super-regions built from real code ---------------------------------------------------
+
+def term_of(insn: capstone.CsInsn):
+    """(TermKind, direct target or None) of an instruction that ends a block, else None."""
+    from dbr_service.codegen.relocate import Kind, Relocator
+    from dbr_service.region.model import TermKind
+    if insn.mnemonic in ("hlt", "ud2", "int3"):
+        return TermKind.HALT, None
+    kind = Relocator().classify(insn)
+    imm = insn.operands[0].imm if insn.operands and insn.operands[0].type == 2 else None
+    return {Kind.JMP: TermKind.JMP, Kind.JCC: TermKind.JCC, Kind.LOOP: TermKind.JCC,
+            Kind.CALL: TermKind.CALL, Kind.ICALL: TermKind.ICALL, Kind.RET: TermKind.RET,
+            Kind.IJMP: TermKind.IJMP}.get(kind), imm
+
+
+def build_blocks(code: bytes, addr: int, indirect: dict[int, list[int]] | None = None):
+    """Basic blocks of ``code`` at ``addr`` by linear disassembly (leaders: the start,
+    branch targets, known indirect targets, instructions after a control transfer)."""
+    from dbr_service.region.model import BasicBlock, TermKind
+    insns = linear(code, addr)
+    leaders = {addr}
+    for tl in (indirect or {}).values():
+        leaders |= set(tl)
+    for i in insns:
+        t, imm = term_of(i)
+        if t is not None:
+            leaders.add(i.address + i.size)
+            if imm is not None:
+                leaders.add(imm)
+    blocks, cur = {}, []
+    end = addr + len(code)
+    for n, i in enumerate(insns):
+        cur.append(i)
+        nxt = i.address + i.size
+        t, imm = term_of(i)
+        if t is None and nxt not in leaders and nxt < end:
+            continue
+        s = cur[0].address
+        term = t or (TermKind.FALLTHROUGH if nxt < end else TermKind.STOP)
+        targets = [imm] if imm is not None else list((indirect or {}).get(i.address, []))
+        ft = nxt if term in (TermKind.FALLTHROUGH, TermKind.JCC, TermKind.CALL,
+                             TermKind.ICALL) else None
+        blocks[s] = BasicBlock(s, nxt - s, [(x.address, x.size) for x in cur],
+                               code[s - addr:nxt - addr], term, targets, ft,
+                               known_exec=True)
+        cur = []
+    return blocks
+
+
+def profile_edges(trace: list[int], blocks: dict) -> dict[tuple[int, int], int]:
+    """Counts of block-to-block transitions in an instruction-address trace."""
+    counts: dict[tuple[int, int], int] = {}
+    prev = None
+    for a in trace:
+        if a in blocks:
+            if prev is not None:
+                counts[(prev, a)] = counts.get((prev, a), 0) + 1
+            prev = a
+        elif not any(b.contains(a) for b in blocks.values()):
+            prev = None
+    return counts

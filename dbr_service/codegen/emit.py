@@ -1,0 +1,315 @@
+"""Emission: a selected super-region -> replacement code for a buffer at ``base``.
+
+Pure code generation (bytes in, bytes out).  Blocks are laid out by
+:func:`~dbr_service.codegen.layout.compute_layout`; each block's instructions go through
+the :class:`~dbr_service.codegen.relocate.Relocator`, and its terminator is rewritten so
+that every in-region transfer reaches the in-buffer copy of its target and everything
+else exits with ``jmp rel32`` to the original address:
+
+* fall-through / STOP: a ``jmp rel32`` to the successor (in-buffer or original end
+  address) unless the successor is laid out next.
+* ``jmp``: dropped when its target is next, else ``jmp rel32``.
+* ``jcc``: ``jcc rel32`` to the taken side, the fall-through side falls or jumps; when the
+  taken side is laid out next the condition is inverted.  ``loop``-family: the relocator's
+  expansion, then the fall-through side as for fall-through.
+* ``call``: the pseudo-instruction (push original return address), then the inlined
+  callee (a clone, falls in when next) or the original callee (an exit).
+* ``ret`` in a clone: ``lea rsp,[rsp+8+imm]`` then the continuation (the RETURN edge's
+  block, or an exit to the original continuation).  ``ret`` elsewhere is copied: it
+  returns to an original address (a dynamic exit).
+* indirect ``jmp``/``call``: compare cascade over in-region targets, then the original
+  indirect jmp as a dynamic exit.
+* HALT (hlt/ud2/int3): copied, nothing follows.
+
+Two passes: sizes depend only on region membership (every branch is rel32), so pass one
+measures blocks, addresses (with loop-head alignment) are fixed, and pass two encodes.
+The output is decoded in full to check invariant 1 (no ``call``) and that the address map
+covers every instruction; every rel32 is range-checked when encoded (invariant 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import capstone
+
+from dbr_service.codegen.layout import ALIGN, Layout, compute_layout
+from dbr_service.codegen.relocate import (CannotRelocate, Fixup, Kind, Relocated, Relocator,
+                                          jcc_condition, jcc_rel32, jmp_rel32, push_return,
+                                          ret_adjust)
+from dbr_service.errors import CodegenError
+from dbr_service.region.model import (END, CloneKey, EdgeKind, NodeKey, SuperRegion, TermKind,
+                                      fmt_node)
+
+#: Recommended multi-byte NOPs (Intel SDM vol. 2B, NOP), by length.
+_NOPS = {1: "90", 2: "6690", 3: "0f1f00", 4: "0f1f4000", 5: "0f1f440000",
+         6: "660f1f440000", 7: "0f1f8000000000", 8: "0f1f840000000000",
+         9: "660f1f840000000000"}
+
+
+def nop_bytes(n: int) -> bytes:
+    """``n`` bytes of multi-byte NOPs."""
+    out = b""
+    while n > 0:
+        k = min(n, 9)
+        out += bytes.fromhex(_NOPS[k])
+        n -= k
+    return out
+
+
+@dataclass
+class GeneratedCode:
+    """Replacement code of one super-region, ready for a code buffer at ``base``."""
+
+    code: bytes
+    base: int
+    #: Original patch-site address -> replacement address (one per entry edge).
+    entries: dict[int, int]
+    #: (replacement start, replacement end, original instruction address), in address order.
+    addr_map: list[tuple[int, int, int]]
+    #: (replacement address of the exit branch, original target) for every static exit.
+    exits: list[tuple[int, int]]
+    #: Replacement addresses of exits with run-time targets (indirect jmp, plain ret).
+    dynamic_exits: list[int] = field(default_factory=list)
+    #: Replacement address of each block.
+    block_addr: dict[NodeKey, int] = field(default_factory=dict)
+    #: The block order used.
+    layout: list[NodeKey] = field(default_factory=list)
+    #: True: every rel32 reaches its target (emission raises otherwise).
+    reach_ok: bool = True
+
+    @property
+    def size(self) -> int:
+        return len(self.code)
+
+    def orig_of(self, addr: int) -> int | None:
+        """Original instruction address of a replacement address (sample attribution)."""
+        for s, e, o in self.addr_map:
+            if s <= addr < e:
+                return o
+        return None
+
+
+@dataclass
+class _Piece:
+    """Bytes standing for one original instruction (or a synthetic jump after it)."""
+
+    code: bytes
+    orig: int
+    fixups: list[Fixup] = field(default_factory=list)
+    dynamic: list[int] = field(default_factory=list)
+
+
+class _BlockEmitter:
+    """Emits one block's pieces given the addresses of all blocks."""
+
+    def __init__(self, sr: SuperRegion, reloc: Relocator,
+                 addr_of: Callable[[NodeKey], int]) -> None:
+        self.sr, self.reloc, self.addr_of = sr, reloc, addr_of
+
+    def succ(self, key: NodeKey, kinds: set[EdgeKind]) -> dict[int, NodeKey]:
+        out = {}
+        for _, v, d in self.sr.g.out_edges(key, data=True):
+            if v != END and d.get("kind") in kinds:
+                out.setdefault(self.sr.block(v).start, v)
+        return out
+
+    def tmap(self, succ: dict[int, NodeKey]) -> Callable[[int], int | None]:
+        return lambda t: self.addr_of(succ[t]) if t in succ else None
+
+    def emit(self, key: NodeKey, at: int, nxt: NodeKey | None) -> list[_Piece]:
+        bb = self.sr.block(key)
+        flow = self.succ(key, {EdgeKind.FLOW, EdgeKind.FALLTHROUGH})
+        self._at, self._pieces = at, []
+        term = bb.term
+        body = bb.insns if term in (TermKind.FALLTHROUGH, TermKind.STOP, TermKind.HALT) \
+            else bb.insns[:-1]
+        for a, n in body:
+            self._reloc(bb, a, n, flow)
+        last_addr, last_size = bb.insns[-1]
+        if term in (TermKind.FALLTHROUGH, TermKind.STOP):
+            ft = bb.fallthrough if term is TermKind.FALLTHROUGH and bb.fallthrough is not None \
+                else bb.end
+            self._goto(ft, flow, nxt, last_addr)
+        elif term is TermKind.JMP:
+            t = self._insn(bb, last_addr).operands[0].imm
+            if flow.get(t) != nxt or nxt is None:
+                self._reloc(bb, last_addr, last_size, flow)
+        elif term is TermKind.JCC:
+            self._jcc(bb, last_addr, last_size, flow, nxt)
+        elif term is TermKind.CALL:
+            self._call(bb, key, last_addr, last_size, nxt)
+        elif term is TermKind.ICALL:
+            calls = self.succ(key, {EdgeKind.CALL})
+            self._reloc(bb, last_addr, last_size, calls, ijmp=bb.targets)
+        elif term is TermKind.RET:
+            self._ret(bb, key, last_addr, last_size, nxt)
+        elif term is TermKind.IJMP:
+            self._reloc(bb, last_addr, last_size, flow, ijmp=bb.targets)
+        elif term is not TermKind.HALT:
+            raise CodegenError(f"unknown terminator {term!r}")
+        return self._pieces
+
+    # ---- pieces ---------------------------------------------------------------------
+    def _add(self, p: _Piece) -> None:
+        self._pieces.append(p)
+        self._at += len(p.code)
+
+    def _insn(self, bb, addr: int) -> capstone.CsInsn:
+        off = addr - bb.start
+        return self.reloc.decode(bb.data[off:off + 15], addr)
+
+    def _reloc(self, bb, a: int, n: int, succ: dict[int, NodeKey], *, ijmp=(),
+               ret_target: int | None = None) -> None:
+        off = a - bb.start
+        try:
+            r: Relocated = self.reloc.relocate_insn(
+                bb.data[off:off + n], a, self._at, target_map=self.tmap(succ),
+                ret_target=ret_target, ijmp_targets=ijmp)
+        except CannotRelocate as e:
+            raise CodegenError(f"{self.sr.id}: block {fmt_node(bb.start)}: {e}") from e
+        self._add(_Piece(r.code, a, r.fixups, r.dynamic_exits))
+
+    def _jump(self, t: int, succ: dict[int, NodeKey], orig: int) -> None:
+        v = succ.get(t)
+        dst = t if v is None else self.addr_of(v)
+        code = self._encode(lambda: jmp_rel32(self._at, dst))
+        self._add(_Piece(code, orig, [Fixup(0, 1, dst, t, v is None)]))
+
+    def _goto(self, t: int, succ: dict[int, NodeKey], nxt: NodeKey | None, orig: int) -> None:
+        """Continue at original address ``t``: fall into the next block or jump."""
+        if nxt is None or succ.get(t) != nxt:
+            self._jump(t, succ, orig)
+
+    def _encode(self, f: Callable[[], bytes]) -> bytes:
+        try:
+            return f()
+        except CannotRelocate as e:
+            raise CodegenError(f"{self.sr.id}: {e}") from e
+
+    def _jcc(self, bb, a: int, n: int, flow, nxt) -> None:
+        insn = self._insn(bb, a)
+        ft = bb.fallthrough if bb.fallthrough is not None else a + n
+        if self.reloc.classify(insn) is Kind.LOOP:
+            self._reloc(bb, a, n, flow)
+            self._goto(ft, flow, nxt, a)
+            return
+        t = insn.operands[0].imm
+        cc = jcc_condition(insn)
+        vt, vf = flow.get(t), flow.get(ft)
+        if nxt is not None and vt == nxt and vf != nxt:
+            cc, t, ft = cc ^ 1, ft, t                       # invert: fall into the taken side
+        v = flow.get(t)
+        dst = t if v is None else self.addr_of(v)
+        code = self._encode(lambda: jcc_rel32(cc, self._at, dst))
+        self._add(_Piece(code, a, [Fixup(0, 2, dst, t, v is None)]))
+        self._goto(ft, flow, nxt, a)
+
+    def _call(self, bb, key, a: int, n: int, nxt) -> None:
+        callee = self._insn(bb, a).operands[0].imm
+        calls = self.succ(key, {EdgeKind.CALL})
+        self._add(_Piece(push_return(a + n), a))
+        self._goto(callee, calls, nxt, a)
+
+    def _ret(self, bb, key, a: int, n: int, nxt) -> None:
+        if not isinstance(key, CloneKey) or not key.path:
+            self._reloc(bb, a, n, {})                       # returns into original code
+            return
+        rets = self.succ(key, {EdgeKind.RETURN})
+        cont = next(iter(rets)) if rets else self._continuation(key)
+        if cont is None:
+            self._reloc(bb, a, n, {})
+            return
+        insn = self._insn(bb, a)
+        imm = insn.operands[0].imm if insn.operands else 0
+        self._add(_Piece(ret_adjust(imm), a))
+        self._goto(cont, rets, nxt, a)
+
+    def _continuation(self, key: CloneKey) -> int | None:
+        """Original return address of the inlined call a clone belongs to."""
+        call = key.path[-1]
+        for _, bb in self.sr.blocks():
+            la, ls = bb.last_insn
+            if la == call and bb.term in (TermKind.CALL, TermKind.ICALL):
+                return la + ls
+        return None
+
+
+def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = None,
+                layout: Layout | None = None) -> GeneratedCode:
+    """Replacement code for ``sr`` placed at ``base`` (see the module docstring)."""
+    if len(sr) == 0:
+        raise CodegenError(f"{sr.id}: empty region")
+    reloc = relocator or Relocator()
+    lay = layout or compute_layout(sr)
+    nxt = lay.next_of()
+    # pass 1: sizes (independent of addresses)
+    sizing = _BlockEmitter(sr, reloc, lambda _k: base)
+    sizes = {k: sum(len(p.code) for p in sizing.emit(k, base, nxt[k])) for k in lay.order}
+    addr, block_addr, pads = base, {}, {}
+    for k in lay.order:
+        pads[k] = (-addr) % ALIGN if k in lay.aligned else 0
+        addr += pads[k]
+        block_addr[k] = addr
+        addr += sizes[k]
+    # pass 2: encode
+    em = _BlockEmitter(sr, reloc, block_addr.__getitem__)
+    out = bytearray()
+    gen = GeneratedCode(b"", base, {}, [], [], block_addr=block_addr, layout=list(lay.order))
+    for k in lay.order:
+        if pads[k]:
+            gen.addr_map.append((base + len(out), base + len(out) + pads[k], sr.block(k).start))
+            out += nop_bytes(pads[k])
+        assert base + len(out) == block_addr[k]
+        pieces = em.emit(k, block_addr[k], nxt[k])
+        for p in pieces:
+            at = base + len(out)
+            if p.code:
+                gen.addr_map.append((at, at + len(p.code), p.orig))
+            gen.exits += [(at + f.insn_off, f.orig_target) for f in p.fixups if f.exit]
+            gen.dynamic_exits += [at + o for o in p.dynamic]
+            out += p.code
+        if base + len(out) != block_addr[k] + sizes[k]:
+            raise CodegenError(f"{sr.id}: block {fmt_node(k)} changed size between passes")
+    gen.code = bytes(out)
+    for v, _c in sr.entry_edges():
+        if isinstance(v, CloneKey):
+            raise CodegenError(f"{sr.id}: entry edge into clone {fmt_node(v)}")
+        gen.entries[sr.block(v).start] = block_addr[v]
+    check_generated(gen, reloc)
+    return gen
+
+
+def check_generated(gen: GeneratedCode, reloc: Relocator | None = None) -> None:
+    """Decode all of ``gen.code``: no ``call`` (invariant 1), no undecodable bytes, every
+    instruction inside one address-map range."""
+    md = (reloc or Relocator()).md
+    ranges = iter(gen.addr_map)
+    cur = next(ranges, None)
+    pos = 0
+    for insn in md.disasm(gen.code, gen.base):
+        if insn.id in (capstone.x86_const.X86_INS_CALL, capstone.x86_const.X86_INS_LCALL):
+            raise CodegenError(f"call in replacement code at {insn.address:#x}")
+        while cur is not None and cur[1] <= insn.address:
+            cur = next(ranges, None)
+        if cur is None or not cur[0] <= insn.address < insn.address + insn.size <= cur[1]:
+            raise CodegenError(f"instruction at {insn.address:#x} not covered by the map")
+        pos += insn.size
+    if pos != len(gen.code):
+        raise CodegenError(f"replacement code does not decode at {gen.base + pos:#x}")
+
+
+def perf_map_lines(gen: GeneratedCode, name: str) -> list[str]:
+    """``/tmp/perf-PID.map`` lines (``START SIZE symbol``, hex) for the replacement code,
+    one per run of replacement bytes standing for one original instruction."""
+    lines = []
+    runs: list[list[int]] = []
+    for s, e, o in gen.addr_map:
+        if runs and runs[-1][1] == s and runs[-1][2] == o:
+            runs[-1][1] = e
+        else:
+            runs.append([s, e, o])
+    for s, e, o in runs:
+        lines.append(f"{s:x} {e - s:x} {name}@{o:#x}")
+    return lines

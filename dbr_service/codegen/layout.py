@@ -1,0 +1,132 @@
+"""Block layout of a super-region from its edge counts (Pettis-Hansen style chains).
+
+Hot edges that the emitter can turn into a fall-through (plain fall-through, direct jmp,
+either side of a jcc, call pseudo-instruction into its inlined callee, inlined return into
+its continuation) glue blocks into chains, hottest edge first, loop back edges last (so a
+loop is laid out head first, its latch branches back to an aligned head and its exit falls
+through, the classic compiler shape).  The chain holding the
+hottest entry comes first, then the other chains by heat, cold chains (no count) last.
+A loop head (target of a back edge of a depth-first search from START) is aligned when
+it pays: its back edges run at least ``ALIGN_RATIO`` times as often as its layout
+predecessor falls into it (the padding NOPs run only on that fall-in; when the back edge
+itself is the fall-in, padding would run every iteration, so it is not aligned).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dbr_service.region.model import (END, START, CloneKey, EdgeKind, NodeKey, SuperRegion,
+                                      TermKind)
+
+ALIGN = 16
+ALIGN_RATIO = 4.0
+
+#: Terminators after which the next laid-out block can be reached without a jump.
+_CHAINABLE = {TermKind.FALLTHROUGH, TermKind.JMP, TermKind.JCC, TermKind.CALL, TermKind.RET}
+
+
+@dataclass
+class Layout:
+    """The order of the body blocks in the code buffer."""
+
+    order: list[NodeKey]
+    #: Blocks whose start is aligned to ``ALIGN``.
+    aligned: set[NodeKey] = field(default_factory=set)
+
+    def next_of(self) -> dict[NodeKey, NodeKey | None]:
+        """Each block's successor in the layout (None for the last)."""
+        return {k: (self.order[i + 1] if i + 1 < len(self.order) else None)
+                for i, k in enumerate(self.order)}
+
+
+def can_fall_into(sr: SuperRegion, u: NodeKey, v: NodeKey) -> bool:
+    """Whether placing ``v`` right after ``u`` lets the emitter drop a jump to ``v``."""
+    bb, d = sr.block(u), sr.g.edges[u, v]
+    kind = d.get("kind")
+    if bb.term not in _CHAINABLE or kind in (EdgeKind.ENTRY, EdgeKind.EXIT):
+        return False
+    if bb.term is TermKind.CALL:
+        return kind is EdgeKind.CALL
+    if bb.term is TermKind.RET:
+        return kind is EdgeKind.RETURN and isinstance(u, CloneKey)
+    if kind in (EdgeKind.CALL, EdgeKind.RETURN):
+        return False
+    start = sr.block(v).start
+    if bb.term is TermKind.FALLTHROUGH:
+        return start == (bb.fallthrough if bb.fallthrough is not None else bb.end)
+    if bb.term is TermKind.JMP:
+        return start in bb.targets
+    return start in bb.targets or start == bb.fallthrough       # jcc (loop: see emitter)
+
+
+def _sort_key(k: NodeKey) -> tuple:
+    if isinstance(k, CloneKey):
+        return (1, k.start, k.path)
+    return (0, k, ())
+
+
+def compute_layout(sr: SuperRegion) -> Layout:
+    """Chains from hot fall-through-able edges, then chains ordered by heat."""
+    nodes = sorted(sr.body_nodes(), key=_sort_key)
+    chain_of: dict[NodeKey, list[NodeKey]] = {k: [k] for k in nodes}
+    edges = [(d.get("count", 0.0), u, v) for u, v, d in sr.body_edges()
+             if u != v and can_fall_into(sr, u, v)]
+    back = back_edges(sr)
+    edges.sort(key=lambda e: ((e[1], e[2]) in back, -e[0], _sort_key(e[1]), _sort_key(e[2])))
+    for _c, u, v in edges:
+        a, b = chain_of[u], chain_of[v]
+        if a is b or a[-1] != u or b[0] != v:
+            continue
+        a.extend(b)
+        for k in b:
+            chain_of[k] = a
+    chains = list({id(c): c for c in chain_of.values()}.values())
+    heat = {k: sum(d.get("count", 0.0) for _, _, d in sr.g.in_edges(k, data=True))
+            for k in nodes}
+    entries = sorted(sr.entry_edges(), key=lambda e: (-e[1], _sort_key(e[0])))
+    first = chain_of[entries[0][0]] if entries else None
+
+    def chain_key(c: list[NodeKey]) -> tuple:
+        h = max(heat[k] for k in c)
+        return (c is not first, h <= 0, -h, _sort_key(c[0]))
+
+    chains.sort(key=chain_key)
+    order = [k for c in chains for k in c]
+    return Layout(order, _aligned(sr, order))
+
+
+def back_edges(sr: SuperRegion) -> set[tuple[NodeKey, NodeKey]]:
+    """Edges to a block on the stack of a depth-first search from START (loop back edges)."""
+    out: set[tuple[NodeKey, NodeKey]] = set()
+    state: dict[NodeKey, int] = {START: 1}
+    stack = [(START, iter(sorted(sr.g.successors(START), key=_sort_key)))]
+    while stack:
+        u, it = stack[-1]
+        v = next(it, None)
+        if v is None:
+            state[u] = 2
+            stack.pop()
+        elif v != END and state.get(v) == 1:
+            out.add((u, v))
+        elif v != END and v not in state:
+            state[v] = 1
+            succ = [w for w in sr.g.successors(v) if w != END]
+            stack.append((v, iter(sorted(succ, key=_sort_key))))
+    return out
+
+
+def _aligned(sr: SuperRegion, order: list[NodeKey]) -> set[NodeKey]:
+    back: dict[NodeKey, float] = {}
+    for u, v in back_edges(sr):
+        back[v] = back.get(v, 0.0) + sr.g.edges[u, v].get("count", 0.0)
+    out = set()
+    for i, v in enumerate(order):
+        if i == 0 or back.get(v, 0.0) <= 0:
+            continue
+        prev = order[i - 1]
+        fall = sr.g.edges[prev, v].get("count", 0.0) \
+            if sr.g.has_edge(prev, v) and can_fall_into(sr, prev, v) else 0.0
+        if back[v] >= ALIGN_RATIO * fall:
+            out.add(v)
+    return out

@@ -1,0 +1,479 @@
+"""Emission tests: super-regions built from real assembled code, emitted at a distant
+base, run against the original in unicorn from the same random states.
+
+Each program is assembled with keystone at an original address (data first, code after);
+blocks come from linear disassembly; edge counts from a unicorn trace of the original.
+The replacement runs from its entry until control comes back to the sentinel return
+address, continuing in original code after an exit exactly as a patched process would;
+final GPRs, flags, the program's data and the stack (incl. the red zone) must equal the
+original run's.  Also checked: no ``call`` in the output, every exit lands on an original
+instruction boundary, the address map covers every replacement instruction, and a
+patched original (``jmp rel32`` at the patch site) behaves the same.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from dataclasses import dataclass
+
+import pytest
+
+from codegen_util import (CS, Machine, asm, build_blocks, linear, random_state)
+from dbr_service.codegen.emit import (GeneratedCode, check_generated, emit_region, nop_bytes,
+                                      perf_map_lines)
+from dbr_service.codegen.layout import back_edges, compute_layout
+from dbr_service.codegen.relocate import jmp_rel32
+from dbr_service.errors import CodegenError
+from dbr_service.region.model import (END, START, CloneKey, EdgeKind, SuperRegion, TermKind)
+
+DATA_SIZE = 0x100          # data first: counter @0, result @8, table @0x10.., jt @0xc0
+SENTINEL = 0x7000_0000_0000
+STACK, STACK_SIZE = 0x7FFE_0000_0000, 0x4000
+RSP = STACK + 0x3000
+RUNS = 6
+
+DATA = """
+counter: .quad 0
+result: .quad 0
+table: .space 0xb0
+jt: .quad t0, t1, t2, t3
+.space 0x20
+"""
+
+# A counted loop with a conditional inside and RIP-relative data.
+LOOP_COND = """
+main:
+    mov r8d, 0
+    xor eax, eax
+    test rsi, rsi
+    je done
+top:
+    lea r11, [rip + table]
+    mov edx, dword ptr [r11 + r8*4]
+    test dl, 1
+    jne odd
+    add eax, edx
+    jmp next
+odd:
+    sub eax, edx
+    add dword ptr [rip + counter], 1
+next:
+    inc r8
+    cmp r8, rsi
+    jb top
+done:
+    mov qword ptr [rip + result], rax
+    ret
+t0:
+t1:
+t2:
+t3:
+    ud2
+"""
+
+# A loop calling a small function (inlined), with a nested conditional in the callee.
+LOOP_CALL = """
+main:
+    mov r9d, 0
+    xor ebx, ebx
+top:
+    mov edi, r9d
+    call sq
+    add rbx, rax
+    inc r9d
+    cmp r9d, esi
+    jb top
+    mov qword ptr [rip + result], rbx
+    ret
+sq:
+    mov eax, edi
+    imul eax, edi
+    test eax, 4
+    je sq_done
+    add dword ptr [rip + counter], 1
+    ret 0
+sq_done:
+    ret
+t0:
+t1:
+t2:
+t3:
+    ud2
+"""
+
+# A jump-table-free switch: a chain of compares and jcc.
+SWITCH = """
+main:
+    mov ecx, 0
+    xor eax, eax
+    lea rdi, [rip + table]
+top:
+    mov edx, dword ptr [rdi + rcx*4]
+    and edx, 7
+    cmp edx, 0
+    je c0
+    cmp edx, 1
+    je c1
+    cmp edx, 2
+    je c2
+    cmp edx, 5
+    jae c5
+    add eax, 100
+    jmp next
+c0: add eax, 1
+    jmp next
+c1: imul eax, eax, 3
+    jmp next
+c2: xor eax, 0x55
+    jmp next
+c5: sub eax, edx
+next:
+    inc ecx
+    cmp ecx, esi
+    jl top
+    mov qword ptr [rip + result], rax
+    ret
+t0:
+t1:
+t2:
+t3:
+    ud2
+"""
+
+# loop/jrcxz and an indirect jmp through a table (one target unknown to the region).
+INDIRECT = """
+main:
+    lea r10, [rip + jt]
+    mov ecx, esi
+    xor eax, eax
+    jrcxz done
+top:
+    mov edx, ecx
+    and edx, 3
+    jmp qword ptr [r10 + rdx*8]
+t0: add eax, 1
+    jmp cont
+t1: add eax, ecx
+    jmp cont
+t2: xor eax, 0x1234
+    jmp cont
+t3: sub eax, 7
+cont:
+    loop top
+done:
+    mov qword ptr [rip + result], rax
+    ret
+"""
+
+
+@dataclass
+class Program:
+    name: str
+    src: str
+    inline: bool = True            # inline the calls (else they stay exits)
+    known_targets: int = 4         # how many jump-table targets the region knows
+
+
+PROGRAMS = [Program("loop_cond", LOOP_COND), Program("loop_call", LOOP_CALL),
+            Program("loop_call_not_inlined", LOOP_CALL, inline=False),
+            Program("switch", SWITCH), Program("indirect", INDIRECT),
+            Program("indirect_partial", INDIRECT, known_targets=3)]
+PLACES = [(0x40_0000, 0x5000_0000), (0x5555_5555_4000, -0x5000_0000)]
+
+
+@dataclass
+class Built:
+    orig: int
+    code: bytes            # the code part
+    code_addr: int
+    image: bytes           # data + code
+    sr: SuperRegion
+    boundaries: set[int]
+    entry: int
+
+
+def assemble(p: Program, orig: int) -> tuple[bytes, int]:
+    image = asm(DATA + p.src, orig)
+    return image, orig + DATA_SIZE
+
+
+def build(p: Program, orig: int, trace: list[int] | None) -> Built:
+    image, code_addr = assemble(p, orig)
+    code = image[DATA_SIZE:]
+    jt = list(struct.unpack_from("<4Q", image, 0xC0))
+    ijmp = {i.address: jt[:p.known_targets] for i in linear(code, code_addr)
+            if i.mnemonic == "jmp" and "r10" in i.op_str}
+    blocks = build_blocks(code, code_addr, ijmp)
+    boundaries = {i.address for i in linear(code, code_addr)}
+    sr = make_sr(blocks, code_addr, trace or [], p.inline)
+    return Built(orig, code, code_addr, image, sr, boundaries, code_addr)
+
+
+def _callee_range(blocks, code_addr) -> set[int]:
+    """Blocks of called functions: from a call target to the end of the code."""
+    calls = [b.targets[0] for b in blocks.values() if b.term is TermKind.CALL]
+    return {s for s in blocks if calls and s >= min(calls)}
+
+
+def make_sr(blocks, entry: int, trace: list[int], inline: bool) -> SuperRegion:
+    """The SR over the main function (+ inlined clones of its callees), with counts from
+    ``trace`` (addresses of executed instructions of the original)."""
+    callee = _callee_range(blocks, entry)
+    sr = SuperRegion("test")
+    counts = _trace_counts(blocks, trace, callee, inline)
+
+    def node(s: int, ctx: tuple[int, ...]):
+        return s if not ctx else CloneKey(ctx, s)
+
+    work = [(entry, ())]
+    seen = set()
+    while work:
+        s, ctx = work.pop()
+        if (s, ctx) in seen:
+            continue
+        seen.add((s, ctx))
+        bb = blocks[s]
+        k = node(s, ctx)
+        if ctx:
+            from dataclasses import replace
+            bb = replace(bb, clone_of=s, unpatchable=True)
+        sr.add_block(bb, k)
+
+        def edge(t: int, kind: EdgeKind, tctx=ctx) -> None:
+            inside = t in blocks and ((t in callee) == bool(tctx))
+            c = counts.get((k, node(t, tctx)), 0)
+            if inside:
+                work.append((t, tctx))
+                sr.add_edge(k, node(t, tctx), kind, c)
+            else:
+                sr.add_edge(k, END, EdgeKind.EXIT, c, target=t)
+
+        last = bb.last_insn[0]
+        if bb.term is TermKind.CALL:
+            if inline:
+                edge(bb.targets[0], EdgeKind.CALL, ctx + (last,))
+            else:
+                sr.add_edge(k, END, EdgeKind.EXIT, 0, target=bb.targets[0])
+                sr.add_edge(START, node(bb.fallthrough, ctx), EdgeKind.ENTRY, 1)
+                work.append((bb.fallthrough, ctx))
+        elif bb.term is TermKind.RET:
+            if ctx:
+                cont = ctx[-1] + 5
+                edge(cont, EdgeKind.RETURN, ctx[:-1])
+            else:
+                sr.add_edge(k, END, EdgeKind.EXIT, 0, target=SENTINEL)
+        else:
+            for t in bb.targets:
+                edge(t, EdgeKind.FLOW)
+            if bb.fallthrough is not None:
+                edge(bb.fallthrough, EdgeKind.FALLTHROUGH)
+            if bb.term is TermKind.IJMP:
+                sr.add_edge(k, END, EdgeKind.EXIT, 0, target=bb.end)   # unknown targets
+    sr.add_edge(START, entry, EdgeKind.ENTRY, RUNS)
+    sr.verify()
+    return sr
+
+
+def _trace_counts(blocks, trace, callee, inline):
+    counts: dict = {}
+    prev, ctx = None, ()
+    for a in trace:
+        if a not in blocks:
+            continue
+        if prev is not None:
+            pb = blocks[prev[0]]
+            nctx = prev[1]
+            if pb.term is TermKind.CALL and inline:
+                nctx = prev[1] + (pb.last_insn[0],)
+            elif pb.term is TermKind.RET and prev[1]:
+                nctx = prev[1][:-1]
+            ctx = nctx
+            u = prev[0] if not prev[1] else CloneKey(prev[1], prev[0])
+            v = a if not ctx else CloneKey(ctx, a)
+            counts[(u, v)] = counts.get((u, v), 0) + 1
+        prev = (a, ctx)
+    return counts
+
+
+# -- running ----------------------------------------------------------------------------
+
+class World:
+    """Original image, replacement buffer, stack and sentinel in one machine."""
+
+    def __init__(self, b: Built, base: int, size: int) -> None:
+        self.b, self.base = b, base
+        self.m = Machine([(b.orig, 0x2000), (base, max(size, 1)), (STACK, STACK_SIZE),
+                          (SENTINEL, 0x1000)])
+        self.m.write(SENTINEL, b"\xf4" * 0x1000)
+        self.size = size
+
+    def load(self, gen: GeneratedCode | None, patch: bool = False) -> None:
+        img = bytearray(self.b.image)
+        if gen is not None:
+            self.m.write(self.base, gen.code)
+            if patch:
+                site = self.b.entry
+                off = site - self.b.orig
+                img[off:off + 5] = jmp_rel32(site, gen.entries[site])
+        self.m.write(self.b.orig, bytes(img))
+
+    def state(self, rng: random.Random):
+        st = random_state(rng, RSP, {self.b.orig: DATA_SIZE, STACK: STACK_SIZE})
+        st.regs["rsi"] = rng.choice([0, 1, 2, 7, rng.randrange(3, 40)])
+        data = bytearray(st.mem[self.b.orig])
+        data[0xC0:0xE0] = self.b.image[0xC0:0xE0]          # the jump table stays
+        st.mem[self.b.orig] = bytes(data)
+        st.mem[RSP] = struct.pack("<Q", SENTINEL)
+        return st
+
+    def run(self, st, start: int):
+        """Run to the sentinel; (snapshot, trace of original-code addresses, landings)."""
+        self.m.set_state(st)
+        trace, landings = [], []
+        last_in = [False]
+        base, end = self.base, self.base + self.size
+
+        def inside(a: int) -> bool:
+            in_buf = base <= a < end
+            if not in_buf:
+                if last_in[0]:
+                    landings.append(a)
+                if a != SENTINEL:
+                    trace.append(a)
+            last_in[0] = in_buf
+            return a != SENTINEL
+
+        rip = self.m.run(start, inside, limit=100000)
+        assert rip == SENTINEL
+        snap = self.m.snapshot([(self.b.orig, DATA_SIZE), (STACK, STACK_SIZE)])
+        return snap, trace, landings
+
+
+def _compare(a, b, ctx: str) -> None:
+    assert b.regs == a.regs, f"{ctx}: regs {[(k, hex(a.regs[k]), hex(b.regs[k])) for k in a.regs if a.regs[k] != b.regs[k]]}"
+    assert b.rflags == a.rflags, ctx
+    for k in a.mem:
+        if k == STACK:
+            low = a.regs["rsp"] - 128 - STACK
+            assert b.mem[k][low:] == a.mem[k][low:], f"{ctx}: stack"
+        else:
+            assert b.mem[k] == a.mem[k], f"{ctx}: data"
+
+
+def _profile(p: Program, orig: int) -> list[int]:
+    b = build(p, orig, None)
+    w = World(b, orig + 0x100000, 0x1000)
+    w.load(None)
+    rng = random.Random(1)
+    trace: list[int] = []
+    for _ in range(3):
+        st = w.state(rng)
+        st.regs["rsi"] = 20
+        trace += w.run(st, b.entry)[1] + [0]
+    return trace
+
+
+@pytest.mark.parametrize("orig,delta", PLACES, ids=["low", "high"])
+@pytest.mark.parametrize("p", PROGRAMS, ids=[p.name for p in PROGRAMS])
+def test_emit_differential(p: Program, orig: int, delta: int) -> None:
+    b = build(p, orig, _profile(p, orig))
+    base = orig + delta
+    gen = emit_region(b.sr, base)
+    _check_static(gen, b)
+    w = World(b, base, gen.size)
+    rng = random.Random(hash((p.name, orig)) & 0xFFFF)
+    in_buffer = 0
+    for i in range(RUNS):
+        st = w.state(rng)
+        w.load(None)
+        a, _, _ = w.run(st, b.entry)
+        w.load(gen)
+        r, trace, landings = w.run(st, gen.entries[b.entry])
+        ctx = f"{p.name} orig={orig:#x} base={base:#x} run={i} rsi={st.regs['rsi']}"
+        _compare(a, r, ctx)
+        for x in landings:
+            assert x in b.boundaries or x == SENTINEL, f"{ctx}: exit to {x:#x}"
+        in_buffer += len(trace) == 0
+        w.load(gen, patch=True)
+        pa, _, _ = w.run(st, b.entry)
+        _compare(a, pa, ctx + " patched")
+    if p.inline and p.known_targets == 4:
+        assert in_buffer == RUNS            # everything ran in replacement code
+
+
+def _check_static(gen: GeneratedCode, b: Built) -> None:
+    insns = linear(gen.code, gen.base)
+    assert not any(i.mnemonic.startswith("call") for i in insns)
+    check_generated(gen)
+    for i in insns:
+        assert gen.orig_of(i.address) in b.boundaries
+    for at, t in gen.exits:
+        assert t in b.boundaries or t == SENTINEL, f"exit at {at:#x} to {t:#x}"
+        assert gen.base <= at < gen.base + gen.size
+    assert set(gen.entries) == set(b.sr.entry_points()) and b.entry in gen.entries
+    assert gen.reach_ok and gen.size == len(gen.code)
+    starts = [s for s, _, _ in gen.addr_map]
+    assert starts == sorted(starts)
+
+
+def test_layout_hot_chain_and_loop_alignment() -> None:
+    orig = 0x40_0000
+    b = build(PROGRAMS[0], orig, _profile(PROGRAMS[0], orig))
+    lay = compute_layout(b.sr)
+    assert lay.order[0] == b.entry
+    (latch, top), = back_edges(b.sr)
+    assert b.sr.block(top).start == b.entry + 13         # `top:` after 13 bytes of main
+    assert lay.aligned == {top}                          # the loop head, entered once
+    assert lay.order.index(top) == 1                     # head first: main falls into it
+    gen = emit_region(b.sr, orig + 0x5000_0000)
+    assert gen.block_addr[top] % 16 == 0
+    # the hottest forward edge is a fall-through in the layout
+    u, v, _ = max((e for e in b.sr.body_edges() if (e[0], e[1]) != (latch, top)),
+                  key=lambda e: e[2]["count"])
+    assert lay.order.index(v) == lay.order.index(u) + 1
+
+
+def test_clone_blocks_and_inlined_return() -> None:
+    orig = 0x40_0000
+    b = build(PROGRAMS[1], orig, _profile(PROGRAMS[1], orig))
+    clones = [k for k in b.sr.body_nodes() if isinstance(k, CloneKey)]
+    assert clones and all(b.sr.block(k).is_clone for k in clones)
+    gen = emit_region(b.sr, orig + 0x5000_0000)
+    # no exit to the callee or into the continuation: the call stays in the buffer
+    callee = min(k.start for k in clones)
+    assert callee not in {t for _, t in gen.exits}
+    assert not gen.dynamic_exits or all(
+        gen.orig_of(a) is not None for a in gen.dynamic_exits)
+    text = [f"{i.mnemonic} {i.op_str}" for i in linear(gen.code, gen.base)]
+    assert any(t.startswith("push 0x") for t in text)     # the pseudo-call
+    assert any(t.startswith("lea rsp, [rsp + 8]") for t in text)   # the inlined ret
+
+
+def test_reach_error() -> None:
+    orig = 0x40_0000
+    b = build(PROGRAMS[0], orig, None)
+    with pytest.raises(CodegenError):
+        emit_region(b.sr, orig + 0x9000_0000)
+
+
+def test_check_generated_rejects_call() -> None:
+    gen = GeneratedCode(bytes.fromhex("e800000000"), 0x1000, {}, [(0x1000, 0x1005, 0x10)], [])
+    with pytest.raises(CodegenError):
+        check_generated(gen)
+    gen = GeneratedCode(bytes.fromhex("90c3"), 0x1000, {}, [(0x1000, 0x1001, 0x10)], [])
+    with pytest.raises(CodegenError):                     # ret not covered by the map
+        check_generated(gen)
+
+
+def test_perf_map_and_nops() -> None:
+    orig = 0x40_0000
+    b = build(PROGRAMS[3], orig, None)
+    gen = emit_region(b.sr, orig + 0x5000_0000)
+    lines = perf_map_lines(gen, "dbr:test")
+    assert lines and all(len(x.split()) == 3 for x in lines)
+    total = sum(int(x.split()[1], 16) for x in lines)
+    assert total == gen.size
+    for n in range(1, 16):
+        ins = list(CS.disasm(nop_bytes(n), 0))
+        assert sum(i.size for i in ins) == n and all(i.mnemonic == "nop" for i in ins)
