@@ -43,8 +43,12 @@ class Notifier:
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._sock.sendto("\n".join(lines).encode(), self.address)
+            # Never block the control thread on a receiver that does not read.
+            self._sock.sendto("\n".join(lines).encode(), socket.MSG_DONTWAIT, self.address)
             return True
+        except BlockingIOError:
+            log.debug("sd_notify receiver is full; dropped %s", lines)
+            return False
         except OSError as exc:
             log.warning("sd_notify to %r failed: %s", self.address, exc)
             return False

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -19,38 +20,55 @@ def _dbr(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=20)
 
 
-def _notifications(sock: socket.socket, until: str, timeout: float) -> list[str]:
-    got: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sock.settimeout(max(0.01, deadline - time.monotonic()))
-        try:
-            got.extend(sock.recv(4096).decode().splitlines())
-        except socket.timeout:
-            break
-        if until in got:
-            break
-    return got
+class Notifications:
+    """Reads the fake NOTIFY_SOCKET in a thread (like systemd, it never stops reading)."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.settimeout(0.1)
+        self.lines: list[str] = []
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                self.lines.extend(self.sock.recv(4096).decode().splitlines())
+            except socket.timeout:
+                continue
+
+    def wait(self, line: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if line in self.lines:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def close(self) -> None:
+        self._stop = True
+        self.thread.join(1)
+        self.sock.close()
 
 
 def test_notify_ctl_reload_and_sigterm(tmp_path):
     nsock_path = str(tmp_path / "notify.sock")
-    nsock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    nsock.bind(nsock_path)
+    nsock = Notifications(nsock_path)
     conf = tmp_path / "dbr.toml"
     conf.write_text("hot_threshold = 0.01\n")
     svc = ServiceProc(config=str(conf), env={"NOTIFY_SOCKET": nsock_path,
                                               "WATCHDOG_USEC": "400000"})
     clients, fakes = [], []
     try:
-        got = _notifications(nsock, "READY=1", 15.0)
-        assert "READY=1" in got, got
+        assert nsock.wait("READY=1", 15.0), nsock.lines
         # READY comes after the sockets are bound: ctl answers at once.
         r = _dbr("ctl", "status", env=svc.env)
         assert r.returncode == 0 and "dbr service" in r.stdout, r.stderr
         r = _dbr("ctl", "--json", "config", "get", "hot_threshold", env=svc.env)
         assert '"hot_threshold": 0.01' in r.stdout
-        assert "WATCHDOG=1" in _notifications(nsock, "WATCHDOG=1", 2.0)
+        assert nsock.wait("WATCHDOG=1", 2.0), nsock.lines
 
         # SIGHUP: a changed file is picked up; a broken one keeps the old config.
         conf.write_text("hot_threshold = 0.25\n")
@@ -81,7 +99,7 @@ def test_notify_ctl_reload_and_sigterm(tmp_path):
         elapsed = time.monotonic() - t0
         assert elapsed < 2.0, f"SIGTERM took {elapsed:.2f}s"
         assert svc.proc.returncode == 0
-        assert "STOPPING=1" in _notifications(nsock, "STOPPING=1", 1.0)
+        assert nsock.wait("STOPPING=1", 1.0), nsock.lines[-5:]
         for fa in fakes:  # every agent got BYE (or at least its session closed)
             msg = fa.recv_or_eof(2.0)
             assert msg is None or msg.type.name == "BYE"
