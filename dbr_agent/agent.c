@@ -938,6 +938,7 @@ __attribute__((constructor)) static void dbr_agent_init(void)
     self_scan();
     register_sync_core();
     dbr_patch_init();
+    dbr_unblock_trap();
     dbr_census_init();
     dbr_sampler_init();
     dbr_atfork_register();

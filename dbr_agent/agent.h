@@ -82,6 +82,7 @@ int dbr_signal_install(int sig, void (*handler)(int, siginfo_t *, void *), int f
 /* Give a signal the agent does not own to the program's recorded action. */
 void dbr_signal_chain(int sig, siginfo_t *si, void *uc);
 void dbr_atfork_register(void);
+void dbr_unblock_trap(void);          /* calling thread: SIGTRAP unblocked */
 
 /* ---- agent.c (session) ---- */
 extern pthread_mutex_t g_agent_mu;

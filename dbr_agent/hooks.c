@@ -141,6 +141,7 @@ void dbr_signal_chain(int sig, siginfo_t *si, void *uc)
     mask = pa.sa_mask;
     if (!(pa.sa_flags & SA_NODEFER))
         sigaddset(&mask, sig);
+    sigdelset(&mask, SIGTRAP);       /* never blocked: see strip_trap() */
     pthread_sigmask(SIG_BLOCK, &mask, &oldmask);
     if (pa.sa_flags & SA_RESETHAND) {
         m->prog.sa_handler = SIG_DFL;
@@ -155,13 +156,61 @@ out:
     errno = saved_errno;
 }
 
+/*
+ * SIGTRAP must never be blocked in a program thread: a thread that hits the
+ * CC of an int3 patch in progress with SIGTRAP blocked would be killed by
+ * the kernel (a forced synchronous signal resets a blocked handler to
+ * SIG_DFL).  So SIGTRAP is taken out of every mask the program installs:
+ * handler masks (sigaction) and thread masks (sigprocmask/pthread_sigmask).
+ */
+static const sigset_t *strip_trap(int how, const sigset_t *set, sigset_t *copy)
+{
+    if (!set || how == SIG_UNBLOCK || !managed_find(SIGTRAP) ||
+        !sigismember(set, SIGTRAP))
+        return set;
+    *copy = *set;
+    sigdelset(copy, SIGTRAP);
+    return copy;
+}
+
+typedef int (*sigmask_fn)(int, const sigset_t *, sigset_t *);
+static sigmask_fn real_sigprocmask_p, real_pthread_sigmask_p;
+
+DBR_EXPORT int sigprocmask(int how, const sigset_t *set, sigset_t *old)
+{
+    sigmask_fn f = REAL(real_sigprocmask_p, "sigprocmask");
+    sigset_t copy;
+
+    if (!f) {
+        errno = ENOSYS;
+        return -1;
+    }
+    return f(how, strip_trap(how, set, &copy), old);
+}
+
+DBR_EXPORT int pthread_sigmask(int how, const sigset_t *set, sigset_t *old)
+{
+    sigmask_fn f = REAL(real_pthread_sigmask_p, "pthread_sigmask");
+    sigset_t copy;
+
+    if (!f)
+        return ENOSYS;
+    return f(how, strip_trap(how, set, &copy), old);
+}
+
 DBR_EXPORT int sigaction(int sig, const struct sigaction *act, struct sigaction *old)
 {
     struct managed_sig *m = managed_find(sig);
-    struct sigaction prev;
+    struct sigaction prev, copy;
 
-    if (!m)
+    if (!m) {
+        if (act && sigismember(&act->sa_mask, SIGTRAP) && managed_find(SIGTRAP)) {
+            copy = *act;
+            sigdelset(&copy.sa_mask, SIGTRAP);
+            act = &copy;
+        }
         return dbr_real_sigaction(sig, act, old);
+    }
     prev = m->prog;
     if (act)
         m->prog = *act;
@@ -342,6 +391,18 @@ DBR_EXPORT int dlclose(void *handle)
 static pthread_key_t g_thread_key;
 static int g_thread_key_ok;
 
+/* the calling thread: SIGTRAP unblocked (see strip_trap) */
+void dbr_unblock_trap(void)
+{
+    sigset_t t;
+    sigmask_fn f = REAL(real_pthread_sigmask_p, "pthread_sigmask");
+
+    sigemptyset(&t);
+    sigaddset(&t, SIGTRAP);
+    if (f)
+        f(SIG_UNBLOCK, &t, NULL);
+}
+
 struct start_wrap {
     void *(*start)(void *);
     void *arg;
@@ -366,6 +427,7 @@ static void *start_wrapper(void *p)
 
     free(p);
     pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &oldstate);
+    dbr_unblock_trap();
     if (g_thread_key_ok)
         pthread_setspecific(g_thread_key, (void *)1);
     dbr_sampler_thread_start();
