@@ -656,8 +656,7 @@ class HotCodeDiscovery:
         bs = self.branch_samples.get(last.addr)
         out: list[Cfe] = []
         tgts = list(b.targets if targets is None else targets)
-        cond = k == InsnKind.JCC or (k == InsnKind.IJMP and (len(b.targets) > 1
-                                                           or b.unknown_target))
+        cond = k == InsnKind.JCC        # jfh counts conditional jumps only (seed 001)
         for t in tgts:
             kind = CfeKind.CALL if k in (InsnKind.CALL, InsnKind.ICALL) else CfeKind.FLOW
             out.append(self._cfe(b, t, kind, bs, 1 if cond else 0))

@@ -1,0 +1,250 @@
+"""dbr analyze: offline region selection on an ELF file from a samples file.
+
+Runs hot-code discovery (seed 001, fig. 10) on BINARY loaded at its link
+address (PIE: at --base, default 0), then the rest of the region-selection
+pipeline when it is available, prints the super-regions it selects and writes
+one DOT file per pass (and SVG with graphviz's `dot`).
+
+Samples file: one sample per line, `ADDR [COUNT]` (hex with 0x, or decimal;
+COUNT defaults to 1, repeated addresses add up); a branch sample is
+`BRANCH -> TARGET [COUNT]` (for a conditional branch the fall-through address
+stands for "not taken").  `#` starts a comment.  `perf script` output is not
+read directly; turn it into this format first, e.g.
+  perf script -F ip | awk '{print "0x" $1}' > samples.txt
+
+examples:
+  dbr analyze ./prog --samples samples.txt
+  dbr analyze ./pie --base 0x555555554000 --samples s.txt --dot-dir out --svg
+  dbr analyze ./prog --samples s.txt --lib /lib/x86_64-linux-gnu/libc.so.6@0x7ffff7c00000
+  dbr analyze ./prog --samples s.txt -o jumps_from_hot_limit=3
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import networkx as nx
+
+from dbr_service.errors import ConfigError, DbrError, MemoryViewError
+from dbr_service.region.discovery import hot_code_discovery
+from dbr_service.region.memview import ElfMemoryView
+from dbr_service.region.model import SuperRegion, fmt_node
+
+PIPELINE_MODULE = "dbr_service.region.pipeline"
+
+
+class SamplesError(DbrError):
+    """A samples file could not be read or has a malformed line."""
+
+
+@dataclass
+class Samples:
+    """IP samples and branch samples read from a samples file."""
+
+    ips: dict[int, float] = field(default_factory=dict)
+    branches: dict[int, dict[int, float]] = field(default_factory=dict)
+
+
+def _num(tok: str) -> int:
+    return int(tok, 16) if tok.lower().startswith("0x") else int(tok, 10)
+
+
+def parse_samples(f: TextIO, name: str = "<samples>") -> Samples:
+    """Read the samples format described in the module docstring."""
+    out = Samples()
+    branches: dict[int, dict[int, float]] = defaultdict(dict)
+    for lineno, raw in enumerate(f, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        toks = line.split()
+        try:
+            if len(toks) >= 3 and toks[1] == "->":
+                if len(toks) > 4:
+                    raise ValueError("too many fields")
+                src, dst = _num(toks[0]), _num(toks[2])
+                n = float(toks[3]) if len(toks) == 4 else 1.0
+                if n < 0:
+                    raise ValueError("negative count")
+                branches[src][dst] = branches[src].get(dst, 0.0) + n
+                continue
+            if len(toks) > 2:
+                raise ValueError("too many fields")
+            addr = _num(toks[0])
+            n = float(toks[1]) if len(toks) == 2 else 1.0
+            if n < 0 or addr < 0:
+                raise ValueError("negative value")
+        except ValueError as exc:
+            raise SamplesError(f"{name}:{lineno}: malformed sample line {raw.strip()!r} "
+                               f"({exc}); expected 'ADDR [COUNT]' or 'BRANCH -> TARGET [COUNT]'"
+                               ) from None
+        out.ips[addr] = out.ips.get(addr, 0.0) + n
+    out.branches = dict(branches)
+    return out
+
+
+def _lib_arg(text: str) -> tuple[str, int]:
+    path, sep, base = text.rpartition("@")
+    if not sep or not path:
+        raise argparse.ArgumentTypeError(f"--lib {text!r}: expected PATH@BASE")
+    try:
+        return path, _num(base)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lib {text!r}: bad base address {base!r}") from None
+
+
+def _addr_arg(text: str) -> int:
+    try:
+        return _num(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad address {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("binary", metavar="BINARY", help="ELF x86-64 executable")
+    parser.add_argument("--samples", required=True, metavar="FILE",
+                        help="samples file ('-' for stdin)")
+    parser.add_argument("--base", type=_addr_arg, default=None, metavar="ADDR",
+                        help="load address of a PIE binary (default 0: link addresses)")
+    parser.add_argument("--lib", type=_lib_arg, action="append", default=[],
+                        metavar="PATH@BASE", help="also map a shared library at BASE")
+    parser.add_argument("--dot-dir", metavar="DIR", help="write one DOT file per pass here")
+    parser.add_argument("--svg", action="store_true", help="also render SVG (needs graphviz)")
+    parser.add_argument("-o", dest="options", action="append", default=[], metavar="KEY=VALUE",
+                        help="set a configuration key (e.g. jumps_from_hot_limit=3)")
+    parser.epilog = __doc__[__doc__.index("examples:"):]
+
+
+@dataclass
+class _DiscoveryOnlyConfig:
+    """Settings used when the pipeline module is not available."""
+
+    jumps_from_hot_limit: int = 2
+
+
+def _coerce(key: str, current: object, raw: str) -> object:
+    try:
+        if isinstance(current, bool):
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes", "on")
+        if isinstance(current, int):
+            return int(raw, 0)
+        if isinstance(current, float):
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"-o {key}={raw}: expected a {type(current).__name__}") from None
+    return raw if raw else None
+
+
+def _load_config(options: list[str], pipe) -> object:
+    """The pipeline's RegionConfig (or discovery-only settings) with -o applied."""
+    cfg = pipe.RegionConfig() if pipe is not None else _DiscoveryOnlyConfig()
+    if hasattr(cfg, "keep_stages"):
+        cfg.keep_stages = True
+    for text in options:
+        key, sep, raw = text.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"-o {text!r}: expected KEY=VALUE")
+        if not hasattr(cfg, key):
+            known = ", ".join(sorted(vars(cfg)))
+            raise ConfigError(f"unknown configuration key {key!r} (known: {known})")
+        setattr(cfg, key, _coerce(key, getattr(cfg, key), raw.strip()))
+    return cfg
+
+
+def _read_samples(path: str) -> Samples:
+    if path == "-":
+        return parse_samples(sys.stdin, "<stdin>")
+    try:
+        with open(path) as f:
+            return parse_samples(f, path)
+    except OSError as exc:
+        raise SamplesError(f"{path}: cannot read samples: {exc.strerror}") from None
+
+
+def _pipeline():
+    try:
+        return importlib.import_module(PIPELINE_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != PIPELINE_MODULE:
+            raise
+        return None
+
+
+def _summary(sr: SuperRegion) -> str:
+    body = sr.g.subgraph(sr.body_nodes())
+    nloops = sum(1 for scc in nx.strongly_connected_components(body)
+                 if len(scc) > 1 or any(body.has_edge(n, n) for n in scc))
+    entries = ", ".join(f"{a:#x}" for a in sr.entry_points()) or "-"
+    size = sum(bb.size for _, bb in sr.blocks())
+    return (f"{sr.id}: entries [{entries}]  blocks {len(sr)}  bytes {size}  loops {nloops}  "
+            f"exits {len(sr.exit_edges())}")
+
+
+def _write_stage(dot_dir: str, idx: int, name: str, srs: list[SuperRegion], svg: bool) -> None:
+    for sr in srs:
+        base = os.path.join(dot_dir, f"{idx:02d}-{name}-{sr.id}")
+        with open(base + ".dot", "w") as f:
+            f.write(sr.to_dot(f"{name} {sr.id}"))
+        if svg:
+            subprocess.run(["dot", "-Tsvg", "-o", base + ".svg", base + ".dot"], check=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (DbrError, MemoryViewError, ConfigError) as exc:
+        print(f"dbr analyze: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    pipe = _pipeline()
+    cfg = _load_config(args.options, pipe)
+    mem = ElfMemoryView(args.binary, base=args.base, libs=args.lib)
+    samples = _read_samples(args.samples)
+    if not samples.ips:
+        raise SamplesError(f"{args.samples}: no samples")
+    first = hot_code_discovery(samples.ips, mem,
+                               jumps_from_hot_limit=cfg.jumps_from_hot_limit,
+                               branch_samples=samples.branches or None)
+    st = first.info["discovery"]
+    print(f"discovery: {len(first)} blocks, {st.entries} entries, {st.jump_tables} jump tables, "
+          f"{st.unsupported} unsupported, {st.samples_unplaced:g} samples not placed")
+    stages: list[tuple[str, list[SuperRegion]]] = [("discovery", [first])]
+    if pipe is None:
+        print(f"note: {PIPELINE_MODULE} is not available; showing discovery only")
+        regions = [first]
+    else:
+        result = pipe.run_pipeline(first, mem, cfg)
+        regions = list(result.regions)
+        stages = [(name, list(srs)) for name, srs in result.stages] or stages
+        for failure in getattr(result, "failures", []):
+            print(f"note: {failure.region_id} dropped by {failure.pass_name}: {failure.error}")
+    print(f"{len(regions)} super-region(s)")
+    for sr in regions:
+        print("  " + _summary(sr))
+        for k, bb in sorted(sr.blocks(), key=lambda kb: str(kb[0])):
+            flag = " unpatchable" if bb.unpatchable else ""
+            print(f"    {fmt_node(k)} {bb.size}B {bb.term.value} samples={bb.samples:g}{flag}")
+    if args.dot_dir:
+        os.makedirs(args.dot_dir, exist_ok=True)
+        svg = args.svg and shutil.which("dot") is not None
+        if args.svg and not svg:
+            print("note: graphviz 'dot' is not installed; wrote DOT files only", file=sys.stderr)
+        for i, (name, srs) in enumerate(stages):
+            _write_stage(args.dot_dir, i, name, srs, svg)
+        print(f"wrote {sum(len(s) for _, s in stages)} DOT file(s) to {args.dot_dir}")
+    elif args.svg:
+        print("note: --svg needs --dot-dir", file=sys.stderr)
+    return 0
