@@ -173,12 +173,16 @@ class Program:
     src: str
     inline: bool = True            # inline the calls (else they stay exits)
     known_targets: int = 4         # how many jump-table targets the region knows
+    exclude: str | None = None     # leave out the block starting with this instruction
+    stop_before_ret: bool = False  # the main function's ret is "unsupported": STOP before it
 
 
 PROGRAMS = [Program("loop_cond", LOOP_COND), Program("loop_call", LOOP_CALL),
             Program("loop_call_not_inlined", LOOP_CALL, inline=False),
             Program("switch", SWITCH), Program("indirect", INDIRECT),
-            Program("indirect_partial", INDIRECT, known_targets=3)]
+            Program("indirect_partial", INDIRECT, known_targets=3),
+            Program("loop_cond_partial", LOOP_COND, exclude="sub eax, edx"),
+            Program("switch_stop", SWITCH, exclude="imul eax, eax, 3", stop_before_ret=True)]
 PLACES = [(0x40_0000, 0x5000_0000), (0x5555_5555_4000, -0x5000_0000)]
 
 
@@ -206,8 +210,25 @@ def build(p: Program, orig: int, trace: list[int] | None) -> Built:
             if i.mnemonic == "jmp" and "r10" in i.op_str}
     blocks = build_blocks(code, code_addr, ijmp)
     boundaries = {i.address for i in linear(code, code_addr)}
+    _restrict(blocks, p)
     sr = make_sr(blocks, code_addr, trace or [], p.inline)
     return Built(orig, code, code_addr, image, sr, boundaries, code_addr)
+
+
+def _restrict(blocks: dict, p: Program) -> None:
+    """Apply the program's exclusion / STOP options to the linear blocks."""
+    from dataclasses import replace
+    for s, bb in list(blocks.items()):
+        first = next(CS.disasm(bb.data, bb.start))
+        if p.exclude and f"{first.mnemonic} {first.op_str}" == p.exclude:
+            del blocks[s]
+    if p.stop_before_ret:
+        s, bb = min(((s, bb) for s, bb in blocks.items() if bb.term is TermKind.RET),
+                    key=lambda x: x[0])
+        a, n = bb.last_insn
+        assert len(bb.insns) > 1
+        blocks[s] = replace(bb, size=a - s, insns=bb.insns[:-1], data=bb.data[:a - s],
+                            term=TermKind.STOP, fallthrough=None)
 
 
 def _callee_range(blocks, code_addr) -> set[int]:
@@ -268,6 +289,8 @@ def make_sr(blocks, entry: int, trace: list[int], inline: bool) -> SuperRegion:
                 edge(t, EdgeKind.FLOW)
             if bb.fallthrough is not None:
                 edge(bb.fallthrough, EdgeKind.FALLTHROUGH)
+            if bb.term is TermKind.STOP:
+                sr.add_edge(k, END, EdgeKind.EXIT, 0, target=bb.end)
             if bb.term is TermKind.IJMP:
                 sr.add_edge(k, END, EdgeKind.EXIT, 0, target=bb.end)   # unknown targets
     sr.add_edge(START, entry, EdgeKind.ENTRY, RUNS)
@@ -383,7 +406,7 @@ def test_emit_differential(p: Program, orig: int, delta: int) -> None:
     _check_static(gen, b)
     w = World(b, base, gen.size)
     rng = random.Random(hash((p.name, orig)) & 0xFFFF)
-    in_buffer = 0
+    in_buffer = exits_taken = 0
     for i in range(RUNS):
         st = w.state(rng)
         w.load(None)
@@ -395,11 +418,14 @@ def test_emit_differential(p: Program, orig: int, delta: int) -> None:
         for x in landings:
             assert x in b.boundaries or x == SENTINEL, f"{ctx}: exit to {x:#x}"
         in_buffer += len(trace) == 0
+        exits_taken += any(x != SENTINEL for x in landings)
         w.load(gen, patch=True)
         pa, _, _ = w.run(st, b.entry)
         _compare(a, pa, ctx + " patched")
-    if p.inline and p.known_targets == 4:
+    if p.inline and p.known_targets == 4 and not p.exclude and not p.stop_before_ret:
         assert in_buffer == RUNS            # everything ran in replacement code
+    else:
+        assert exits_taken > 0              # the exits to original code were exercised
 
 
 def _check_static(gen: GeneratedCode, b: Built) -> None:

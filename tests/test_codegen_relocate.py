@@ -28,7 +28,7 @@ from dbr_service.codegen.relocate import (CannotRelocate, Kind, Relocator, push_
                                           ret_adjust)
 
 R = Relocator()
-BASES = [0x6000_0000, 0x5555_5555_0000]          # below and above 2**31
+BASES = [0x6000_0000, 0x9000_0000, 0x5555_5555_0000]   # < 2**31, < 2**32, > 2**32
 DELTAS = [0x5800_0000, -0x5000_0000]               # +1.375 GiB, -1.25 GiB
 WIN = 0x8000                                       # original window: [ORIG-WIN, ORIG+WIN)
 STACK, STACK_SIZE = 0x7FFE_0000_0000, 0x2000
