@@ -36,3 +36,7 @@ lint: build
 clean:
 	$(MAKE) -C dbr_agent clean
 	rm -rf build *.egg-info
+
+# issue 6: the comparison and scaling benchmarks in quick mode (< 3 min)
+bench-quick: build
+	$(PY) -m bench --quick compare scaling

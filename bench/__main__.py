@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import time
 
 # name -> module with main(argv) -> int, in the order they run.
 BENCHMARKS = [
     ("agent_overhead", "bench.agent_overhead"),
+    ("compare", "bench.compare"),     # issue 6: dbr vs native, PGO, perf, valgrind
+    ("scaling", "bench.scaling"),     # issue 6: 1..64 clients under one service
 ]
 
 
@@ -20,6 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.names) - {n for n, _ in BENCHMARKS}
     if unknown:
         ap.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
+    # One session: the benchmarks of this invocation share bench/results/latest.json.
+    os.environ.setdefault("DBR_BENCH_SESSION", f"{os.getpid()}-{time.time():.0f}")
+    os.environ.setdefault("DBR_BENCH_COMMAND", " ".join(["python", "-m", "bench", *(argv if argv
+                                                         is not None else sys.argv[1:])]))
+    t0 = time.monotonic()
     rc = 0
     for name, mod in BENCHMARKS:
         if args.names and name not in args.names:
@@ -30,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # a crashed benchmark is reported, the rest still run
             print(f"!! {name} failed: {exc!r}", flush=True)
             rc = 1
+    print(f"== done in {time.monotonic() - t0:.0f} s", flush=True)
     return rc
 
 

@@ -81,3 +81,117 @@ def write_results(stem: str, payload: dict) -> Path:
     path = RESULTS / f"{stem}.json"
     path.write_text(json.dumps(payload, indent=2, default=lambda o: asdict(o)))
     return path
+
+
+# ---------------------------------------------------------------- issue 6 additions
+
+def spread(xs: Sequence[float]) -> dict:
+    """Median with its spread: n, min, q1, median, q3, max (IQR = q3 - q1)."""
+    xs = sorted(xs)
+    if not xs:
+        return {"n": 0}
+    if len(xs) >= 2:
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    else:
+        q1 = q3 = xs[0]
+    return {"n": len(xs), "min": xs[0], "q1": q1, "median": statistics.median(xs), "q3": q3,
+            "max": xs[-1]}
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def machine_details() -> dict:
+    """machine() plus what a skeptic asks about: load averages, governor, memory,
+    perf_event_paranoid, whether perf can use hardware events."""
+    m = machine()
+    m["loadavg"] = list(os.getloadavg())
+    gov = _read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor")
+    m["cpu_governor"] = gov or "unreadable (no cpufreq in sysfs: VM or fixed frequency)"
+    m["cpu_mhz"] = None
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("cpu MHz"):
+                m["cpu_mhz"] = float(line.split(":", 1)[1])
+                break
+    except (OSError, ValueError):
+        pass
+    m["pmu_note"] = ("hardware PMU events available" if m["pmu"] else
+                     "no hardware PMU: perf and dbr sample with the cpu-clock software event")
+    m["perf_event_paranoid"] = _read("/proc/sys/kernel/perf_event_paranoid")
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith(("MemTotal", "MemAvailable")):
+                k, v = line.split(":", 1)
+                m[k.lower() + "_kb"] = int(v.split()[0])
+    except (OSError, ValueError):
+        pass
+    m["nprocs_running"] = (_read("/proc/loadavg") or "").split(" ")[3:4]
+    return m
+
+
+class Results:
+    """``bench/results/latest.json`` (+ ``latest.md`` and PNG plots), written
+    incrementally.  Benchmarks of one ``python -m bench`` session (env
+    DBR_BENCH_SESSION) share the file, each in its own section; a new session starts
+    a fresh file."""
+
+    def __init__(self, directory: Path, session: str, quick: bool, command: list[str]):
+        self.dir = Path(directory)
+        self.json_path = self.dir / "latest.json"
+        self.md_path = self.dir / "latest.md"
+        old = None
+        try:
+            old = json.loads(self.json_path.read_text())
+        except (OSError, ValueError):
+            pass
+        if old and old.get("session") == session:
+            self.data = old
+        else:
+            self.data = {"schema": "dbr.bench/1", "session": session, "quick": quick,
+                         "command": command,
+                         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                         "machine": machine_details(), "benchmarks": {}, "plots": []}
+            self.data["machine"]["loadavg_start"] = self.data["machine"]["loadavg"]
+
+    @classmethod
+    def open(cls, quick: bool, command: list[str] | None = None,
+             directory: Path | None = None) -> "Results":
+        session = os.environ.get("DBR_BENCH_SESSION") or f"{os.getpid()}-{time.time():.0f}"
+        cmd = os.environ.get("DBR_BENCH_COMMAND")
+        return cls(directory or RESULTS, session, quick,
+                   cmd.split() if cmd else list(command or ["python", "-m", "bench"]))
+
+    def update(self, section: str, payload: dict) -> None:
+        self.data["benchmarks"][section] = payload
+        self.data["machine"]["loadavg_now"] = list(os.getloadavg())
+        self.data["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._write(plots=False)
+
+    def finish(self, plots: bool = True) -> None:
+        self.data["machine"]["loadavg_end"] = list(os.getloadavg())
+        self.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._write(plots=plots)
+
+    def _write(self, plots: bool) -> None:
+        from bench import report
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if plots:
+            try:
+                self.data["plots"] = [p.name for p in report.plots(self.data, self.dir)]
+            except Exception as exc:  # noqa: BLE001 - a plot problem must not lose the data
+                self.data["plots_error"] = repr(exc)
+        tmp = self.json_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=lambda o: asdict(o)))
+        os.replace(tmp, self.json_path)
+        tmp = self.md_path.with_suffix(".md.tmp")
+        try:
+            tmp.write_text(report.markdown(self.data))
+        except Exception as exc:  # noqa: BLE001
+            tmp.write_text(f"# dbr benchmarks\n\nrendering failed: {exc!r}; see latest.json\n")
+        os.replace(tmp, self.md_path)

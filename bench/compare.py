@@ -1,0 +1,756 @@
+"""Where dbr stands against the alternatives, per workload (issue 6).
+
+Configurations, side by side on every workload of ``bench/suite.py``:
+
+* ``native``       the program as is (the baseline of every ratio);
+* ``dbr``          ``dbr run --embedded`` with default settings;
+* ``dbr-sampling`` ``dbr run --embedded`` with patching disabled (sampling only), when
+                   the configuration has a key for that;
+* ``perf``         ``perf record -F <dbr's sampling rate> -e cpu-clock`` (temp file,
+                   deleted): the profiling anchor;
+* ``valgrind``     ``valgrind --tool=none``: the floor cost of a DBI framework; its own
+                   native/valgrind A/B pair, few runs (small inputs in quick mode);
+* ``pgo``          C workloads only: the source rebuilt with -fprofile-generate, a
+                   training run, -fprofile-use.
+
+All the configurations of a workload run in alternation (round i starts at config i
+mod k, so drift and periodic load hit every config alike) after one warm-up run of
+each; we report medians, min/max and IQR, and ratios to native (median over median,
+plus the range of per-round paired ratios).  Every run's stdout and output files are
+hashed: a configuration whose output differs from native's is a FAILURE (loud, and
+the benchmark exits non-zero), never a data point.  Results are written after every
+workload, so a crash or an interrupt still leaves the partial JSON and table.
+
+usage: python -m bench.compare [--quick] [--runs N] [--configs a,b] [WORKLOAD...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from bench import suite
+from bench.common import Results, spread
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def warn(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ one run
+
+@dataclass
+class Run:
+    wall: float
+    exit_code: int          # waitstatus_to_exitcode: negative = killed by that signal
+    digest: str
+    cpu_s: float            # user + sys of the process tree (wait4 rusage)
+    maxrss_kb: int          # largest RSS of any process of the tree
+    timed_out: bool = False
+    stderr_tail: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def digest_outputs(run_dir: Path, outputs: list[str]) -> str:
+    h = hashlib.sha256()
+    for name in ["stdout", *outputs]:
+        p = run_dir / name
+        h.update(name.encode() + b"\0")
+        if p.exists():
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+        else:
+            h.update(b"\0MISSING\0")
+    return h.hexdigest()
+
+
+def run_once(argv: list[str], env: dict[str, str], run_dir: Path, outputs: list[str],
+             timeout: float) -> Run:
+    """One timed run in a fresh ``run_dir`` (its cwd; stdout goes to run_dir/stdout).
+    Wall time from just before the spawn to the return of wait4; rusage from wait4
+    covers the child and every descendant it waited for."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    res: dict[str, Any] = {}
+    with open(run_dir / "stdout", "wb") as out, open(run_dir.parent / "stderr", "wb") as err:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(argv, env=env, cwd=run_dir, stdin=subprocess.DEVNULL, stdout=out,
+                             stderr=err, start_new_session=True)
+
+        def waiter() -> None:
+            _, status, ru = os.wait4(p.pid, 0)
+            res.update(t=time.perf_counter(), status=status, ru=ru)
+
+        th = threading.Thread(target=waiter, daemon=True)
+        th.start()
+        th.join(timeout)
+        timed_out = th.is_alive()
+        if timed_out:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the session we created for it
+            except ProcessLookupError:
+                pass
+            th.join(30)
+    if "status" not in res:
+        raise RuntimeError(f"could not reap {argv[0]} (pid {p.pid})")
+    p.returncode = os.waitstatus_to_exitcode(res["status"])  # reaped: keep Popen from waiting
+    ru = res["ru"]
+    tail = (run_dir.parent / "stderr").read_bytes()[-2000:].decode(errors="replace")
+    return Run(wall=res["t"] - t0, exit_code=p.returncode,
+               digest=digest_outputs(run_dir, outputs), cpu_s=ru.ru_utime + ru.ru_stime,
+               maxrss_kb=ru.ru_maxrss, timed_out=timed_out, stderr_tail=tail)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code > 128 and code - 128 < 65:
+        try:
+            return f"exit {code} ({signal.Signals(code - 128).name}?)"
+        except ValueError:
+            pass
+    return f"exit {code}"
+
+
+# ------------------------------------------------------------------ configurations
+
+class Config:
+    """How one configuration wraps a workload's command."""
+
+    name = "?"
+    what = ""
+    separate = False  # measured in its own A/B pair against native (valgrind)
+
+    def __init__(self) -> None:
+        self.reason: str | None = None  # None: available
+
+    def check(self, ctx: suite.Ctx, env: dict[str, str], tmp: Path) -> str | None:
+        """None when usable here, else the reason it is unavailable."""
+        return None
+
+    def applies(self, w: suite.Workload, prep: suite.Prepared) -> str | None:
+        return None
+
+    def command(self, argv: list[str], prep: suite.Prepared, work: Path) -> list[str]:
+        return argv
+
+    def collect(self, work: Path) -> dict:
+        return {}
+
+
+class Native(Config):
+    name, what = "native", "the program as built / installed"
+
+
+class Pgo(Config):
+    name, what = "pgo", "gcc -fprofile-generate, training run, -fprofile-use (C workloads)"
+
+    def applies(self, w, prep):
+        return None if prep.pgo_argv else "not applicable: no source to rebuild"
+
+    def command(self, argv, prep, work):
+        assert prep.pgo_argv
+        return prep.pgo_argv
+
+
+def _dbr_exe() -> str:
+    venv = Path(sys.executable).parent / "dbr"
+    return str(venv) if venv.exists() else (shutil.which("dbr") or str(venv))
+
+
+class Dbr(Config):
+    """``dbr run --embedded --quiet --report FILE [-o ...] -- PROG``."""
+
+    name, what = "dbr", "dbr run --embedded, default settings"
+
+    def __init__(self, overrides: list[str] | None = None, flags: list[str] | None = None):
+        super().__init__()
+        self.overrides = list(overrides or [])
+        self.flags = list(flags or [])
+
+    def prefix(self, report: Path) -> list[str]:
+        pre = [_dbr_exe(), "run", "--embedded", "--quiet", *self.flags, "--report", str(report)]
+        for o in self.overrides:
+            pre += ["-o", o]
+        return pre + ["--"]
+
+    def check(self, ctx, env, tmp):
+        exe = _dbr_exe()
+        if not os.path.exists(exe):
+            return "unavailable: no dbr command in the venv"
+        p = subprocess.run([exe, "run", "--help"], env=env, capture_output=True, text=True,
+                           timeout=120)
+        if p.returncode != 0:
+            return f"unavailable: `dbr run` is not implemented yet ({_last(p.stderr)})"
+        report = tmp / f"smoke-{self.name}.json"
+        true = shutil.which("true") or "/bin/true"
+        try:
+            p = subprocess.run(self.prefix(report) + [true], env=env, capture_output=True,
+                               text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            return "unavailable: `dbr run -- true` did not finish within 120 s"
+        if p.returncode != 0:
+            return f"unavailable: `dbr run -- true` exited {p.returncode}: {_last(p.stderr)}"
+        if not report.exists():
+            return "unavailable: `dbr run --report` wrote no report"
+        return None
+
+    def command(self, argv, prep, work):
+        rep = work / f"report-{self.name}.json"
+        rep.unlink(missing_ok=True)
+        return self.prefix(rep) + argv
+
+    def collect(self, work):
+        import json
+
+        rep = work / f"report-{self.name}.json"
+        try:
+            data = json.loads(rep.read_text())
+        except (OSError, ValueError) as exc:
+            return {"report_error": f"no readable report: {exc}"}
+        rep.unlink(missing_ok=True)
+        return {"report": summarize_report(data)}
+
+
+def summarize_report(data: dict) -> dict:
+    """The numbers the table needs from one dbr.run/1 report."""
+    clients = data.get("clients") or []
+    totals = data.get("totals") or {}
+    ttfp = [c["time_to_first_patch_s"] for c in clients
+            if isinstance(c.get("time_to_first_patch_s"), (int, float))]
+    samples = totals.get("samples", sum(c.get("samples", 0) or 0 for c in clients))
+    in_repl = totals.get("samples_in_replacement",
+                         sum(c.get("samples_in_replacement", 0) or 0 for c in clients))
+    after = sum(c.get("samples_after_first_patch", 0) or 0 for c in clients)
+    regions = [r for c in clients for r in (c.get("regions") or [])]
+    out = {
+        "clients": len(clients),
+        "samples": samples,
+        "samples_in_replacement": in_repl,
+        "samples_after_first_patch": after,
+        "share_in_replacement": (in_repl / samples) if samples else None,
+        "share_after_first_patch": (in_repl / after) if after else None,
+        "time_to_first_patch_s": min(ttfp) if ttfp else None,
+        "patches_installed": totals.get("patches_installed",
+                                        sum(c.get("patches_installed", 0) or 0 for c in clients)),
+        "patches_removed": sum(c.get("patches_removed", 0) or 0 for c in clients),
+        "regions_installed": totals.get("regions_installed"),
+        "code_bytes": sum(r.get("code_bytes", 0) or 0 for r in regions),
+        "code_bytes_installed": sum(r.get("code_bytes", 0) or 0 for r in regions
+                                    if r.get("state") == "installed"),
+        "exit_code": data.get("exit_code"),
+        "prog_wall_s": data.get("wall_s"),  # PROG alone, as timed by dbr run
+    }
+    # Service cost, if the report carries it (field names not fixed by the schema).
+    for key in ("service", "embedded_service"):
+        svc = data.get(key)
+        if isinstance(svc, dict):
+            for k in ("cpu_s", "peak_rss_kb", "peak_rss_bytes", "max_rss_kb"):
+                if isinstance(svc.get(k), (int, float)):
+                    out[f"service_{k}"] = svc[k]
+    return out
+
+
+def _last(text: str, n: int = 200) -> str:
+    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
+    return (lines[-1] if lines else "no message")[-n:]
+
+
+def sampling_only_override() -> tuple[str | None, str]:
+    """The ``-o`` that turns patching off, from the service's configuration keys."""
+    try:
+        from dbr_service.config import Config as SvcConfig
+
+        keys = set(SvcConfig.keys())
+    except Exception as exc:  # noqa: BLE001 - any import problem makes it unavailable
+        return None, f"unavailable: cannot read dbr_service.config ({exc!r})"
+    for key, value in (("patching", "false"), ("enable_patching", "false"),
+                       ("install_patches", "false"), ("patch", "false"),
+                       ("sampling_only", "true"), ("dry_run", "true"), ("observe_only", "true")):
+        if key in keys:
+            return f"{key}={value}", ""
+    return None, ("unavailable: dbr_service/config.py has no key that disables patching "
+                  "(looked for patching, enable_patching, install_patches, sampling_only, "
+                  "dry_run, observe_only)")
+
+
+class DbrSampling(Dbr):
+    name, what = "dbr-sampling", "dbr run --embedded, patching disabled (sampling only)"
+
+    def check(self, ctx, env, tmp):
+        override, why = sampling_only_override()
+        if override is None:
+            return why
+        self.overrides = [override]
+        self.what = f"dbr run --embedded -o {override}"
+        return super().check(ctx, env, tmp)
+
+
+def sampling_rate_hz() -> tuple[int, str]:
+    try:
+        from dbr_service.config import Config as SvcConfig
+
+        period = SvcConfig().sample_period_us
+        return max(1, round(1e6 / period)), f"dbr's default sample_period_us={period}"
+    except Exception:  # noqa: BLE001
+        return 1000, "dbr_service.config not importable: 1000 Hz assumed"
+
+
+class Perf(Config):
+    name = "perf"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rate, self.rate_note = sampling_rate_hz()
+        self.what = (f"perf record -F {self.rate} -e cpu-clock -o TMP ({self.rate_note}; "
+                     "continuous, while dbr samples in windows)")
+
+    def check(self, ctx, env, tmp):
+        self.exe = shutil.which("perf", path=ctx.path if ctx.path is not None
+                                else os.environ.get("PATH"))
+        if not self.exe:
+            return "unavailable: perf not found on PATH"
+        out = tmp / "smoke.perf"
+        p = subprocess.run([self.exe, "record", "-q", "-F", str(self.rate), "-e", "cpu-clock",
+                            "-o", str(out), "--", "true"], env=env, capture_output=True,
+                           text=True, timeout=60)
+        out.unlink(missing_ok=True)
+        if p.returncode != 0:
+            return f"unavailable: perf record refused: {_last(p.stderr)}"
+        return None
+
+    def command(self, argv, prep, work):
+        out = work / "perf.data"
+        out.unlink(missing_ok=True)
+        return [self.exe, "record", "-q", "-F", str(self.rate), "-e", "cpu-clock",
+                "-o", str(out), "--", *argv]
+
+    def collect(self, work):
+        out = work / "perf.data"
+        size = out.stat().st_size if out.exists() else 0
+        out.unlink(missing_ok=True)
+        return {"perf_data_bytes": size}
+
+
+class Valgrind(Config):
+    name, what = "valgrind", "valgrind --tool=none (own A/B pair with native, few runs)"
+    separate = True
+
+    def check(self, ctx, env, tmp):
+        self.exe = shutil.which("valgrind", path=ctx.path if ctx.path is not None
+                                else os.environ.get("PATH"))
+        return None if self.exe else "unavailable: valgrind not found on PATH"
+
+    def command(self, argv, prep, work):
+        return [self.exe, "--tool=none", "-q", *argv]
+
+
+def default_configs() -> list[Config]:
+    return [Native(), Dbr(), DbrSampling(), Perf(), Valgrind(), Pgo()]
+
+
+EXTRA_CONFIGS: dict[str, Callable[[], Config]] = {
+    "dbr-aggressive": lambda: _named(Dbr(flags=["--aggressive"]), "dbr-aggressive",
+                                     "dbr run --embedded --aggressive"),
+}
+
+
+def _named(c: Config, name: str, what: str) -> Config:
+    c.name, c.what = name, what
+    return c
+
+
+# ------------------------------------------------------------------ settings
+
+@dataclass
+class Settings:
+    quick: bool = False
+    runs: int = 5
+    warmup: int = 1
+    valgrind_runs: int = 2
+    timeout_factor: float = 20.0  # a run taking this many times native's is killed
+    min_timeout: float = 60.0
+    pgo_helps: float = 0.98       # PGO ratio at or below this counts as a gain
+
+    @classmethod
+    def for_mode(cls, quick: bool, runs: int | None = None) -> "Settings":
+        if quick:
+            return cls(quick=True, runs=runs or 3, warmup=1, valgrind_runs=1)
+        return cls(quick=False, runs=runs or 5, warmup=1, valgrind_runs=2)
+
+
+# ------------------------------------------------------------------ one workload
+
+class Cell:
+    """Runs and status of one configuration on one workload."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.runs: list[Run] = []
+        self.status = "ok"
+        self.message = ""
+
+    @property
+    def live(self) -> bool:
+        return self.status == "ok"
+
+
+def _check_run(cell: Cell, r: Run, ref_code: int, ref_digest: str, wname: str) -> None:
+    if r.timed_out:
+        cell.status, cell.message = "timeout", f"killed after {r.wall:.1f} s"
+    elif r.exit_code != ref_code:
+        cell.status = "crashed"
+        cell.message = (f"{describe_exit(r.exit_code)} (native: {describe_exit(ref_code)}): "
+                        f"{_last(r.stderr_tail)}")
+    elif r.digest != ref_digest:
+        cell.status = "FAILURE"
+        cell.message = "output differs from native (stdout/output-file hash mismatch)"
+    else:
+        cell.runs.append(r)
+        return
+    loud = "!! FAILURE" if cell.status == "FAILURE" else f"!! {cell.status}"
+    warn(f"{loud}: {wname} under {cell.cfg.name}: {cell.message}")
+
+
+def alternate(cells: list[Cell], prep: suite.Prepared, argv_of: Callable[[Cell], list[str]],
+              env: dict[str, str], work: Path, runs: int, warmup: int, timeout: float,
+              ref: tuple[int, str], wname: str) -> list[list[tuple[str, float]]]:
+    """Round-robin the live cells, rotating the starting config every round; returns the
+    per-round walls (config name, seconds) for paired ratios."""
+    rounds: list[list[tuple[str, float]]] = []
+    for i in range(warmup + runs):
+        live = [c for c in cells if c.live]
+        if not live:
+            break
+        k = i % len(live)
+        order = live[k:] + live[:k]
+        this: list[tuple[str, float]] = []
+        for cell in order:
+            if not cell.live:
+                continue
+            r = run_once(cell.cfg.command(argv_of(cell), prep, work), env, work / "run",
+                         prep.outputs, timeout)
+            r.extra = cell.cfg.collect(work)
+            if i < warmup:  # warm-up: checked, not recorded
+                before = len(cell.runs)
+                _check_run(cell, r, *ref, wname)
+                del cell.runs[before:]
+                continue
+            _check_run(cell, r, *ref, wname)
+            if cell.live:
+                this.append((cell.cfg.name, r.wall))
+        if i >= warmup:
+            rounds.append(this)
+    return rounds
+
+
+def cell_json(cell: Cell, native: Cell | None, rounds: list[list[tuple[str, float]]]) -> dict:
+    out: dict[str, Any] = {"status": cell.status, "what": cell.cfg.what}
+    if cell.message:
+        out["message"] = cell.message
+    if not cell.runs:
+        return out
+    walls = [r.wall for r in cell.runs]
+    out["runs"] = len(walls)
+    out["wall_s"] = spread(walls)
+    out["cpu_s"] = spread([r.cpu_s for r in cell.runs])
+    out["maxrss_kb"] = max(r.maxrss_kb for r in cell.runs)
+    if native is not None and native.runs and cell is not native:
+        nw = statistics.median(r.wall for r in native.runs)
+        ncpu = statistics.median(r.cpu_s for r in native.runs)
+        out["ratio"] = out["wall_s"]["median"] / nw if nw else None
+        out["cpu_ratio"] = out["cpu_s"]["median"] / ncpu if ncpu else None
+        paired = []
+        for rnd in rounds:
+            d = dict(rnd)
+            if cell.cfg.name in d and native.cfg.name in d and d[native.cfg.name] > 0:
+                paired.append(d[cell.cfg.name] / d[native.cfg.name])
+        if paired:
+            out["paired_ratio"] = spread(paired)
+        out["extra_cpu_s"] = out["cpu_s"]["median"] - ncpu
+    reports = [r.extra["report"] for r in cell.runs if "report" in r.extra]
+    errors = [r.extra["report_error"] for r in cell.runs if "report_error" in r.extra]
+    if reports or errors:
+        out["dbr"] = dbr_metrics(reports, errors, out)
+        pw = out["dbr"].get("prog_wall_s")
+        if pw is not None and out.get("ratio"):
+            # PROG's own wall time (dbr run's start-up, report and shutdown excluded)
+            out["dbr"]["prog_ratio"] = pw / (out["wall_s"]["median"] / out["ratio"])
+    return out
+
+
+def _med(xs: list) -> float | None:
+    xs = [x for x in xs if isinstance(x, (int, float))]
+    return statistics.median(xs) if xs else None
+
+
+def dbr_metrics(reports: list[dict], errors: list[str], cell: dict) -> dict:
+    m: dict[str, Any] = {"reports": len(reports)}
+    if errors:
+        m["report_errors"] = errors[:3]
+    if not reports:
+        return m
+    ttfp = [r["time_to_first_patch_s"] for r in reports]
+    m["runs_patched"] = sum(1 for t in ttfp if t is not None)
+    m["time_to_first_patch_s"] = _med(ttfp)
+    for k in ("samples", "share_in_replacement", "share_after_first_patch",
+              "patches_installed", "patches_removed", "regions_installed", "code_bytes",
+              "code_bytes_installed", "prog_wall_s"):
+        m[k] = _med([r.get(k) for r in reports])
+    svc_cpu = _med([r.get("service_cpu_s") for r in reports])
+    if svc_cpu is not None:
+        m["service_cpu_s"], m["service_cpu_source"] = svc_cpu, "dbr run report"
+    elif "extra_cpu_s" in cell:
+        m["service_cpu_s"] = cell["extra_cpu_s"]
+        m["service_cpu_source"] = ("rusage: CPU of the `dbr run` process tree (embedded "
+                                   "service thread + agent + program) minus native's, medians")
+    rss = _med([r.get("service_peak_rss_kb") or r.get("service_max_rss_kb") for r in reports])
+    if rss is None and _med([r.get("service_peak_rss_bytes") for r in reports]) is not None:
+        rss = _med([r.get("service_peak_rss_bytes") for r in reports]) / 1024
+    if rss is not None:
+        m["service_peak_rss_kb"], m["service_rss_source"] = rss, "dbr run report"
+    elif "maxrss_kb" in cell:
+        m["service_peak_rss_kb"] = cell["maxrss_kb"]
+        m["service_rss_source"] = ("rusage ru_maxrss of the `dbr run` tree: the largest "
+                                   "process, i.e. dbr run + embedded service unless the "
+                                   "program is bigger")
+    return m
+
+
+def run_workload(w: suite.Workload, configs: list[Config], ctx: suite.Ctx, st: Settings,
+                 env: dict[str, str], work: Path) -> dict:
+    row: dict[str, Any] = {"name": w.name, "kind": w.kind, "what": w.what, "configs": {}}
+    t_start = time.monotonic()
+    try:
+        prep = w.prepare(ctx)
+    except suite.Skip as exc:
+        warn(f"-- skipped {w.name}: {exc}")
+        row.update(status="skipped", message=str(exc))
+        return row
+    except Exception as exc:  # noqa: BLE001 - a broken preparation is that workload's crash
+        warn(f"!! {w.name}: preparation crashed: {exc!r}")
+        row.update(status="crashed", message=f"preparation failed: {exc!r}",
+                   traceback=traceback.format_exc()[-2000:])
+        return row
+    row["argv"] = prep.argv
+    wenv = dict(env, **prep.env)
+    # Reference run (also the native warm-up): its exit code and output hash are
+    # what every configuration must reproduce.
+    ref = run_once(prep.argv, wenv, work / "run", prep.outputs, timeout=max(600, st.min_timeout))
+    if ref.timed_out or ref.exit_code != 0:
+        why = "timed out" if ref.timed_out else describe_exit(ref.exit_code)
+        warn(f"!! {w.name}: native run crashed: {why}: {_last(ref.stderr_tail)}")
+        row.update(status="crashed", message=f"native run {why}: {_last(ref.stderr_tail)}")
+        return row
+    row["native_reference_wall_s"] = ref.wall
+    timeout = max(st.min_timeout, st.timeout_factor * ref.wall)
+    cells: dict[str, Cell] = {}
+    for cfg in configs:
+        cell = Cell(cfg)
+        if cfg.reason:
+            cell.status, cell.message = "unavailable", cfg.reason
+        elif (why := cfg.applies(w, prep)):
+            cell.status, cell.message = "n/a", why
+        cells[cfg.name] = cell
+    native = cells.get("native")
+    main = [c for c in cells.values() if c.live and not c.cfg.separate]
+    rounds = alternate(main, prep, lambda c: prep.argv, wenv, work, st.runs, st.warmup,
+                       timeout, (ref.exit_code, ref.digest), w.name)
+    for cell in main:
+        row["configs"][cell.cfg.name] = cell_json(cell, native, rounds)
+    # Separately paired configurations (valgrind): native vs it, few runs; in quick
+    # mode on the small input.
+    for cell in [c for c in cells.values() if c.cfg.separate]:
+        if not cell.live:
+            row["configs"][cell.cfg.name] = cell_json(cell, None, [])
+            continue
+        argv = prep.small_argv if (st.quick and prep.small_argv) else prep.argv
+        sref = ref if argv is prep.argv else run_once(argv, wenv, work / "run", prep.outputs,
+                                                      timeout=600)
+        pair_native = Cell(Native())
+        pair_native.cfg.name = "native-pair"
+        vt = max(st.min_timeout * 5, 100 * sref.wall)
+        prounds = alternate([pair_native, cell], prep,
+                            lambda c: argv, wenv, work, st.valgrind_runs, 0, vt,
+                            (sref.exit_code, sref.digest), w.name)
+        cj = cell_json(cell, pair_native, prounds)
+        cj["input"] = "small" if argv is not prep.argv else "same as the others"
+        cj["native_pair_wall_s"] = spread([r.wall for r in pair_native.runs]) \
+            if pair_native.runs else None
+        row["configs"][cell.cfg.name] = cj
+    for name, cell in cells.items():
+        if name not in row["configs"]:
+            row["configs"][name] = cell_json(cell, None, [])
+    row["pgo_share"] = pgo_share(row["configs"], st)
+    bad = [n for n, c in row["configs"].items() if c["status"] in ("FAILURE", "crashed",
+                                                                     "timeout")]
+    if any(row["configs"][n]["status"] == "FAILURE" for n in bad):
+        row["status"] = "FAILURE"
+    elif bad:
+        row["status"] = "crashed"
+    else:
+        row["status"] = "ok"
+    if bad:
+        row["message"] = "; ".join(f"{n}: {row['configs'][n]['status']}: "
+                                   f"{row['configs'][n].get('message', '')}" for n in bad)
+    row["seconds"] = time.monotonic() - t_start
+    return row
+
+
+def pgo_share(cfgs: dict, st: Settings) -> dict:
+    """(native − dbr)/(native − pgo), when PGO gains beyond ``st.pgo_helps``."""
+    pgo, dbr = cfgs.get("pgo", {}), cfgs.get("dbr", {})
+    if pgo.get("status") != "ok" or "ratio" not in pgo:
+        return {"value": None, "why": "no PGO build" if pgo.get("status") in (None, "n/a")
+                else f"PGO {pgo.get('status')}"}
+    if pgo["ratio"] > st.pgo_helps:
+        return {"value": None, "why": f"PGO gain below {100 * (1 - st.pgo_helps):.0f} % "
+                                      f"(pgo/native {pgo['ratio']:.3f})"}
+    if dbr.get("status") != "ok" or "ratio" not in dbr:
+        return {"value": None, "why": f"dbr {dbr.get('status', 'not run')}"}
+    # ratios are over the same native median, so (1 − r_dbr)/(1 − r_pgo)
+    return {"value": (1 - dbr["ratio"]) / (1 - pgo["ratio"]), "why": ""}
+
+
+# ------------------------------------------------------------------ the suite
+
+def base_env(runtime_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    env["DBR_RUNTIME_DIR"] = str(runtime_dir)  # private: no host service, nothing shared
+    env.setdefault("LC_ALL", "C")
+    return env
+
+
+def run_suite(workloads: list[suite.Workload], configs: list[Config], ctx: suite.Ctx,
+              st: Settings, results: Results) -> int:
+    """Run everything, writing results after each workload; 0 when every row is ok or
+    skipped, 1 when a workload crashed or some configuration's output differed."""
+    with tempfile.TemporaryDirectory(prefix="dbr-bench-") as tmpd:
+        tmp = Path(tmpd)
+        rt = tmp / "rt"
+        rt.mkdir()
+        env = base_env(rt)
+        if ctx.path is not None:
+            env["PATH"] = ctx.path
+        section: dict[str, Any] = {"settings": st.__dict__, "configs": {}, "workloads": [],
+                                   "status": "running"}
+        for cfg in configs:
+            t0 = time.monotonic()
+            try:
+                cfg.reason = cfg.check(ctx, env, tmp)
+            except Exception as exc:  # noqa: BLE001
+                cfg.reason = f"unavailable: check failed: {exc!r}"
+            section["configs"][cfg.name] = {"what": cfg.what, "available": cfg.reason is None,
+                                            "reason": cfg.reason or "",
+                                            "check_s": time.monotonic() - t0}
+            log(f"   config {cfg.name:14s} {cfg.reason or 'available'}")
+        results.update("compare", section)
+        rc = 0
+        for w in workloads:
+            log(f"-- {w.name}: {w.what}")
+            work = tmp / "w" / w.name
+            work.mkdir(parents=True)
+            try:
+                row = run_workload(w, configs, ctx, st, env, work)
+            except Exception as exc:  # noqa: BLE001 - keep going, record it
+                warn(f"!! {w.name}: benchmark machinery crashed: {exc!r}")
+                row = {"name": w.name, "kind": w.kind, "what": w.what, "status": "crashed",
+                       "message": f"runner error: {exc!r}",
+                       "traceback": traceback.format_exc()[-2000:], "configs": {}}
+            shutil.rmtree(work, ignore_errors=True)
+            if row["status"] in ("crashed", "FAILURE"):
+                rc = 1
+            section["workloads"].append(row)
+            log("   " + one_line(row))
+            results.update("compare", section)
+        section["status"] = "complete"
+        results.update("compare", section)
+    return rc
+
+
+def one_line(row: dict) -> str:
+    if row["status"] == "skipped":
+        return f"skipped: {row.get('message', '')}"
+    parts = [row["status"]]
+    for name, c in row.get("configs", {}).items():
+        if "ratio" in c:
+            pr = c.get("paired_ratio", {})
+            parts.append(f"{name} {c['ratio']:.3f} [{pr.get('min', 0):.3f}-{pr.get('max', 0):.3f}]")
+        elif name != "native":
+            parts.append(f"{name} {c['status']}")
+    return "  ".join(parts)
+
+
+def select_configs(spec: str | None) -> list[Config]:
+    cfgs = default_configs()
+    if not spec:
+        return cfgs
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    known = {c.name: c for c in cfgs}
+    out: list[Config] = [known["native"]]
+    for n in names:
+        if n == "native":
+            continue
+        if n in known:
+            out.append(known[n])
+        elif n in EXTRA_CONFIGS:
+            out.append(EXTRA_CONFIGS[n]())
+        else:
+            raise SystemExit(f"unknown config {n!r}: {', '.join([*known, *EXTRA_CONFIGS])}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller inputs, fewer runs")
+    ap.add_argument("--runs", type=int, help="recorded runs per config (default 5, quick 3)")
+    ap.add_argument("--configs", help="comma list (native always included); extra: "
+                    + ", ".join(EXTRA_CONFIGS))
+    ap.add_argument("workloads", nargs="*", help="subset of the workloads")
+    args = ap.parse_args(argv)
+    ws = suite.registry()
+    if args.workloads:
+        unknown = set(args.workloads) - {w.name for w in ws}
+        if unknown:
+            ap.error(f"unknown workload(s) {sorted(unknown)}; known: {[w.name for w in ws]}")
+        ws = [w for w in ws if w.name in args.workloads]
+    st = Settings.for_mode(args.quick, args.runs)
+    results = Results.open(quick=args.quick, command=["python", "-m", "bench.compare",
+                                                      *(argv if argv is not None else sys.argv[1:])])
+    rc = 1
+    try:
+        rc = run_suite(ws, select_configs(args.configs), suite.Ctx(quick=args.quick), st,
+                       results)
+    finally:
+        results.finish()
+        log(f"written {results.json_path}, {results.md_path}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

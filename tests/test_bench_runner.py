@@ -1,0 +1,185 @@
+"""The comparison benchmark's runner (issue 6) on tiny workloads: JSON structure, ratio
+arithmetic, a FAILURE row when a configuration's output differs, a skipped workload
+when its tool is missing from PATH, a crashed workload reported as such while the
+results so far are already on disk."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from bench import compare, suite
+from bench.common import Results, spread
+
+SH = "/bin/sh"
+
+
+class Wrapped(compare.Config):
+    """A fake configuration: runs the program through ``sh -c``, optionally adding output."""
+
+    def __init__(self, name: str, suffix: str = ""):
+        super().__init__()
+        self.name, self.what, self.suffix = name, f"fake {name}", suffix
+
+    def command(self, argv, prep, work):
+        extra = f"; echo {self.suffix}" if self.suffix else ""
+        return [SH, "-c", f'"$@"{extra}', "sh", *argv]
+
+
+class Missing(compare.Config):
+    name, what = "missing", "a tool that is not installed"
+
+    def check(self, ctx, env, tmp):
+        return "unavailable: not installed (test)"
+
+
+def _shell(name: str, script: str, outputs: list[str] | None = None) -> suite.Workload:
+    return suite.Workload(name, "test", f"test: {script}",
+                          lambda ctx: suite.Prepared([SH, "-c", script], outputs=outputs or []))
+
+
+@pytest.fixture()
+def ran(tmp_path, capsys):
+    seen_on_disk: dict = {}
+    results = Results(tmp_path / "results", "test-session", quick=True, command=["pytest"])
+
+    def peek(ctx):  # runs after "crasher": the crash must already be on disk
+        seen_on_disk.update(json.loads(results.json_path.read_text()))
+        return suite.Prepared([SH, "-c", "echo ok"])
+
+    zstd = next(w for w in suite.registry() if w.name == "zstd")
+    empty_path = tmp_path / "emptybin"
+    empty_path.mkdir()
+    workloads = [
+        _shell("tiny", "i=0; while [ $i -lt 2000 ]; do i=$((i+1)); done; echo hi; "
+                       "echo data > out.txt", ["out.txt"]),
+        _shell("crasher", "echo partial; kill -SEGV $$"),
+        suite.Workload("peek", "test", "reads latest.json", peek),
+        zstd,
+    ]
+    configs = [compare.Native(), Wrapped("same"), Wrapped("differs", suffix="EXTRA"),
+               Missing()]
+    ctx = suite.Ctx(quick=True, cache=tmp_path / "cache", path=str(empty_path),
+                    log=lambda m: None)
+    st = compare.Settings(quick=True, runs=3, warmup=1, min_timeout=20)
+    rc = compare.run_suite(workloads, configs, ctx, st, results)
+    results.finish()
+    out = capsys.readouterr()
+    data = json.loads(results.json_path.read_text())
+    return rc, data, out, seen_on_disk, results
+
+
+def test_json_structure_and_ratios(ran):
+    rc, data, out, _, results = ran
+    assert data["schema"] == "dbr.bench/1"
+    m = data["machine"]
+    for key in ("cpu", "cores", "kernel", "pmu", "loadavg_start", "loadavg_end",
+                "cpu_governor"):
+        assert key in m, key
+    cmp_ = data["benchmarks"]["compare"]
+    assert cmp_["status"] == "complete"
+    assert cmp_["configs"]["missing"] == {"what": "a tool that is not installed",
+                                          "available": False,
+                                          "reason": "unavailable: not installed (test)",
+                                          "check_s": cmp_["configs"]["missing"]["check_s"]}
+    rows = {r["name"]: r for r in cmp_["workloads"]}
+    assert list(rows) == ["tiny", "crasher", "peek", "zstd"]
+    same = rows["tiny"]["configs"]["same"]
+    native = rows["tiny"]["configs"]["native"]
+    assert same["status"] == "ok" and same["runs"] == 3 and native["runs"] == 3
+    assert same["ratio"] == pytest.approx(same["wall_s"]["median"] / native["wall_s"]["median"])
+    assert same["wall_s"]["min"] <= same["wall_s"]["median"] <= same["wall_s"]["max"]
+    assert same["paired_ratio"]["n"] == 3
+    assert rows["tiny"]["configs"]["missing"]["status"] == "unavailable"
+    assert rows["peek"]["status"] == "FAILURE"  # "differs" fails everywhere
+    assert results.md_path.exists() and (results.dir / "ratios.png").exists()
+    assert "ratios.png" in data["plots"]
+    assert rc == 1
+
+
+def test_output_mismatch_is_a_loud_failure(ran):
+    rc, data, out, _, results = ran
+    row = {r["name"]: r for r in data["benchmarks"]["compare"]["workloads"]}["tiny"]
+    assert row["status"] == "FAILURE"
+    bad = row["configs"]["differs"]
+    assert bad["status"] == "FAILURE" and "output differs" in bad["message"]
+    assert "ratio" not in bad and "wall_s" not in bad  # not a data point
+    assert "!! FAILURE: tiny under differs" in out.err
+    md = results.md_path.read_text()
+    assert "FAILURE" in md
+
+
+def test_missing_tool_skips_and_crash_is_reported_with_partial_results(ran):
+    rc, data, out, seen, _ = ran
+    rows = {r["name"]: r for r in data["benchmarks"]["compare"]["workloads"]}
+    assert rows["zstd"]["status"] == "skipped"
+    assert "zstd" in rows["zstd"]["message"]
+    assert "skipped zstd" in out.err
+    assert rows["crasher"]["status"] == "crashed"
+    assert "SIGSEGV" in rows["crasher"]["message"]
+    # written incrementally: the crash was on disk before the next workload started
+    names = [r["name"] for r in seen["benchmarks"]["compare"]["workloads"]]
+    assert names == ["tiny", "crasher"]
+    assert seen["benchmarks"]["compare"]["status"] == "running"
+
+
+def _run(wall: float) -> compare.Run:
+    return compare.Run(wall=wall, exit_code=0, digest="d", cpu_s=wall, maxrss_kb=1)
+
+
+def test_ratio_and_pgo_share_arithmetic():
+    nat, b = compare.Cell(compare.Native()), compare.Cell(Wrapped("b"))
+    nat.runs = [_run(x) for x in (1.0, 2.0, 3.0)]
+    b.runs = [_run(x) for x in (1.5, 3.0, 4.5)]
+    rounds = [[("native", 1.0), ("b", 1.5)], [("b", 3.0), ("native", 2.0)],
+              [("native", 3.0), ("b", 4.5)]]
+    cj = compare.cell_json(b, nat, rounds)
+    assert cj["ratio"] == pytest.approx(1.5)
+    assert cj["paired_ratio"]["median"] == pytest.approx(1.5)
+    assert cj["cpu_ratio"] == pytest.approx(1.5)
+    assert cj["extra_cpu_s"] == pytest.approx(1.0)
+    st = compare.Settings()
+    share = compare.pgo_share({"pgo": {"status": "ok", "ratio": 0.8},
+                               "dbr": {"status": "ok", "ratio": 0.95}}, st)
+    assert share["value"] == pytest.approx(0.25)
+    assert compare.pgo_share({"pgo": {"status": "ok", "ratio": 0.99},
+                              "dbr": {"status": "ok", "ratio": 0.9}}, st)["value"] is None
+    assert compare.pgo_share({"pgo": {"status": "ok", "ratio": 0.8},
+                              "dbr": {"status": "unavailable"}}, st)["value"] is None
+    s = spread([4.0, 1.0, 3.0, 2.0])
+    assert (s["min"], s["max"], s["median"], s["n"]) == (1.0, 4.0, 2.5, 4)
+    assert s["q1"] <= s["median"] <= s["q3"]
+    assert statistics.median([1.0, 2.0]) == 1.5
+
+
+def test_summarize_dbr_report():
+    rep = {"schema": "dbr.run/1", "exit_code": 0, "wall_s": 1.0,
+           "clients": [{"pid": 1, "samples": 100, "samples_after_first_patch": 60,
+                        "samples_in_replacement": 30, "time_to_first_patch_s": 0.4,
+                        "patches_installed": 2, "patches_removed": 1,
+                        "regions": [{"code_bytes": 100, "state": "installed"},
+                                    {"code_bytes": 50, "state": "removed"}]}],
+           "totals": {"samples": 100, "samples_in_replacement": 30, "patches_installed": 2,
+                      "regions_installed": 1}}
+    s = compare.summarize_report(rep)
+    assert s["share_in_replacement"] == pytest.approx(0.3)
+    assert s["share_after_first_patch"] == pytest.approx(0.5)
+    assert s["time_to_first_patch_s"] == 0.4 and s["code_bytes"] == 150
+    assert s["prog_wall_s"] == 1.0
+
+
+def test_bench_cli_rejects_unknown_names():
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["no-such-benchmark"])
+
+
+def test_workload_sources_exist():
+    for p in suite.C_PROGS:
+        for src in p.sources + ([p.lib] if p.lib else []):
+            assert (suite.SRC / src).exists()
+    assert (Path(suite.SRC) / "spin.c").exists()
