@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <time.h>
@@ -37,6 +38,7 @@ uint64_t g_agent_lo, g_agent_hi;
 
 static pthread_mutex_t g_send_mu = PTHREAD_MUTEX_INITIALIZER;
 static int g_sock = -1;
+static int g_sock_lost;      /* the program closed our socket fd (number may be reused) */
 static int g_ready;          /* HELLO_ACK received: anything may be sent */
 static uint32_t g_seq;
 static int g_wake[2] = { -1, -1 };
@@ -63,6 +65,34 @@ static uint32_t g_session_gen;
 static uint64_t g_known_objs[KNOWN_OBJS_MAX];
 static unsigned g_n_known;
 static unsigned long long g_dl_adds;
+
+/* Identity of the agent's own fds: a program may close fds it does not know
+ * about (daemons close everything) and reuse the numbers; the agent then must
+ * never read, write or close them. */
+struct fd_id {
+    dev_t dev;
+    ino_t ino;
+};
+static struct fd_id g_sock_id, g_wake_id[2];
+
+static void fd_id_take(int fd, struct fd_id *id)
+{
+    struct stat st;
+
+    id->dev = 0;
+    id->ino = 0;
+    if (fd >= 0 && fstat(fd, &st) == 0) {
+        id->dev = st.st_dev;
+        id->ino = st.st_ino;
+    }
+}
+
+static int fd_is(int fd, const struct fd_id *id)
+{
+    struct stat st;
+
+    return fd >= 0 && fstat(fd, &st) == 0 && st.st_dev == id->dev && st.st_ino == id->ino;
+}
 
 int dbr_connected(void)
 {
@@ -105,6 +135,11 @@ int dbr_send(void *msg, uint32_t type, uint32_t len, int fd, int from_client)
     if (lock_for_send(from_client) != 0)
         return DBR_E_TIMEOUT;
     if (g_sock < 0 || (!g_ready && type != DBR_MSG_HELLO && type != DBR_MSG_ERROR && type != DBR_MSG_BYE)) {
+        rc = DBR_E_PROTO;
+        goto out;
+    }
+    if (!fd_is(g_sock, &g_sock_id)) {
+        g_sock_lost = 1;
         rc = DBR_E_PROTO;
         goto out;
     }
@@ -426,6 +461,11 @@ static ssize_t recv_one(int fd, const char **why)
     ssize_t n;
     int got_fds = 0;
 
+    if (!fd_is(fd, &g_sock_id)) {
+        g_sock_lost = 1;
+        *why = "socket fd closed by the program";
+        return 0;
+    }
     memset(&mh, 0, sizeof mh);
     mh.msg_iov = &iov;
     mh.msg_iovlen = 1;
@@ -710,10 +750,13 @@ static int wait_readable(int fd, int timeout_ms)
     do
         r = poll(p, g_wake[0] >= 0 ? 2 : 1, timeout_ms);
     while (r < 0 && errno == EINTR);
-    if (r > 0 && (p[1].revents & POLLIN)) {
+    if (r > 0 && g_wake[0] >= 0 && p[1].revents) {
         char buf[16];
-        while (read(g_wake[0], buf, sizeof buf) > 0)
-            ;
+        if ((p[1].revents & POLLNVAL) || !fd_is(g_wake[0], &g_wake_id[0]))
+            g_wake[0] = -1;      /* closed by the program: never touch that number again */
+        else
+            while (read(g_wake[0], buf, sizeof buf) > 0)
+                ;
     }
     return r > 0 && (p[0].revents & (POLLIN | POLLHUP | POLLERR));
 }
@@ -726,7 +769,8 @@ static void end_session(int fd, int how)
     pthread_mutex_lock(&g_send_mu);
     __atomic_store_n(&g_ready, 0, __ATOMIC_RELEASE);
     g_sock = -1;
-    close(fd);
+    if (!g_sock_lost)
+        close(fd);
     pthread_mutex_unlock(&g_send_mu);
     map_waits_abort();
     dbr_log("session ended (%s)", how == END_BYE ? "bye" : how == END_EOF ? "eof" : "error");
@@ -750,6 +794,8 @@ static int session_run(void)
         return 0;
     pthread_mutex_lock(&g_send_mu);
     g_sock = fd;
+    g_sock_lost = 0;
+    fd_id_take(fd, &g_sock_id);
     g_seq = 0;
     pthread_mutex_unlock(&g_send_mu);
     if (send_hello() != DBR_OK) {
@@ -809,6 +855,11 @@ static int session_run(void)
             break;
         }
         if (!wait_readable(fd, DLOPEN_TICK_MS)) {
+            if (!fd_is(fd, &g_sock_id)) {
+                g_sock_lost = 1;
+                how = END_EOF;
+                break;
+            }
             objects_poll();
             continue;
         }
@@ -891,6 +942,8 @@ static void make_wake_pipe(void)
 {
     if (pipe2(g_wake, O_CLOEXEC | O_NONBLOCK) < 0)
         g_wake[0] = g_wake[1] = -1;
+    fd_id_take(g_wake[0], &g_wake_id[0]);
+    fd_id_take(g_wake[1], &g_wake_id[1]);
 }
 
 static void init_wait_cv(void)
@@ -912,14 +965,14 @@ void dbr_fork_child_reset(void)
     pthread_mutex_init(&g_wait_mu, NULL);
     init_wait_cv();
     memset(g_waits, 0, sizeof g_waits);
-    if (g_sock >= 0)
+    if (g_sock >= 0 && fd_is(g_sock, &g_sock_id))
         close(g_sock);     /* the parent's session: never used by the child */
     g_sock = -1;
     g_ready = 0;
     g_agent_tid = 0;
-    if (g_wake[0] >= 0)
+    if (g_wake[0] >= 0 && fd_is(g_wake[0], &g_wake_id[0]))
         close(g_wake[0]);
-    if (g_wake[1] >= 0)
+    if (g_wake[1] >= 0 && fd_is(g_wake[1], &g_wake_id[1]))
         close(g_wake[1]);
     make_wake_pipe();
     dbr_buffers_privatise();
@@ -959,7 +1012,7 @@ __attribute__((destructor)) static void dbr_agent_fini(void)
         memset(&b, 0, sizeof b);
         dbr_send(&b, DBR_MSG_BYE, sizeof b, -1, 1);
     }
-    if (g_wake[1] >= 0 && write(g_wake[1], "x", 1) < 0) {
+    if (fd_is(g_wake[1], &g_wake_id[1]) && write(g_wake[1], "x", 1) < 0) {
         /* the agent thread notices g_exiting at its next wake-up anyway */
     }
 }
