@@ -1,0 +1,80 @@
+"""`dbr run`: exit status, signals, LD_PRELOAD, report JSON, forks/execs, host vs embedded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from service_helpers import ServiceProc, agent_path, build_example, symbol_range
+
+pytestmark = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
+
+
+def _run(*argv: str, env: dict[str, str] | None = None, timeout: float = 60):
+    return subprocess.run([sys.executable, "-m", "dbr_service.cli", "run", *argv],
+                          env=env or dict(os.environ), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def noservice_env(tmp_path):
+    """An environment whose DBR_RUNTIME_DIR has no service: dbr run goes embedded."""
+    return dict(os.environ, DBR_RUNTIME_DIR=str(tmp_path / "none"))
+
+
+def test_exit_status_and_signals(noservice_env):
+    assert _run("--", "sh", "-c", "exit 7", env=noservice_env).returncode == 7
+    assert _run("--", "sh", "-c", "kill -TERM $$", env=noservice_env).returncode == 128 + 15
+    r = _run("--", "/nonexistent/prog", env=noservice_env)
+    assert r.returncode == 127 and "cannot run" in r.stderr
+
+
+def test_ld_preload_prepended(noservice_env, tmp_path):
+    other = build_example("hotloop")  # any existing file name; only the value is printed
+    env = dict(noservice_env, LD_PRELOAD="")
+    r = _run("--", "sh", "-c", "echo \"$LD_PRELOAD|$DBR_RUNTIME_DIR\"", env=env)
+    preload, rdir = r.stdout.strip().split("|")
+    assert preload == agent_path() and rdir and rdir != noservice_env["DBR_RUNTIME_DIR"]
+    assert not os.path.exists(rdir), "embedded runtime dir left behind"
+    del other
+
+
+def test_report_embedded_follows_forks_and_execs(noservice_env, tmp_path):
+    prog = build_example("hotloop")
+    rep_path = tmp_path / "rep.json"
+    r = _run("--embedded", "--aggressive", "--report", str(rep_path), "--", "sh", "-c",
+             f"{prog} 1200; {prog} 1200; true", env=noservice_env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("check ") == 2
+    rep = json.loads(rep_path.read_text())
+    assert rep["schema"] == "dbr.run/1" and rep["exit_code"] == 0 and rep["wall_s"] > 2.0
+    assert rep["program"][:2] == ["sh", "-c"]
+    for k in ("pid", "exe", "samples", "samples_after_first_patch", "samples_in_replacement",
+              "time_to_first_patch_s", "patches_installed", "patches_removed", "regions"):
+        assert all(k in c for c in rep["clients"]), k
+    loops = [c for c in rep["clients"] if c["exe"] == prog]
+    assert len(loops) == 2, [c["exe"] for c in rep["clients"]]   # both children followed
+    lo, hi = symbol_range(prog, "mix")
+    for c in loops:
+        assert c["samples"] > 10   # CPU time of a loaded 2-core machine: keep it low
+        assert lo <= c["hotspots"][0]["offset"] < hi, c["hotspots"][:3]
+    assert rep["totals"]["samples"] == sum(c["samples"] for c in rep["clients"])
+    assert rep["totals"]["patches_installed"] == 0
+    assert "dbr:" in r.stderr and "samples" in r.stderr
+
+
+def test_uses_host_service():
+    svc = ServiceProc("--aggressive").wait_ready()
+    try:
+        prog = build_example("hotloop")
+        r = _run("--", prog, "500", env=svc.env)
+        assert r.returncode == 0, r.stderr
+        assert "(host service)" in r.stderr
+        seen = svc.call("clients", {"all": True})
+        assert any(c["exe"] == prog and c["samples"] > 0 for c in seen), seen
+    finally:
+        svc.stop()
