@@ -4,8 +4,8 @@ machine that runs code until control leaves a range, and architectural-state sna
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import capstone
 import keystone

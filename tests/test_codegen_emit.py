@@ -18,14 +18,19 @@ import struct
 from dataclasses import dataclass
 
 import pytest
+from codegen_util import CS, Machine, asm, build_blocks, linear, random_state
 
-from codegen_util import (CS, Machine, asm, build_blocks, linear, random_state)
-from dbr_service.codegen.emit import (GeneratedCode, check_generated, emit_region, nop_bytes,
-                                      perf_map_lines)
+from dbr_service.codegen.emit import (
+    GeneratedCode,
+    check_generated,
+    emit_region,
+    nop_bytes,
+    perf_map_lines,
+)
 from dbr_service.codegen.layout import back_edges, compute_layout
 from dbr_service.codegen.relocate import jmp_rel32
 from dbr_service.errors import CodegenError
-from dbr_service.region.model import (END, START, CloneKey, EdgeKind, SuperRegion, TermKind)
+from dbr_service.region.model import END, START, CloneKey, EdgeKind, SuperRegion, TermKind
 
 DATA_SIZE = 0x100          # data first: counter @0, result @8, table @0x10.., jt @0xc0
 SENTINEL = 0x7000_0000_0000
@@ -225,7 +230,7 @@ def _restrict(blocks: dict, p: Program) -> None:
     if p.stop_before_ret:
         s, bb = min(((s, bb) for s, bb in blocks.items() if bb.term is TermKind.RET),
                     key=lambda x: x[0])
-        a, n = bb.last_insn
+        a, _n = bb.last_insn
         assert len(bb.insns) > 1
         blocks[s] = replace(bb, size=a - s, insns=bb.insns[:-1], data=bb.data[:a - s],
                             term=TermKind.STOP, fallthrough=None)
@@ -261,7 +266,7 @@ def make_sr(blocks, entry: int, trace: list[int], inline: bool) -> SuperRegion:
             bb = replace(bb, clone_of=s, unpatchable=True)
         sr.add_block(bb, k)
 
-        def edge(t: int, kind: EdgeKind, tctx=ctx) -> None:
+        def edge(t: int, kind: EdgeKind, tctx=ctx, k=k) -> None:
             inside = t in blocks and ((t in callee) == bool(tctx))
             c = counts.get((k, node(t, tctx)), 0)
             if inside:

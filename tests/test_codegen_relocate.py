@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import random
 import struct
-from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
+from codegen_util import CS, Machine, asm, asm_rip, random_state
 
-from codegen_util import CS, Machine, State, asm, asm_rip, random_state
-from dbr_service.codegen.relocate import (CannotRelocate, Kind, Relocator, push_return,
-                                          ret_adjust)
+from dbr_service.codegen.relocate import CannotRelocate, Kind, Relocator, push_return, ret_adjust
 
 R = Relocator()
 BASES = [0x6000_0000, 0x9000_0000, 0x5555_5555_0000]   # < 2**31, < 2**32, > 2**32
@@ -167,7 +166,7 @@ def _indirect_cases() -> list[Case]:
     def choose(rng, o, i):
         return (targets(o) + [o + 0x500])[i % 4]
 
-    slot = lambda o: data_of(o) + 0x80          # noqa: E731
+    slot = lambda o: data_of(o) + 0x80
     forms = [
         ("rax", lambda o: "rax", lambda rng, o, i: {"rax": choose(rng, o, i)}, None),
         ("r11", lambda o: "r11", lambda rng, o, i: {"r11": choose(rng, o, i)}, None),
@@ -292,7 +291,7 @@ def test_rip_operand_static(template: str) -> None:
             assert b.mnemonic == a.mnemonic
             assert b.address + b.size + b.disp == target
             assert rel.fixups[0].orig_target == target and rel.fixups[0].data
-            strip = lambda s: s.split("[")[0] + s.split("]")[1]   # noqa: E731
+            strip = lambda s: s.split("[")[0] + s.split("]")[1]
             assert strip(b.op_str) == strip(a.op_str)
             assert b.bytes[:a.disp_offset] == a.bytes[:a.disp_offset]
             assert b.bytes[a.disp_offset + 4:] == a.bytes[a.disp_offset + 4:]

@@ -29,18 +29,34 @@ covers every instruction; every rel32 is range-checked when encoded (invariant 4
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import capstone
 
 from dbr_service.codegen.layout import ALIGN, Layout, compute_layout
-from dbr_service.codegen.relocate import (CannotRelocate, Fixup, Kind, Relocated, Relocator,
-                                          jcc_condition, jcc_rel32, jmp_rel32, push_return,
-                                          ret_adjust)
+from dbr_service.codegen.relocate import (
+    CannotRelocate,
+    Fixup,
+    Kind,
+    Relocated,
+    Relocator,
+    jcc_condition,
+    jcc_rel32,
+    jmp_rel32,
+    push_return,
+    ret_adjust,
+)
 from dbr_service.errors import CodegenError
-from dbr_service.region.model import (END, CloneKey, EdgeKind, NodeKey, SuperRegion, TermKind,
-                                      fmt_node)
+from dbr_service.region.model import (
+    END,
+    CloneKey,
+    EdgeKind,
+    NodeKey,
+    SuperRegion,
+    TermKind,
+    fmt_node,
+)
 
 #: Recommended multi-byte NOPs (Intel SDM vol. 2B, NOP), by length.
 _NOPS = {1: "90", 2: "6690", 3: "0f1f00", 4: "0f1f4000", 5: "0f1f440000",

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dbr_service.region.model import (END, START, CloneKey, EdgeKind, NodeKey, SuperRegion,
-                                      TermKind)
+from dbr_service.region.model import END, START, CloneKey, EdgeKind, NodeKey, SuperRegion, TermKind
 
 ALIGN = 16
 ALIGN_RATIO = 4.0

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import capstone
 from capstone import x86_const as X
