@@ -55,6 +55,7 @@ struct dbr_map_ent {
     uint64_t lo, hi;
     int prot;     /* PROT_* */
     int special;  /* [vdso], [vvar], [vsyscall]: never patched */
+    int shared;   /* MAP_SHARED: writes would reach the file / other mappings */
 };
 struct dbr_maps {
     struct dbr_map_ent *e;

@@ -149,6 +149,8 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms)
             } else if (__atomic_load_n(&g_slots[s].done_gen, __ATOMIC_ACQUIRE) == gen) {
                 e->state = DBR_CENSUS_OK;
                 e->pc = __atomic_load_n(&g_slots[s].pc, __ATOMIC_RELAXED);
+            } else if (syscall(SYS_tgkill, getpid(), tids[s], 0) < 0 && errno == ESRCH) {
+                e->state = DBR_CENSUS_GONE;     /* exited before answering */
             } else {
                 e->state = DBR_CENSUS_NO_REPLY;
             }

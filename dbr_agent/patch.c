@@ -349,7 +349,7 @@ static int range_exec(const struct dbr_maps *maps, uint64_t lo, uint64_t hi, int
         const struct dbr_map_ent *m = dbr_maps_find(maps, a);
         if (!m || (m->prot & (PROT_EXEC | PROT_READ)) != (PROT_EXEC | PROT_READ))
             return 0;
-        if (m->special)
+        if (m->special || m->shared)
             *special = 1;
         a = m->hi;
     }

@@ -192,6 +192,7 @@ int dbr_maps_read(struct dbr_maps *m)
         e[m->n].hi = hi;
         e[m->n].prot = (perms[0] == 'r' ? PROT_READ : 0) | (perms[1] == 'w' ? PROT_WRITE : 0) |
                        (perms[2] == 'x' ? PROT_EXEC : 0);
+        e[m->n].shared = perms[3] == 's';
         e[m->n].special = off > 0 && (strstr(line + off, "[vdso]") || strstr(line + off, "[vvar]") ||
                                       strstr(line + off, "[vsyscall]"));
         m->n++;
