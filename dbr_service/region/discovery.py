@@ -44,6 +44,8 @@ from dbr_service.region.model import END, START, BasicBlock, EdgeKind, SuperRegi
 
 #: Longest x86 instruction.
 MAX_INSN = 15
+#: Bytes decoded per capstone call (the run is cached by address).
+DECODE_CHUNK = 96
 #: Blocks longer than this many instructions end with a plain fall-through.
 MAX_BLOCK_INSNS = 4096
 #: Imported functions that never return: a call to them has no fall-through.
@@ -156,22 +158,32 @@ class Decoder:
         return got
 
     def _decode(self, addr: int) -> Insn | str:
+        """Decode a run of instructions from ``addr`` (cached by address) and return the
+        first: decoding at an address depends only on the bytes there."""
         mem = self.mem
         if not mem.is_exec(addr):
             return "not executable"
         if not mem.is_readonly(addr):
             return "writable code"
-        n = mem.readable_extent(addr, MAX_INSN)
+        n = mem.readable_extent(addr, DECODE_CHUNK)
         try:
             buf = mem.read(addr, n)
         except MemoryViewError:
             return "unreadable"
-        ci = next(self.cs.disasm(buf, addr, 1), None)
-        if ci is None:
-            return "illegal instruction"
-        if self._touches_patch(addr, ci.size):
-            return "byte of an installed patch"
-        return _classify(ci)
+        first: Insn | str = "illegal instruction"
+        for ci in self.cs.disasm(buf, addr):
+            if ci.address + MAX_INSN > addr + n and ci.address != addr \
+                    and addr + n - ci.address < MAX_INSN and n == DECODE_CHUNK:
+                break                  # may be cut short by the chunk: decode it on its own
+            ins: Insn | str = ("byte of an installed patch"
+                               if self._touches_patch(ci.address, ci.size) else _classify(ci))
+            if ci.address == addr:
+                first = ins
+            else:
+                self.cache.setdefault(ci.address, ins)
+            if isinstance(ins, str) or ins.kind.transfers:
+                break
+        return first
 
     def _touches_patch(self, addr: int, size: int) -> bool:
         if self.mem.first_excluded(addr, size) is not None:
