@@ -124,6 +124,14 @@ def build_cases() -> list[Case]:
         cases.append(Case(f"jmp {d:+#x}{' mapped' if mapped else ''}",
                           lambda o, d=d: asm(f"jmp {o + d:#x}", o), Kind.JMP,
                           mapped=(lambda o, d=d: {o + d}) if mapped else (lambda o: set())))
+    # prefixed forms: branch hints (2E/3E) and bnd (F2) are dropped by the widening
+    for raw, d, kind in ((b"\x3e\x74", 0x40, Kind.JCC), (b"\x2e\x0f\x8c", -0x3000, Kind.JCC),
+                         (b"\xf2\xe9", 0x2000, Kind.JMP), (b"\xf2\x75", -0x20, Kind.JCC)):
+        n = len(raw) + (1 if raw[-1] in (0x74, 0x75) else 4)
+        fmt = "<b" if n - len(raw) == 1 else "<i"
+        cases.append(Case(f"prefixed {raw.hex()} {d:+#x}",
+                          lambda o, raw=raw, d=d, n=n, fmt=fmt: raw + struct.pack(fmt, d - n),
+                          kind, extra_states=3))
     rcx_values = [0, 1, 2, 1 << 32, (1 << 32) + 1, 0xFFFFFFFF]
     loops = [("loop", None), ("loope", None), ("loopne", None), ("jrcxz", None),
              ("jecxz", None), ("addr32 loop", b"\x67\xe2"), ("addr32 loopne", b"\x67\xe0")]
@@ -273,7 +281,7 @@ def test_differential(case: Case) -> None:
 def test_catalogue_is_systematic() -> None:
     kinds = {c.kind for c in CASES}
     assert kinds == set(Kind), kinds ^ set(Kind)
-    assert sum(c.kind is Kind.JCC for c in CASES) == 64
+    assert sum(c.kind is Kind.JCC and c.name[:1] == "j" for c in CASES) == 64   # 16 cc x 4
     assert sum(c.kind is Kind.RIPREL for c in CASES) > 100
 
 
