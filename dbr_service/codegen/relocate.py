@@ -240,10 +240,8 @@ class Relocator:
         if iid == X.X86_INS_RET:
             return Kind.RET
         if is_rel:
-            if capstone.CS_GRP_JUMP in insn.groups and insn.opcode[0] != 0xC7:
-                jcc_condition(insn)
-                return Kind.JCC
-            raise CannotRelocate(f"PC-relative {insn.mnemonic} at {insn.address:#x}")
+            jcc_condition(insn)             # raises for any other PC-relative branch
+            return Kind.JCC
         if mem is not None and mem.mem.base == X.X86_REG_RIP:
             # mod=00 rm=101 always carries a disp32 (capstone's disp_size says 2 under a
             # 0x66 prefix, so it is not consulted; _redisplace checks the bytes instead).
