@@ -101,6 +101,15 @@ void dbr_map_changed_advise(uint32_t kind, uint64_t lo, uint64_t hi);
 void dbr_agent_start_thread(int forked);
 void dbr_fork_child_reset(void);
 
+/* ---- objects.c ---- */
+struct dl_phdr_info;
+extern uint8_t g_build_id[DBR_BUILD_ID_MAX];
+extern uint32_t g_build_id_len;
+void dbr_obj_range(struct dl_phdr_info *info, uint64_t *lo, uint64_t *hi); /* PT_LOAD span, pages */
+void dbr_self_scan(void);        /* build-id of the executable, g_agent_lo/hi */
+void dbr_objects_snapshot(void); /* objects at session start: known to the service */
+void dbr_objects_poll(void);     /* DBR_MAP_DLOPEN notices for new objects */
+
 /* ---- buffers.c ---- */
 struct dbr_buffer {
     uint32_t id;      /* 0: free slot */

@@ -331,24 +331,11 @@ struct lib_range {
 static int phdr_cb(struct dl_phdr_info *info, size_t size, void *data)
 {
     struct lib_range *r = data;
-    int i;
 
     (void)size;
     if (info->dlpi_addr != r->base || !info->dlpi_name || strcmp(info->dlpi_name, r->name) != 0)
         return 0;
-    for (i = 0; i < info->dlpi_phnum; i++) {
-        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
-        uint64_t lo, hi;
-
-        if (ph->p_type != PT_LOAD)
-            continue;
-        lo = page_down(info->dlpi_addr + ph->p_vaddr);
-        hi = page_up(info->dlpi_addr + ph->p_vaddr + ph->p_memsz);
-        if (r->hi == 0 || lo < r->lo)
-            r->lo = lo;
-        if (hi > r->hi)
-            r->hi = hi;
-    }
+    dbr_obj_range(info, &r->lo, &r->hi);
     return 1;
 }
 
