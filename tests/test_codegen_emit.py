@@ -208,7 +208,8 @@ def assemble(p: Program, orig: int) -> tuple[bytes, int]:
     return image, orig + DATA_SIZE
 
 
-def build(p: Program, orig: int, trace: list[int] | None) -> Built:
+def build(p: Program, orig: int, trace: list[int] | None,
+          rng: random.Random | None = None) -> Built:
     image, code_addr = assemble(p, orig)
     code = image[DATA_SIZE:]
     jt = list(struct.unpack_from("<4Q", image, 0xC0))
@@ -217,7 +218,10 @@ def build(p: Program, orig: int, trace: list[int] | None) -> Built:
     blocks = build_blocks(code, code_addr, ijmp)
     boundaries = {i.address for i in linear(code, code_addr)}
     _restrict(blocks, p)
-    sr = make_sr(blocks, code_addr, trace or [], p.inline)
+    if rng is not None:                   # a random region: drop up to 2 non-entry blocks
+        for s in rng.sample(sorted(set(blocks) - {code_addr}), rng.randrange(3)):
+            del blocks[s]
+    sr = make_sr(blocks, code_addr, trace or [], p.inline, rng)
     return Built(orig, code, code_addr, image, sr, boundaries, code_addr)
 
 
@@ -243,7 +247,8 @@ def _callee_range(blocks, code_addr) -> set[int]:
     return {s for s in blocks if calls and s >= min(calls)}
 
 
-def make_sr(blocks, entry: int, trace: list[int], inline: bool) -> SuperRegion:
+def make_sr(blocks, entry: int, trace: list[int], inline: bool,
+            rng: random.Random | None = None) -> SuperRegion:
     """The SR over the main function (+ inlined clones of its callees), with counts from
     ``trace`` (addresses of executed instructions of the original)."""
     callee = _callee_range(blocks, entry)
@@ -269,7 +274,7 @@ def make_sr(blocks, entry: int, trace: list[int], inline: bool) -> SuperRegion:
 
         def edge(t: int, kind: EdgeKind, tctx=ctx, k=k) -> None:
             inside = t in blocks and ((t in callee) == bool(tctx))
-            c = counts.get((k, node(t, tctx)), 0)
+            c = counts.get((k, node(t, tctx)), 0) if rng is None else rng.randrange(100)
             if inside:
                 work.append((t, tctx))
                 sr.add_edge(k, node(t, tctx), kind, c)
@@ -432,6 +437,27 @@ def test_emit_differential(p: Program, orig: int, delta: int) -> None:
         assert in_buffer == RUNS            # everything ran in replacement code
     else:
         assert exits_taken > 0              # the exits to original code were exercised
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("p", [PROGRAMS[i] for i in (0, 1, 3, 4)], ids=lambda p: p.name)
+def test_emit_random_regions(p: Program, seed: int) -> None:
+    """Random sub-regions (blocks left out become exits) with random edge counts (which
+    shake the layout: chains, inverted jcc, aligned heads) still behave as the original."""
+    orig, delta = PLACES[seed % 2]
+    rng = random.Random(seed)
+    b = build(p, orig, None, rng)
+    gen = emit_region(b.sr, orig + delta)
+    _check_static(gen, b)
+    w = World(b, orig + delta, gen.size)
+    for i in range(4):
+        st = w.state(rng)
+        w.load(None)
+        a, _, _ = w.run(st, b.entry)
+        w.load(gen, patch=True)
+        r, _, landings = w.run(st, b.entry)
+        _compare(a, r, f"{p.name} seed={seed} run={i}")
+        assert all(x in b.boundaries or x == SENTINEL for x in landings)
 
 
 def _check_static(gen: GeneratedCode, b: Built) -> None:
