@@ -11,7 +11,6 @@ periodic timer would.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from dbr_service.region.model import END, START, CloneKey, EdgeKind, SuperRegion
 
 unicorn = pytest.importorskip("unicorn")
 lief = pytest.importorskip("lief")
-from unicorn import x86_const as UX  # noqa: E402
+from unicorn import x86_const as UX
 
 PROGS = Path(__file__).resolve().parent / "region_progs"
 PERIOD = 7
@@ -152,7 +151,7 @@ def _truth(b: Build, base: int = 0) -> Truth:
             data[sec.name] = (base + sec.virtual_address, bytes(sec.content))
 
     def lin(lo: int, hi: int) -> None:
-        for name, (s, blob) in data.items():
+        for s, blob in data.values():
             if s <= lo and hi <= s + len(blob):
                 for ins in _cs.disasm(blob[lo - s: hi - s], lo):
                     boundaries.add(ins.address)
@@ -275,7 +274,7 @@ def test_blocks_lie_in_real_functions_at_real_boundaries(builds, key):
                 s <= bb.start < s + 16 for s in c.truth.plt)
             assert f is not None or inplt, f"{key}: known-exec block {k:#x} outside functions"
             if f is not None:
-                lo, hi = c.truth.funcs[f]
+                _, hi = c.truth.funcs[f]
                 assert bb.end <= hi, f"{key}: block {k:#x} runs past the end of {f}"
         assert bb.data == c.mem.read(bb.start, bb.size)
         assert bb.module == str(c.build.stripped.resolve())
@@ -312,7 +311,7 @@ def test_edges_agree_with_profile(builds, key):
         if d["kind"] == EdgeKind.FALLTHROUGH:
             assert v == bu.end
     # every observed transfer between discovered blocks is represented
-    for (a, b), n in t.transitions.items():
+    for (a, b) in t.transitions:
         u = by_last.get(a)
         if u is None or b not in blocks:
             continue
@@ -777,7 +776,7 @@ def test_pipeline_patch_points_and_loops(builds, key):
             assert v in t.boundaries and t.executed[v] > 0     # a real, executed instruction
         idom = nx.immediate_dominators(sr.g, START)
 
-        def dominated_by(n, p) -> bool:
+        def dominated_by(n, p, idom=idom) -> bool:
             while n != START:
                 if n == p:
                     return True

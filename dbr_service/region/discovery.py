@@ -31,8 +31,8 @@ from __future__ import annotations
 import bisect
 import enum
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
 
 import capstone
 from capstone import x86 as X
@@ -226,7 +226,7 @@ class CfeKind(str, enum.Enum):
 class Cfe:
     """A control-flow edge during discovery.  ``dst`` None means it is an exit."""
 
-    src: "Block"
+    src: Block
     target: int
     kind: CfeKind
     count: float = 0.0
@@ -234,28 +234,38 @@ class Cfe:
     jfh_step: int = 0
     #: False when branch samples say this direction was never taken.
     followable: bool = True
-    dst: "Block | None" = None
+    dst: Block | None = None
 
 
 @dataclass(eq=False)
 class Block:
     """A basic block under construction (becomes a model.BasicBlock at the end)."""
 
+    #: Decoded instructions, in order (their addresses are the block's boundaries).
     insns: list[Insn]
+    #: How the block ends (model.TermKind).
     term: TermKind
+    #: Known targets of the last instruction (branch, callee, table or sampled targets).
     targets: list[int] = field(default_factory=list)
+    #: Where control goes when the last instruction does not transfer; None if nowhere.
     fallthrough: int | None = None
+    #: An indirect transfer may go somewhere not in ``targets``.
     unknown_target: bool = False
+    #: Jumps-from-hot; "infinite" until SET-JUMPS-FROM-HOT gives it a value.
     jfh: int = 1 << 30
+    #: On the work list (False also marks a stale work-list slot after a split).
     on_worklist: bool = False
+    #: Outgoing CFEs (ADD-CONTROL-FLOW) and incoming ones aimed at this block.
     succs: list[Cfe] = field(default_factory=list)
     preds: list[Cfe] = field(default_factory=list)
     #: Indirect inference was tried with this many predecessors (retry when more).
     indirect_tried: int = -1
-    #: Targets are complete (trusted read-only table / literal): no unknown exit.
+    #: Samples at the block's instructions, and the lowest sampled instruction.
     samples: float = 0.0
     first_sampled: int | None = None
+    #: Why MARK-UNPATCHABLE refused it ("" = patchable).
     unpatchable_why: str = ""
+    #: Reachable from a sampled block (MARK-UNPATCHABLE's executed group).
     known_exec: bool = False
 
     @property
@@ -306,8 +316,8 @@ class Position:
     next: Entry | None
 
 
-class Mapping:
-    """Entries by address, with instruction boundaries for matching."""
+class EntryMapping:
+    """The seed's *Mapping*: entries by address, plus instruction boundaries for matching."""
 
     def __init__(self) -> None:
         self.entries: dict[int, Entry] = {}
@@ -409,7 +419,7 @@ class HotCodeDiscovery:
         self.limit = jumps_from_hot_limit
         self.branch_samples = branch_samples or {}
         self.dec = Decoder(mem, patched)
-        self.map = Mapping()
+        self.map = EntryMapping()
         self.worklist: deque[Block] = deque()
         self.indirect: list[Block] = []
         self.stats = DiscoveryStats()
@@ -727,7 +737,7 @@ class HotCodeDiscovery:
             if not new and not b.unknown_target:
                 continue
             b.targets.extend(dict.fromkeys(new))
-            if b.unknown_target and not self.branch_samples.get(b.last.addr):
+            if b.unknown_target:               # bounded table / constant: targets complete
                 b.unknown_target = False
                 b.succs = [c for c in b.succs if c.kind != CfeKind.UNKNOWN]
             cfes = self._cfes_of(b, dict.fromkeys(new))

@@ -17,8 +17,8 @@ index bound comes only from the guarding compare-and-branch on the path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 import capstone
 from capstone import x86 as X
@@ -29,7 +29,7 @@ from dbr_service.region.memview import MemoryView
 #: Largest jump table believed (entries).
 MAX_TABLE = 4096
 
-Expr = Union[tuple, int]
+Expr = tuple | int
 
 _cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
 _cs.detail = True

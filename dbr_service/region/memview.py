@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import abc
 import bisect
+import itertools
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from dbr_service.errors import MemoryViewError
 
@@ -229,7 +230,7 @@ class ElfMemoryView(MemoryView):
         for lib_path, lib_base in libs:
             self.images.append(_load_elf_image(lib_path, lib_base))
         rs = sorted((r for img in self.images for r in img.ranges), key=lambda r: r.start)
-        for a, b in zip(rs, rs[1:]):
+        for a, b in itertools.pairwise(rs):
             if a.end > b.start:
                 raise MemoryViewError(f"{a.module} and {b.module} overlap at {b.start:#x}")
         self._ranges = rs
@@ -302,7 +303,7 @@ class LiveMemoryView(MemoryView):
     def __del__(self) -> None:  # pragma: no cover - best effort
         try:
             self.close()
-        except Exception:
+        except OSError:
             pass
 
     def refresh_maps(self) -> None:
