@@ -73,7 +73,8 @@ _C_BUILDS = {
     "e2e-O3": (["e2e.c"], "-O3", False, [], None),
 }
 HOT = {
-    "loops": {"nested": 20, "calls_in_loop": 64, "fib": 10, "fptr_loop": 50, "tail_loop": 40},
+    "loops": {"nested": 20, "calls_in_loop": 64, "fib": 10, "fptr_loop": 50, "tail_loop": 40,
+              "hook_loop": 30},
     "switch": {"switch_loop": 45, "checked_loop": 40},
     "asm": {"ovl": 40, "junk": 40, "tiny": 64, "part": 40},
     "e2e": {"single": 200, "nest2": 12},
@@ -371,6 +372,12 @@ def test_jump_table_targets_all_found(builds, key):
     for tgt in observed:
         assert c.sr.g.has_edge(k, tgt)
     assert c.sr.info["discovery"].jump_tables == 1
+    # with branch samples too, a bounded read-only table stays complete
+    c2 = _case(builds, key, branch_samples=c.truth.branch_samples())
+    bb2 = c2.sr.block(k)
+    assert set(bb2.targets) == observed and not bb2.unknown_target
+    for tgt in observed:
+        assert c2.sr.g.edges[k, tgt]["count"] == c.truth.transitions[(bb.last_insn[0], tgt)]
 
 
 @pytest.mark.parametrize("key", [k for k in C_KEYS if k.startswith("switch")])
@@ -432,6 +439,21 @@ def test_function_pointer_targets(builds, key):
     assert set(bb2.targets) == {inc, dbl} and bb2.unknown_target
     assert c2.sr.g.has_edge(START, inc) and c2.sr.g.has_edge(START, dbl)
     assert c2.sr.g.edges[k, END]["exits"][inc] > 0
+
+
+@pytest.mark.parametrize("key", ["loops-O0", "loops-O2", "loops-O2-pie"])
+def test_pointer_in_writable_memory_trusted_only_when_sampled(builds, key):
+    c = _case(builds, key)
+    lo, hi = c.truth.funcs["hook_loop"]
+    inc = c.truth.funcs["inc"][0]
+    calls = [bb for k, bb in c.sr.blocks() if lo <= k < hi and bb.term == TermKind.ICALL]
+    assert len(calls) == 1
+    assert calls[0].targets == [inc] and calls[0].unknown_target   # inc ran, so was sampled
+    assert c.sr.g.has_edge(START, inc)
+    unsampled = {a: n for a, n in c.truth.samples.items() if a != inc}
+    sr = hot_code_discovery(unsampled, c.mem)
+    bb = sr.block(calls[0].start)
+    assert bb.targets == [] and bb.unknown_target
 
 
 def test_branch_samples_give_edge_counts(builds):

@@ -648,17 +648,19 @@ class HotCodeDiscovery:
         return False
 
     def _memory_indirect_targets(self, b: Block) -> None:
-        """Literal (trusted only in read-only memory) and sampled targets."""
+        """Literal load address: its value is trusted in read-only memory, elsewhere
+        only when the value is itself a sampled address; plus sampled targets."""
         last = b.last
         trusted = False
-        if last.literal is not None and self.mem.is_readonly_range(last.literal, 8):
+        if last.literal is not None:
             try:
                 t = int.from_bytes(self.mem.read(last.literal, 8), "little")
             except MemoryViewError:
                 t = None
-            if t is not None and self.mem.is_exec(t):
+            readonly = self.mem.is_readonly_range(last.literal, 8)
+            if t is not None and self.mem.is_exec(t) and (readonly or self.samples.get(t, 0) > 0):
                 b.targets.append(t)
-                trusted = True
+                trusted = readonly
         for t, n in self.branch_samples.get(last.addr, {}).items():
             if n > 0 and t not in b.targets:
                 b.targets.append(t)
@@ -728,6 +730,12 @@ class HotCodeDiscovery:
             res = self._infer(b)
             if res is None:
                 continue
+            if not res.complete:               # writable memory: only sampled targets
+                res = jumptable.IndirectTargets(
+                    tuple(t for t in res.targets if self.samples.get(t, 0) > 0), res.how,
+                    complete=False)
+                if not res.targets:
+                    continue
             new = [t for t in res.targets if t not in b.targets]
             if res.how.startswith("table"):
                 self.stats.jump_tables += 1
@@ -737,7 +745,7 @@ class HotCodeDiscovery:
             if not new and not b.unknown_target:
                 continue
             b.targets.extend(dict.fromkeys(new))
-            if b.unknown_target:               # bounded table / constant: targets complete
+            if b.unknown_target and res.complete:   # bounded table / constant: complete
                 b.unknown_target = False
                 b.succs = [c for c in b.succs if c.kind != CfeKind.UNKNOWN]
             cfes = self._cfes_of(b, dict.fromkeys(new))

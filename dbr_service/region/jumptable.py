@@ -53,10 +53,13 @@ class IndirectTargets:
     """What the inference found: targets and whether they are complete."""
 
     targets: tuple[int, ...]
-    #: "table-abs", "table-rel", "const", "literal"
+    #: "table-abs", "table-rel", "const", "literal", "literal-writable"
     how: str
     table: int | None = None
     entries: int = 0
+    #: False when read from writable memory: the value may change, so a target is
+    #: only to be believed if it also has samples, and others remain possible.
+    complete: bool = True
 
 
 # ---- expressions -------------------------------------------------------------
@@ -329,10 +332,15 @@ def _bound(idx: tuple, guards: list[tuple[tuple, int]]) -> int | None:
 def _match_abs(addr: tuple, guards, mem: MemoryView) -> IndirectTargets | None:
     c = _const(addr)
     if c is not None:                               # literal pointer: jmp [rip+x]
-        if not mem.is_readonly_range(c, 8):
+        try:
+            t = int.from_bytes(mem.read(c, 8), "little")
+        except MemoryViewError:
             return None
-        t = int.from_bytes(mem.read(c, 8), "little")
-        return IndirectTargets((t,), "literal") if mem.is_exec(t) else None
+        if not mem.is_exec(t):
+            return None
+        if not mem.is_readonly_range(c, 8):
+            return IndirectTargets((t,), "literal-writable", complete=False)
+        return IndirectTargets((t,), "literal")
     split = _index_of(addr, 8)
     if split is None:
         return None

@@ -51,6 +51,15 @@ NI long fptr_loop(int n) {
     return s;
 }
 
+/* A function pointer in writable memory, loaded by a literal address. */
+int (*volatile hook)(int) = inc;
+
+NI long hook_loop(int n) {
+    long s = 0;
+    for (int i = 0; i < n; i++) s += hook(i);
+    return s;
+}
+
 NI int tail_target(int x) { sink = x; return x - 1; }
 NI int tail_caller(int x) { if (x > 5) return tail_target(x * 2); return x; }
 
@@ -62,7 +71,7 @@ NI long tail_loop(int n) {
 
 int main(int argc, char **argv) {
     int n = argc > 1 ? atoi(argv[1]) : 300;
-    long r = nested(n) + calls_in_loop(n * 10) + fib(20) + fptr_loop(n * 10) + tail_loop(n);
+    long r = nested(n) + calls_in_loop(n * 10) + fib(20) + fptr_loop(n * 10) + tail_loop(n) + hook_loop(n);
     printf("%ld\n", r);
     return 0;
 }
