@@ -396,6 +396,7 @@ def test_noreturn_calls_have_no_fallthrough(builds, key):
             assert bb.fallthrough == bb.end
     assert seen["__stack_chk_fail"] >= 1
     assert seen["abort"] >= 1
+    assert seen["exit"] >= 1                            # die() -> exit, reached from checked()
 
 
 @pytest.mark.parametrize("key", [k for k in C_KEYS if k.startswith("loops")])
