@@ -691,3 +691,61 @@ def test_pipeline_verification_catches_a_broken_pass(monkeypatch):
     monkeypatch.setattr(patchpoints, "select_patch_points", breaks)
     res = run_pipeline(discovery_like(), None, RegionConfig(hot_threshold=10))
     assert res.regions == [] and {f.pass_name for f in res.failures} == {"patch-point-selection"}
+
+
+def test_fallthrough_ip_only_profile_counts_from_sample_density():
+    """No edge counts at all (cpu-clock samples): counts from samples per insn,
+    pooled over straight-line groups, split over successors by their counts."""
+    b = loop_with_chains()
+    sr = b.sr
+    for u, v, d in sr.g.edges(data=True):
+        d["count"] = 0.0
+        if v == END:
+            d["exits"] = {t: 0.0 for t in d["exits"]}
+    # A (2 insns) B (2) C (1): one straight-line group, 50 samples over 5 insns.
+    for k, n in {0x100: 30, 0x107: 0, 0x10E: 20, 0x114: 0}.items():
+        sr.block(k).samples = n
+    c = Counter()
+    compute_fall_through_only(sr, c)
+    assert c["ip-only-estimates"] == 1
+    assert [sr.block(k).count for k in (0x100, 0x107, 0x10E, 0x114)] == [10, 10, 10, 0]
+    assert edge_count(sr, 0x10E, 0x100) == 10 and edge_count(sr, 0x10E, 0x114) == 0
+    assert edge_count(sr, START, 0x100) == 0      # never sampled on the way in
+    [lp] = loop_forest(sr).loops()
+    assert lp.trip_count == float("inf")
+    sr.verify()
+
+
+def test_patch_split_of_an_inlined_call_block_keeps_its_inline_decision():
+    main, f = caller_callee()
+    cb = main.block(0x15)
+    cb.insns, cb.size, cb.data = [(0x13, 2), (0x15, 5)], 7, b"\x90" * 7
+    main.g.nodes[0x15]["bb"] = cb
+    cb.start = 0x13   # the block now starts with a 2-byte insn before the call
+    main.g = nx.relabel_nodes(main.g, {0x15: 0x13})
+    main.block(0x10).size = 3
+    main.block(0x10).insns = [(0x10, 3)]
+    main.block(0x10).unpatchable = True
+    inline_hot_calls([main, f], hot_threshold=10, inline_budget=1.0)
+    assert main.info["inline"]["sites"][0x13]["decision"] == "inlined"
+    assert selected(main) == [0x15]
+    assert main.info["inline"]["sites"][0x15]["call_insn"] == 0x15
+    assert 0x13 not in main.info["inline"]["sites"]
+    assert main.g.edges[0x15, CloneKey((0x15,), 0x100)]["kind"] == EdgeKind.CALL
+
+
+def test_select_regions_runs_discovery_first(monkeypatch):
+    from dbr_service.region import discovery, pipeline
+
+    seen = {}
+
+    def fake(samples, mem, *, jumps_from_hot_limit, branch_samples=None, patched=None):
+        seen.update(samples=samples, mem=mem, jfh=jumps_from_hot_limit, bs=branch_samples)
+        return discovery_like()
+
+    monkeypatch.setattr(discovery, "hot_code_discovery", fake)
+    res = pipeline.select_regions({0x10: 5.0}, "MEM", RegionConfig(hot_threshold=10,
+                                                                   jumps_from_hot_limit=3),
+                                  branch_samples={0x1A: {0x10: 9}})
+    assert seen == {"samples": {0x10: 5.0}, "mem": "MEM", "jfh": 3, "bs": {0x1A: {0x10: 9}}}
+    assert list(res.timings)[0] == "hot-code-discovery" and len(res.regions) == 1

@@ -20,6 +20,20 @@ entry and a pseudo exit assumes 0 for the entry (seed 001) and is scanned
 forwards; its pseudo exit gets the remainder.  When several fall-through-only
 edges reach one block (overlapping code) the lowest predecessor's is used, the
 others are ignored, as the seed says.  Clamped at 0 throughout.
+
+*IP-only profiles.*  The seed's HPM (IBS) gives branch directions, so branch
+edges carry counts.  A plain IP sampler (``cpu-clock``, this machine) gives none:
+discovery then leaves every edge at 0.  When no edge of the SR has a count but
+blocks have samples, counts are estimated from sample density instead
+(:func:`estimate_from_samples`): blocks that must execute equally often (a
+fall-through-only edge or a call's continuation edge that is its source's only
+way on and its target's only way in) form a group whose
+count is its samples per instruction (pooled over the group, so short blocks
+that missed samples take their neighbours' density); an edge gets its source's
+count, split over several successors in proportion to their counts (exits get
+nothing unless all successors are unsampled); an entry edge gets what the
+block's in-region predecessors do not explain.  Units are then samples per
+instruction; loops whose entries were never sampled get an infinite trip count.
 """
 
 from __future__ import annotations
@@ -51,6 +65,11 @@ def compute_fall_through_only(sr: SuperRegion, counters: Counter | None = None) 
     """Fill in unknown edge counts and every block's ``count`` (see module doc)."""
     counters = counters if counters is not None else Counter()
     g = sr.g
+    if not _has_branch_counts(sr) and any(b.samples > 0 for _, b in sr.blocks()):
+        estimate_from_samples(sr)
+        counters["ip-only-estimates"] += 1
+        counters["blocks"] += len(sr)
+        return
     unknown: set[tuple[NodeKey, NodeKey]] = set()
     for u, v in g.edges:
         if u == START or (v == END and _is_pseudo_exit(sr, u)) or \
@@ -141,3 +160,65 @@ def _set_exit(sr: SuperRegion, b: NodeKey, count: float) -> None:
         for t in exits:
             exits[t] = share
     d["count"] = count
+
+
+def _has_branch_counts(sr: SuperRegion) -> bool:
+    """Does any edge carry a measured count (not entries, not pseudo exits)?"""
+    for u, v, d in sr.g.edges(data=True):
+        if u == START or d["count"] <= 0:
+            continue
+        if v == END and _is_pseudo_exit(sr, u):
+            continue
+        if v != END and _is_ft_only(sr, u, v):
+            continue
+        return True
+    return False
+
+
+def estimate_from_samples(sr: SuperRegion) -> None:
+    """Counts from sample density for IP-only profiles (see the module doc)."""
+    g = sr.g
+    body = sorted_nodes(sr.body_nodes())
+    group = {b: b for b in body}
+
+    def find(b: NodeKey) -> NodeKey:
+        while group[b] != b:
+            group[b] = group[group[b]]
+            b = group[b]
+        return b
+
+    for u, v in g.edges:
+        if u in (START, END) or v in (START, END):
+            continue
+        if (_is_ft_only(sr, u, v) or _is_call_ft(sr, u, v)) and g.in_degree(v) == 1 \
+                and (g.out_degree(u) == 1 or _is_call_ft(sr, u, v)):
+            group[find(u)] = find(v)
+    samples: Counter = Counter()
+    insns: Counter = Counter()
+    for b in body:
+        samples[find(b)] += sr.block(b).samples
+        insns[find(b)] += len(sr.block(b).insns)
+    for b in body:
+        r = find(b)
+        sr.block(b).count = samples[r] / insns[r] if insns[r] else 0.0
+    for u in body:
+        cu = sr.block(u).count
+        outs = list(g.successors(u))
+        if sr.block(u).term in _CALLS:   # the call and its return: both run cu times
+            for v in outs:
+                _set_edge(sr, u, v, cu)
+            continue
+        w = {v: (sr.block(v).count if v != END else 0.0) for v in outs}
+        tot = sum(w.values())
+        for v in outs:
+            _set_edge(sr, u, v, cu * w[v] / tot if tot > 0 else cu / len(outs))
+    for v in list(g.successors(START)):
+        inflow = sum(d["count"] for u, _, d in g.in_edges(v, data=True) if u != START)
+        g.edges[START, v]["count"] = max(0.0, sr.block(v).count - inflow)
+
+
+def _set_edge(sr: SuperRegion, u: NodeKey, v: NodeKey, count: float) -> None:
+    if v == END:
+        _set_exit(sr, u, count)
+    else:
+        sr.g.edges[u, v]["count"] = count

@@ -144,6 +144,9 @@ def split_for_patch(sr: SuperRegion, k: NodeKey) -> NodeKey:
     for v, d in out:
         sr.g.add_edge(a, k if v == k else v, **d)
     sr.add_edge(k, a, EdgeKind.FALLTHROUGH, bb.count)
+    sites = sr.info.get("inline", {}).get("sites", {})
+    if k in sites:  # an inlined call: its decision follows the call instruction
+        sites[a] = sites.pop(k)
     return a
 
 
