@@ -206,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
     except (DbrError, MemoryViewError, ConfigError) as exc:
         print(f"dbr analyze: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:                 # output piped into head & co.
+        sys.stderr.close()
+        return 0
 
 
 def _run(args: argparse.Namespace) -> int:
