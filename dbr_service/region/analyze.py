@@ -120,7 +120,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--svg", action="store_true", help="also render SVG (needs graphviz)")
     parser.add_argument("-o", dest="options", action="append", default=[], metavar="KEY=VALUE",
                         help="set a configuration key (e.g. jumps_from_hot_limit=3)")
-    parser.epilog = __doc__[__doc__.index("examples:"):]
 
 
 @dataclass
