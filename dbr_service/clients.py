@@ -291,8 +291,8 @@ class ClientSession:
 
     def _loop(self) -> None:
         sock_fd = self.conn.fileno()
-        while not self._stop:
-            self._run_commands()
+        while True:
+            self._run_commands()  # also after stop(): a posted farewell (BYE) still runs
             if self._stop:
                 break
             r, _, _ = select.select([sock_fd, self._wake_r], [], [], 1.0)

@@ -18,6 +18,8 @@ import importlib.util
 import logging
 import multiprocessing
 import os
+import queue
+import threading
 import time
 import traceback
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -173,18 +175,34 @@ def auto_workers(cpu_count: int | None = None, load1: float | None = None) -> in
     return max(1, min(max(1, cpus - 1), idle))
 
 
+def warm_up() -> int:
+    """A no-op job: makes the pool start a worker (and import this module) early."""
+    return os.getpid()
+
+
 class Scheduler:
-    """Orders clients by hotness and runs :func:`optimize_client` in worker processes."""
+    """Orders clients by hotness and runs :func:`optimize_client` in worker processes.
+
+    :meth:`schedule` (control thread) only decides; a submitter thread creates the pool
+    and submits, because starting worker processes can take a while and the control
+    thread must never wait for it.
+    """
 
     def __init__(self, on_result: Callable[[JobResult | BaseException, int], None]) -> None:
         self.on_result = on_result
         self._pool: ProcessPoolExecutor | None = None
         self._pool_size = 0
-        self.running: dict[int, Future] = {}  # session id -> job
+        self.running: dict[int, Future | None] = {}  # session id -> job (None: queued)
         self.submitted = 0
         self.completed = 0
         self.failed = 0
         self.skipped_load = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[ClientJob | None, int]] = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._submitter, name="dbr-scheduler",
+                                        daemon=True)
+        self._thread.start()
 
     def capacity(self, max_workers: int) -> int:
         """How many jobs may run at once now."""
@@ -199,25 +217,55 @@ class Scheduler:
             load1, cpus = os.getloadavg()[0], os.cpu_count() or 1
         return auto_workers(cpus, load1)
 
+    def warm(self, max_workers: int) -> None:
+        """Start the pool and one worker in the background (first jobs come sooner)."""
+        self._queue.put((None, self._pool_limit(max_workers)))
+
+    @staticmethod
+    def _pool_limit(max_workers: int) -> int:
+        return max_workers if max_workers > 0 else max(1, (os.cpu_count() or 1) - 1)
+
     def schedule(self, jobs: list[ClientJob], max_workers: int) -> list[int]:
-        """Submit the hottest jobs that fit; returns the session ids submitted."""
+        """Queue the hottest jobs that fit now; returns the session ids queued."""
         cap = self.capacity(max_workers)
-        free = cap - len(self.running)
-        order = sorted((j for j in jobs if j.session_id not in self.running),
-                       key=lambda j: -sum(j.samples.values()))
-        chosen = order[:max(0, free)]
-        self.skipped_load += len(order) - len(chosen)
-        if chosen:
-            pool = self._ensure_pool(cap)
+        with self._lock:
+            free = cap - len(self.running)
+            order = sorted((j for j in jobs if j.session_id not in self.running),
+                           key=lambda j: -sum(j.samples.values()))
+            chosen = order[:max(0, free)]
+            self.skipped_load += len(order) - len(chosen)
             for job in chosen:
-                fut = pool.submit(optimize_client, job)
-                self.running[job.session_id] = fut
-                self.submitted += 1
-                fut.add_done_callback(lambda f, sid=job.session_id: self._done(sid, f))
+                self.running[job.session_id] = None
+        for job in chosen:
+            self._queue.put((job, self._pool_limit(max_workers)))
         return [j.session_id for j in chosen]
 
+    def _submitter(self) -> None:
+        while True:
+            job, limit = self._queue.get()
+            if self._closed:
+                return
+            try:
+                pool = self._ensure_pool(limit)
+                if job is None:
+                    pool.submit(warm_up)
+                    continue
+                fut = pool.submit(optimize_client, job)
+            except Exception as exc:  # pool broken or shut down: report, go on
+                if job is not None:
+                    with self._lock:
+                        self.running.pop(job.session_id, None)
+                    self.failed += 1
+                    self.on_result(exc, job.session_id)
+                continue
+            with self._lock:
+                self.running[job.session_id] = fut
+                self.submitted += 1
+            fut.add_done_callback(lambda f, sid=job.session_id: self._done(sid, f))
+
     def _done(self, session_id: int, fut: Future) -> None:
-        self.running.pop(session_id, None)
+        with self._lock:
+            self.running.pop(session_id, None)
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -229,7 +277,7 @@ class Scheduler:
             self.on_result(exc, session_id)
 
     def _ensure_pool(self, size: int) -> ProcessPoolExecutor:
-        if self._pool is None or size > self._pool_size:
+        if self._pool is None or size != self._pool_size:
             old = self._pool
             # forkserver: workers never inherit the service's threads, sockets or zmq.
             ctx = multiprocessing.get_context("forkserver")
@@ -246,10 +294,13 @@ class Scheduler:
 
     def shutdown(self) -> None:
         """Cancel queued jobs and stop workers without waiting for running ones."""
+        self._closed = True
+        self._queue.put((None, 0))
+        self._thread.join(1.0)
         pool, self._pool = self._pool, None
         if pool is None:
             return
-        procs = list(getattr(pool, "_processes", {}).values())
+        procs = list((getattr(pool, "_processes", None) or {}).values())
         pool.shutdown(wait=False, cancel_futures=True)
         for p in procs:
             if p.is_alive():

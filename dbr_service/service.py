@@ -172,6 +172,7 @@ class Service:
         self.capabilities = sampling_capabilities()
         self.source_kind = choose_source(self.config.sampling_source, self.capabilities)
         self._control.start()
+        self.scheduler.warm(self.config.max_workers)
         self._started = True
         self._next_snapshot = time.monotonic() + min(0.05, self.config.snapshot_interval_s)
         log.info("dbr service pid %d on %s; sampling: %s", os.getpid(), self.runtime_dir,
@@ -340,7 +341,9 @@ class Service:
     def session_refused(self, s: ClientSession, why: str) -> None:
         with self.lock:
             self.pending.pop(s.session_id, None)
-        log.warning("agent connection from pid %d uid %d refused: %s", s.pid, s.uid, why)
+        # A connection closed before HELLO is a liveness probe (a second service, dbr run).
+        level = logging.INFO if "closed the session" in why else logging.WARNING
+        log.log(level, "agent connection from pid %d uid %d refused: %s", s.pid, s.uid, why)
         self.events.publish("client-refused", pid=s.pid, uid=s.uid, reason=why)
 
     def session_ended(self, s: ClientSession, leftover: list | None = None) -> None:
@@ -504,6 +507,8 @@ class Service:
             self.events.publish("error", pid=s.pid, message=f"worker job failed: {res!r}")
             return
         s.hotspots = res.hotspots
+        if res.regions is None and not s.alive and s.jobs_done > 1:
+            return  # the client left while its last job ran: keep the earlier outcome
         s.region_status = res.region_status
         if res.regions is not None:
             with s.lock:

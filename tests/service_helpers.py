@@ -94,7 +94,8 @@ class ServiceProc:
             if v:
                 return v
             time.sleep(0.05)
-        raise TimeoutError(f"timed out waiting for {what}")
+        raise TimeoutError(f"timed out waiting for {what}; service log tail:\n"
+                           + "\n".join(self.output().splitlines()[-15:]))
 
     def stop(self) -> None:
         kill(self.proc)

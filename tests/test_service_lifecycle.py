@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from dbr_service import protocol as P
+
 from service_helpers import FakeAgent, ServiceProc, agent_path, build_example, kill, spawn_client
 
 
@@ -100,9 +102,11 @@ def test_notify_ctl_reload_and_sigterm(tmp_path):
         assert elapsed < 2.0, f"SIGTERM took {elapsed:.2f}s"
         assert svc.proc.returncode == 0
         assert nsock.wait("STOPPING=1", 1.0), nsock.lines[-5:]
-        for fa in fakes:  # every agent got BYE (or at least its session closed)
+        for fa in fakes:  # every agent got BYE, then the session closed
             msg = fa.recv_or_eof(2.0)
-            assert msg is None or msg.type.name == "BYE"
+            assert msg is not None and msg.type.name == "BYE", msg
+            assert not msg.body.flags & P.BYE_REVERT  # on_shutdown = keep (default)
+            assert fa.recv_or_eof(2.0) is None
         assert not os.path.exists(os.path.join(svc.dir, "agent.sock"))
         for c in clients:  # the real client keeps running after the service left
             assert c.poll() is None
@@ -143,4 +147,37 @@ def test_stale_socket_is_replaced(tmp_path):
         svc.wait_ready()
         assert svc.call("status")["pid"] == svc.proc.pid
     finally:
+        svc.stop()
+
+
+def test_events_and_bye_revert_on_shutdown():
+    import json
+
+    import zmq
+
+    svc = ServiceProc("on_shutdown=revert").wait_ready()
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"client-")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(f"ipc://{svc.dir}/events.sock")
+    fa = None
+    try:
+        time.sleep(0.3)  # let the subscription reach the publisher
+        fa = FakeAgent(svc.dir)
+        assert fa.hello().type is P.MsgType.HELLO_ACK
+        assert sub.poll(5000), "no event published"
+        topic, body = sub.recv_multipart()
+        ev = json.loads(body)
+        assert topic == b"client-connected" and ev["pid"] == os.getpid()
+        svc.call("shutdown")
+        msg = fa.recv_or_eof(3.0)
+        assert msg is not None and msg.type is P.MsgType.BYE, msg
+        assert msg.body.flags & P.BYE_REVERT
+        svc.proc.wait(5)
+        assert svc.proc.returncode == 0
+    finally:
+        sub.close(0)
+        if fa:
+            fa.close()
         svc.stop()

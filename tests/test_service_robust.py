@@ -28,12 +28,12 @@ def test_sigkill_service_then_restart():
         clients = [spawn_client(svc.dir, [prog, "5000"]) for _ in range(3)]
         pids = {c.pid for c in clients}
         svc.wait_for(lambda: pids <= {r["pid"] for r in svc.call("clients")
-                                      if r["samples"] > 0}, 15.0, "clients sampled")
+                                      if r["samples"] > 0}, 25.0, "clients sampled")
         os.kill(svc.proc.pid, signal.SIGKILL)
         svc.proc.wait(5)
         # A new service on the same runtime dir (stale sockets removed); agents come back.
         svc2 = ServiceProc("--aggressive", runtime_dir=svc.dir).wait_ready()
-        svc2.wait_for(lambda: pids <= {r["pid"] for r in svc2.call("clients")}, 15.0,
+        svc2.wait_for(lambda: pids <= {r["pid"] for r in svc2.call("clients")}, 25.0,
                       "agents reconnected")
         for c in clients:
             out, err = c.communicate(timeout=30)

@@ -10,7 +10,7 @@ from service_helpers import ServiceProc, agent_path, build_example, kill, spawn_
 pytestmark = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 
 
-def _hotspots_when(svc, pid, pred, timeout=10.0):
+def _hotspots_when(svc, pid, pred, timeout=20.0):
     def ready():
         try:
             h = svc.call("hotspots", {"pid": pid, "top": 50})
@@ -20,7 +20,7 @@ def _hotspots_when(svc, pid, pred, timeout=10.0):
     return svc.wait_for(ready, timeout, f"hot spots of {pid}")
 
 
-def _top_in_function(svc, pid, binary, func, min_samples=100):
+def _top_in_function(svc, pid, binary, func, min_samples=60):
     h = _hotspots_when(svc, pid, lambda h: h["samples"] >= min_samples)
     lo, hi = symbol_range(binary, func)
     mine = [x for x in h["hotspots"] if x["module"] == binary]
@@ -38,7 +38,7 @@ def test_hottest_function_is_top_hotspot(source, expect):
     prog = build_example("hotloop")
     client = None
     try:
-        client = spawn_client(svc.dir, [prog, "4000"])
+        client = spawn_client(svc.dir, [prog, "20000"])
         h = _top_in_function(svc, client.pid, prog, "mix")
         assert h["source"].startswith(expect), h["source"]
         assert svc.call("status")["sampling"]["active"].startswith(expect)
