@@ -89,7 +89,10 @@ class Machine:
         uc.reg_write(U.UC_X86_REG_R11, uc.reg_read(U.UC_X86_REG_EFLAGS))
 
     def write(self, addr: int, data: bytes) -> None:
+        """Write memory and drop unicorn's translations of it (it does not do so itself:
+        re-patched code would otherwise run stale)."""
         self.uc.mem_write(addr, data)
+        self.uc.ctl_remove_cache(addr, addr + len(data))
 
     def read(self, addr: int, n: int) -> bytes:
         return bytes(self.uc.mem_read(addr, n))

@@ -368,8 +368,11 @@ class World:
         last_in = [False]
         base, end = self.base, self.base + self.size
 
+        self.buffer_steps = 0
+
         def inside(a: int) -> bool:
             in_buf = base <= a < end
+            self.buffer_steps += in_buf
             if not in_buf:
                 if last_in[0]:
                     landings.append(a)
@@ -433,6 +436,7 @@ def test_emit_differential(p: Program, orig: int, delta: int) -> None:
         w.load(gen, patch=True)
         pa, _, _ = w.run(st, b.entry)
         _compare(a, pa, ctx + " patched")
+        assert w.buffer_steps > 0, "the patch did not lead into the replacement code"
     if p.inline and p.known_targets == 4 and not p.exclude and not p.stop_before_ret:
         assert in_buffer == RUNS            # everything ran in replacement code
     else:
@@ -457,6 +461,7 @@ def test_emit_random_regions(p: Program, seed: int) -> None:
         w.load(gen, patch=True)
         r, _, landings = w.run(st, b.entry)
         _compare(a, r, f"{p.name} seed={seed} run={i}")
+        assert w.buffer_steps > 0
         assert all(x in b.boundaries or x == SENTINEL for x in landings)
 
 
