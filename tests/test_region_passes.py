@@ -649,7 +649,8 @@ def test_pipeline_end_to_end_with_stages_counters_and_timings(tmp_path):
     assert [n for n, _ in res.stages] == ["discovery", "partition-code", "fall-through-only",
                                          "inline-hot-calls", "patch-point-selection",
                                          "prune-code"]
-    assert set(res.timings) == {n for n, _ in res.stages[1:]}
+    assert set(res.timings) == {n for n, _ in res.stages[1:]} | {"verify"}
+    assert res.counters["prune-code"]["regions-out"] == 1
     assert res.counters["partition-code"]["components"] == 2
     assert res.counters["inline-hot-calls"]["inlined"] == 1
     [r] = res.regions

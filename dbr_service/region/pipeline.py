@@ -8,10 +8,10 @@ as DOT, and isolates failures: an SR whose pass or verification fails is
 recorded in ``failures`` and dropped while the others go on, unless
 ``fail_fast`` re-raises for debugging.
 
-Two kinds of pass: a *region* pass maps one SR to zero or more SRs
-(``run_region``); a *set* pass sees all SRs at once (``run_set``; the inliner,
-whose callees live in other SRs) and reports a per-SR failure through
-``ctx.fail``.
+Every pass maps the list of SRs to the next list (``run``).  Most work on one
+SR at a time (:class:`RegionPass`, ``run_region``: one SR to zero or more); the
+inliner sees all SRs at once because callees live in other SRs.  Either way a
+failure in one SR goes through ``ctx.fail`` and only that SR is dropped.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from dbr_service.errors import RegionError
 from dbr_service.region import fallthrough, inline, partition, patchpoints, prune
@@ -81,20 +81,24 @@ class PipelineResult:
     failures: list[Failure] = field(default_factory=list)
 
 
-class _Ctx:
-    """What a set pass gets from the manager."""
+class PassContext:
+    """What a pass gets besides the SRs: the config, the client memory, and
+    ``fail(sr, exc)`` to report that one SR failed (the manager drops it)."""
 
-    def __init__(self, config: RegionConfig, mem: Any, fail) -> None:
+    def __init__(self, config: RegionConfig, mem: Any, fail: Callable) -> None:
         self.config = config
         self.mem = mem
         self.fail = fail
 
 
 class Pass:
-    """A pipeline pass: kebab-case ``name``, ``applies``, ``run_*``, ``counters``."""
+    """A pipeline pass: kebab-case ``name``, ``applies``, ``run``, ``counters``.
+
+    ``run`` maps the list of SRs to the next list.  Most passes work on one SR
+    at a time: they subclass :class:`RegionPass` and write ``run_region``.
+    """
 
     name: ClassVar[str] = ""
-    scope: ClassVar[str] = "region"          # or "set"
 
     def __init__(self) -> None:
         self.counters: Counter = Counter()
@@ -102,36 +106,51 @@ class Pass:
     def applies(self, config: RegionConfig) -> bool:
         return True
 
-    def run_region(self, sr: SuperRegion, mem: Any, config: RegionConfig) -> list[SuperRegion]:
-        raise NotImplementedError
-
-    def run_set(self, regions: list[SuperRegion], ctx: _Ctx) -> list[SuperRegion]:
+    def run(self, regions: list[SuperRegion], ctx: PassContext) -> list[SuperRegion]:
         raise NotImplementedError
 
 
-class PartitionPass(Pass):
+class RegionPass(Pass):
+    """A pass over each SR on its own; one SR's failure does not stop the others."""
+
+    def run(self, regions: list[SuperRegion], ctx: PassContext) -> list[SuperRegion]:
+        out: list[SuperRegion] = []
+        for sr in regions:
+            try:
+                out.extend(self.run_region(sr, ctx))
+            except Exception as exc:
+                ctx.fail(sr, exc)
+        return out
+
+    def run_region(self, sr: SuperRegion, ctx: PassContext) -> list[SuperRegion]:
+        """Transform one SR into zero or more SRs."""
+        raise NotImplementedError
+
+
+class PartitionPass(RegionPass):
     name = "partition-code"
 
-    def run_region(self, sr, mem, config):
+    def run_region(self, sr, ctx):
         return partition.partition_code(sr, self.counters)
 
 
-class FallThroughOnlyPass(Pass):
+class FallThroughOnlyPass(RegionPass):
     name = "fall-through-only"
 
     def applies(self, config):
         return not config.measured_counts
 
-    def run_region(self, sr, mem, config):
+    def run_region(self, sr, ctx):
         fallthrough.compute_fall_through_only(sr, self.counters)
         return [sr]
 
 
 class InlineHotCallsPass(Pass):
-    name = "inline-hot-calls"
-    scope = "set"
+    """Works on all SRs at once: a callee usually lives in another SR."""
 
-    def run_set(self, regions, ctx):
+    name = "inline-hot-calls"
+
+    def run(self, regions, ctx):
         c = ctx.config
         if c.inline:
             inline.inline_hot_calls(regions, hot_threshold=c.hot_threshold,
@@ -147,17 +166,18 @@ class InlineHotCallsPass(Pass):
         return regions
 
 
-class PatchPointSelectionPass(Pass):
+class PatchPointSelectionPass(RegionPass):
     name = "patch-point-selection"
 
-    def run_region(self, sr, mem, config):
+    def run_region(self, sr, ctx):
         return [sr] if patchpoints.select_patch_points(sr, self.counters) else []
 
 
-class PruneCodePass(Pass):
+class PruneCodePass(RegionPass):
     name = "prune-code"
 
-    def run_region(self, sr, mem, config):
+    def run_region(self, sr, ctx):
+        config = ctx.config
         return prune.prune_code(sr, hot_threshold=config.hot_threshold,
                                 min_loop_trip_count=config.min_loop_trip_count,
                                 min_region_size=config.min_region_size, counters=self.counters)
@@ -182,6 +202,9 @@ PASSES: list[type[Pass]] = [
 
 def run_pipeline(first_sr: SuperRegion, mem: Any, config: RegionConfig) -> PipelineResult:
     """Run every applicable registered pass on the SR from hot-code discovery."""
+    if first_sr.state != RegionState.DISCOVERED:
+        raise RegionError(f"{first_sr.id}: region selection needs a discovered SR, "
+                          f"not a {first_sr.state.value} one")
     res = PipelineResult()
     regions = [first_sr]
     _record(res, config, 0, "discovery", regions)
@@ -189,11 +212,16 @@ def run_pipeline(first_sr: SuperRegion, mem: Any, config: RegionConfig) -> Pipel
         p = cls()
         if not p.applies(config):
             continue
+        n_in = len(regions)
         t0 = time.perf_counter()
         regions = _run_one(p, regions, mem, config, res)
+        t1 = time.perf_counter()
+        res.timings[p.name] = t1 - t0
         if config.verify:
             regions = _verify_all(p.name, regions, config, res)
-        res.timings[p.name] = time.perf_counter() - t0
+            res.timings["verify"] = res.timings.get("verify", 0.0) + time.perf_counter() - t1
+        p.counters["regions-in"] += n_in
+        p.counters["regions-out"] += len(regions)
         res.counters[p.name] = dict(p.counters)
         _record(res, config, i, p.name, regions)
     for sr in regions:
@@ -230,23 +258,15 @@ def _run_one(p: Pass, regions: list[SuperRegion], mem: Any, config: RegionConfig
              res: PipelineResult) -> list[SuperRegion]:
     failed: set[str] = set()
     fail = _failer(p.name, config, res, failed)
-    if p.scope == "set":
-        try:
-            out = p.run_set(regions, _Ctx(config, mem, fail))
-        except Exception as exc:  # the pass as a whole broke: every SR fails
-            if config.fail_fast:
-                raise
-            for sr in regions:
-                fail(sr, exc)
-            return []
-        return [sr for sr in out if sr.id not in failed and len(sr) > 0]
-    out = []
-    for sr in regions:
-        try:
-            out.extend(x for x in p.run_region(sr, mem, config) if len(x) > 0)
-        except Exception as exc:
+    try:
+        out = p.run(regions, PassContext(config, mem, fail))
+    except Exception as exc:  # the pass as a whole broke: every SR fails
+        if config.fail_fast:
+            raise
+        for sr in regions:
             fail(sr, exc)
-    return out
+        return []
+    return [sr for sr in out if sr.id not in failed and len(sr) > 0]
 
 
 def _verify_all(pass_name: str, regions: list[SuperRegion], config: RegionConfig,
