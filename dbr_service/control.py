@@ -407,15 +407,15 @@ class EventBus:
             self.sock.bind(f"ipc://{path}")
             os.chmod(path, 0o600)
 
-    def publish(self, kind: str, **data: Any) -> None:
-        """Publish one event (thread-safe; never raises)."""
+    def publish(self, name: str, /, **data: Any) -> None:
+        """Publish event ``name`` with ``data`` fields (thread-safe; never raises)."""
         with self._lock:
             self._seq += 1
-            ev = {"seq": self._seq, "time": time.time(), "event": kind, **data}
+            ev = {**data, "seq": self._seq, "time": time.time(), "event": name}
             self.recent.append(ev)
             if self.sock is not None:
                 try:
-                    self.sock.send_multipart([kind.encode(),
+                    self.sock.send_multipart([name.encode(),
                                               json.dumps(ev, default=_json_default).encode()],
                                              flags=zmq.NOBLOCK)
                 except zmq.ZMQError:

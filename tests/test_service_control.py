@@ -122,3 +122,23 @@ def test_garbage_drops_only_that_session(svc):
     finally:
         for fa in (good, bad, mid):
             fa.close()
+
+
+def test_map_changed_is_acked_promptly_and_threads_tracked(svc):
+    fa = FakeAgent(svc.dir)
+    try:
+        assert fa.hello().type is P.MsgType.HELLO_ACK
+        t0 = time.monotonic()
+        fa.send(P.MsgType.MAP_CHANGED, P.MapChanged(req_id=77, kind=P.MapKind.MUNMAP,
+                                                    lo=0x1000, hi=0x2000))
+        msg = fa.recv_or_eof(2.0)
+        assert msg is not None and msg.type is P.MsgType.ACK, msg
+        assert msg.body.req_id == 77 and msg.body.result == P.Result.OK
+        assert time.monotonic() - t0 < 0.5
+        fa.send(P.MsgType.THREAD_NEW, P.Thread(tid=424242))
+        svc.wait_for(lambda: any(e["event"] == "map-changed" and e["pid"] == os.getpid()
+                                 for e in svc.call("events")), 5.0, "map-changed event")
+        mine = [c for c in svc.call("clients") if c["session"] and c["pid"] == os.getpid()]
+        assert mine and mine[-1]["threads"] >= 2  # /proc/PID/task plus the announced tid
+    finally:
+        fa.close()
