@@ -542,8 +542,7 @@ def test_perf_map_and_nops() -> None:
         assert sum(i.size for i in ins) == n and all(i.mnemonic == "nop" for i in ins)
 
 
-def test_golden_small_loop() -> None:
-    """A hand-built SR over a counted loop, emitted at 0x10000000: golden bytes."""
+def _small_loop_sr(entry_count: float = 1) -> SuperRegion:
     src = """
     main: mov ecx, 0x10          ; 0x400000  b9 10 00 00 00
     top:  add eax, ecx           ; 0x400005  01 c8
@@ -562,14 +561,19 @@ def test_golden_small_loop() -> None:
     sr = SuperRegion("golden")
     for a in (0x400000, 0x400005, 0x40000E):
         sr.add_block(bl[a])
-    sr.add_edge(START, 0x400000, EdgeKind.ENTRY, 1)
-    sr.add_edge(0x400000, 0x400005, EdgeKind.FALLTHROUGH, 1)
+    sr.add_edge(START, 0x400000, EdgeKind.ENTRY, entry_count)
+    sr.add_edge(0x400000, 0x400005, EdgeKind.FALLTHROUGH, entry_count)
     sr.add_edge(0x400005, 0x40000E, EdgeKind.FALLTHROUGH, 100)
     sr.add_edge(0x40000E, 0x400005, EdgeKind.FLOW, 99)
     sr.add_edge(0x400005, END, EdgeKind.EXIT, 0, target=0x400013)
     sr.add_edge(0x40000E, END, EdgeKind.EXIT, 1, target=0x400012)
     sr.verify()
-    gen = emit_region(sr, 0x1000_0000)
+    return sr
+
+
+def test_golden_small_loop() -> None:
+    """A hand-built SR over a counted loop, emitted at 0x10000000: golden bytes."""
+    gen = emit_region(_small_loop_sr(), 0x1000_0000)
     got = [(i.bytes.hex(), f"{i.mnemonic} {i.op_str}".strip(), gen.orig_of(i.address))
            for i in CS.disasm(gen.code, gen.base)]
     assert got == [
@@ -586,3 +590,19 @@ def test_golden_small_loop() -> None:
     assert gen.entries == {0x400000: 0x1000_0000}
     assert gen.exits == [(0x1000_0017, 0x400013), (0x1000_0025, 0x400012)]
     assert gen.size == len(gen.code) == 0x2A
+
+
+def test_alignment_pays_only_when_fall_in_is_rare() -> None:
+    from dbr_service.codegen.layout import Layout, _aligned
+    sr = _small_loop_sr()
+    assert compute_layout(sr).aligned == {0x400005}            # back 99 vs fall-in 1
+    # the latch laid out right before the head: padding would run every iteration
+    assert _aligned(sr, [0x400000, 0x40000E, 0x400005]) == set()
+    # entered about as often as it loops: not worth it either
+    assert compute_layout(_small_loop_sr(entry_count=50)).aligned == set()
+    gen = emit_region(_small_loop_sr(entry_count=50), 0x1000_0000)
+    assert gen.block_addr[0x400005] == 0x1000_0005              # no padding
+    # a forced layout is honoured
+    lay = Layout([0x400000, 0x40000E, 0x400005], set())
+    gen = emit_region(sr, 0x1000_0000, layout=lay)
+    assert gen.layout == lay.order
