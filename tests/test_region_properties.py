@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dbr_service.region.fallthrough import compute_fall_through_only
-from dbr_service.region.loops import PATCH_LEN, loop_forest
+from dbr_service.region.loops import PATCH_LEN, is_patchable, loop_forest
 from dbr_service.region.model import END, START, CloneKey, EdgeKind, SuperRegion, TermKind
 from dbr_service.region.partition import partition_code
+from dbr_service.region.patchpoints import _Coverage, choose_patch_blocks
 from dbr_service.region.pipeline import RegionConfig, run_pipeline
 
 from region_graphs import bb
@@ -177,3 +178,21 @@ def test_loop_forest_is_a_forest_of_strongly_connected_loops(sr):
             assert u in lp.blocks and v in lp.headers
         for u, v in lp.entry_edges:
             assert u not in lp.blocks and v in lp.headers
+
+
+@SETTINGS
+@given(discovery_sr(), configs)
+def test_patch_choice_covers_every_coverable_loop_and_each_patch_is_needed(sr, cfg):
+    """After selection no patchable block lies on a cycle original code can run
+    without meeting a patch, and dropping any chosen patch uncovers some loop."""
+    res = run_pipeline(sr, None, RegionConfig(**{**cfg.__dict__, "keep_stages": True}))
+    [before] = [regions for name, regions in res.stages if name == "inline-hot-calls"]
+    for r in before:
+        patches = choose_patch_blocks(r)
+        cov = _Coverage(r)
+        _, cyc = cov.state(frozenset(patches))
+        assert not any(is_patchable(r, b) for b in cyc)
+        if cyc == cov.state(frozenset())[1]:
+            continue                                  # nothing covered: the fallback patch
+        for p in patches:
+            assert cov.state(frozenset(patches) - {p})[1] != cyc
