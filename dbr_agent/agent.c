@@ -645,7 +645,8 @@ static void end_session(int fd, int how)
     }
 }
 
-/* One session; returns 1 if a session was established (HELLO_ACK seen). */
+/* One session; returns 1 if a session was established (HELLO_ACK seen) and
+ * did not end with the service's BYE (then the backoff keeps growing). */
 static int session_run(void)
 {
     const struct dbr_hello_ack *ack = (const void *)g_rx;
@@ -747,7 +748,7 @@ static int session_run(void)
         how = handle((size_t)n);
     }
     end_session(fd, how);
-    return established;
+    return established && how != END_BYE;
 }
 
 static void *agent_main(void *arg)
