@@ -872,3 +872,23 @@ def test_pipeline_minimal_patch_points_exact(builds, key):
         nest = next(sr for sr in regions if any(t.funcs["nest2"][0] <= _orig(k) < t.funcs["nest2"][1]
                                                 for k in sr.body_nodes()))
         assert len(_loops(nest)) == 1                # the outer SCC holds the inner loop
+
+
+def test_instructions_codegen_cannot_relocate_are_unsupported():
+    """Discovery stops before what the relocator refuses, so regions exit there."""
+    import capstone
+
+    from dbr_service.region.discovery import InsnKind, _classify
+
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    md.detail = True
+
+    def kind(code: bytes) -> InsnKind:
+        return _classify(next(md.disasm(code, 0x401000))).kind
+
+    assert kind(bytes.fromhex("ff28")) is InsnKind.UNSUPPORTED          # jmp far [rax]
+    assert kind(bytes.fromhex("ff18")) is InsnKind.UNSUPPORTED          # call far [rax]
+    assert kind(bytes.fromhex("67488b0510000000")) is InsnKind.UNSUPPORTED  # mov rax,[eip+16]
+    assert kind(bytes.fromhex("ff542408")) is InsnKind.UNSUPPORTED      # call [rsp+8]
+    assert kind(bytes.fromhex("488b0510000000")) is InsnKind.PLAIN      # mov rax,[rip+16]
+    assert kind(bytes.fromhex("ffe0")) is InsnKind.IJMP                 # jmp rax

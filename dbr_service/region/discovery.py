@@ -112,9 +112,27 @@ class Insn:
         return self.addr + self.size
 
 
+_RELOCATOR = None
+
+
+def _relocatable(ci) -> bool:
+    """Whether codegen can relocate this instruction: what it cannot must stay in
+    original code, so discovery treats it as unsupported (the region exits before it)."""
+    global _RELOCATOR
+    if _RELOCATOR is None:
+        from dbr_service.codegen.relocate import Relocator
+        _RELOCATOR = Relocator()
+    from dbr_service.codegen.relocate import CannotRelocate
+    try:
+        _RELOCATOR.classify(ci)
+    except CannotRelocate:
+        return False
+    return True
+
+
 def _classify(ci) -> Insn:
     iid = ci.id
-    if iid in _UNSUPPORTED:
+    if iid in _UNSUPPORTED or not _relocatable(ci):
         return Insn(ci.address, ci.size, InsnKind.UNSUPPORTED)
     if iid in _HALT:
         return Insn(ci.address, ci.size, InsnKind.HALT)
