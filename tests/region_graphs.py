@@ -14,7 +14,8 @@ T = TermKind
 FT, FLOW, CALL, RET = EdgeKind.FALLTHROUGH, EdgeKind.FLOW, EdgeKind.CALL, EdgeKind.RETURN
 
 
-def bb(addr: int, sizes=(5,), term: TermKind = T.FALLTHROUGH, targets=(), ft: int | None | str = "next",
+def bb(addr: int, sizes=(5,), term: TermKind = T.FALLTHROUGH, targets=(),
+       ft: int | None | str = "next",
        count: float = 0.0, samples: float = 0.0, known_exec: bool = True,
        unpatchable: bool = False, unknown_target: bool = False) -> BasicBlock:
     insns, a = [], addr

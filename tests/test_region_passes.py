@@ -17,7 +17,7 @@ from dbr_service.region.patchpoints import check_entry_invariant, select_patch_p
 from dbr_service.region.pipeline import PASSES, RegionConfig, run_pipeline
 from dbr_service.region.prune import prune_code, remove_cold_tails
 
-from region_graphs import CALL, FLOW, FT, RET, Builder, T, edge_count
+from region_graphs import FT, Builder, T, edge_count
 
 
 def entries(sr: SuperRegion) -> list[int]:

@@ -243,12 +243,15 @@ class _Inliner:
                t: int, R: set[NodeKey], call_count: float, cont: NodeKey | None,
                call_bb: BasicBlock) -> CloneKey:
         def ck(n: NodeKey) -> CloneKey:
-            return CloneKey(path + n.path, n.start) if isinstance(n, CloneKey) else CloneKey(path, n)
+            if isinstance(n, CloneKey):
+                return CloneKey(path + n.path, n.start)
+            return CloneKey(path, n)
 
         entry_count = cs.block(t).count
         f = min(1.0, call_count / entry_count) if entry_count > 0 else 0.0
         snapshot = {n: cs.block(n) for n in R}
-        out_edges = [(u, v, dict(d)) for u in sorted_nodes(R) for _, v, d in cs.g.out_edges(u, data=True)]
+        out_edges = [(u, v, dict(d)) for u in sorted_nodes(R)
+                     for _, v, d in cs.g.out_edges(u, data=True)]
         for n in sorted_nodes(R):
             obb = snapshot[n]
             key = ck(n)

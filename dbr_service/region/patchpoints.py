@@ -43,8 +43,7 @@ from dataclasses import replace
 
 import networkx as nx
 
-from dbr_service.region.loops import (PATCH_LEN, Loop, dfs_preorder, is_patchable, loop_forest,
-                                      sorted_nodes)
+from dbr_service.region.loops import PATCH_LEN, Loop, dfs_preorder, is_patchable, loop_forest
 from dbr_service.region.model import END, START, EdgeKind, NodeKey, SuperRegion, TermKind
 from dbr_service.region.prune import remove_unreachable
 
@@ -200,7 +199,3 @@ def check_entry_invariant(sr: SuperRegion) -> None:
         bb = sr.block(v)
         assert not bb.is_clone and not bb.unpatchable and bb.known_exec, (sr.id, v)
         assert bb.insns[0][1] >= PATCH_LEN, (sr.id, v, bb.insns[0])
-
-
-__all__ = ["choose_patch_blocks", "select_patch_points", "split_for_patch",
-           "check_entry_invariant", "sorted_nodes"]
