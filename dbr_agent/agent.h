@@ -10,6 +10,24 @@
  * lock: the site table is append-only (entries become historical, never
  * removed) and published with release stores so the SIGTRAP handler can read
  * it at any time.
+ *
+ * What the service can rely on (see also shared/dbr_protocol.h):
+ *  - Environment: DBR_AGENT_DISABLE=1 (no-op), DBR_AGENT_DEBUG=1 (log to
+ *    stderr, else silent), DBR_RUNTIME_DIR, DBR_ON_DISCONNECT=keep|revert
+ *    (overrides HELLO_ACK), DBR_AGENT_CENSUS_SIGNAL / DBR_AGENT_SAMPLER_SIGNAL
+ *    (absolute numbers in SIGRTMIN..SIGRTMAX; defaults SIGRTMIN+8, +9).
+ *  - Every request gets exactly one reply (PC_CENSUS: one or more messages),
+ *    in request order; THREAD_NEW / THREAD_EXIT (threads made by
+ *    pthread_create), MAP_CHANGED and BYE (at exit) may be interleaved.
+ *  - PATCH site checks, first failure wins: INVAL, NOSYNC, NOT_EXEC,
+ *    FORBIDDEN, TARGET, RANGE, ALIGN, BUSY, MISMATCH, LIMIT; while writing:
+ *    PROTECT, MISMATCH.  UNPATCH: NOT_PATCHED, NOSYNC, NOT_EXEC, MISMATCH,
+ *    then PROTECT; only `site` is read, the recorded variant is used.
+ *  - MAP_CHANGED (DLCLOSE/MUNMAP/MPROTECT) carries a fresh non-zero req_id;
+ *    the service answers ACK {req_id, DBR_OK} once done.  Before the call
+ *    proceeds the agent restores any site still installed in the range or
+ *    targeting it; without an OK ACK within map_wait_ms (cap 10 s) also the
+ *    sites of regions whose exits intersect the range.
  */
 #ifndef DBR_AGENT_H
 #define DBR_AGENT_H
