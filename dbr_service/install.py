@@ -72,6 +72,8 @@ class InstalledRegion:
     removed_at: float = 0.0
     module: str | None = None
     why_removed: str = ""
+    #: Original code ranges the region copies (its blocks), for evaluation.
+    orig_ranges: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def patched_sites(self) -> list[P.PatchSite]:
@@ -188,16 +190,20 @@ class Installer:
         return self.space.allocate(size, reach)
 
     def install(self, chunk: Chunk, gen: Generated, *, name: str = "",
-                exit_ranges: Sequence[tuple[int, int]] = (), module: str | None = None
-                ) -> InstalledRegion:
-        """Write ``gen`` (emitted for ``chunk.addr``) and patch its entry sites."""
+                exit_ranges: Sequence[tuple[int, int]] = (), module: str | None = None,
+                orig_ranges: Sequence[tuple[int, int]] = ()) -> InstalledRegion:
+        """Write ``gen`` (emitted for ``chunk.addr``) and patch its entry sites.
+
+        ``exit_ranges`` tells the agent which original code the region depends on
+        (copied blocks and exit targets; default: the exit targets)."""
         if gen.base != chunk.addr or len(gen.code) > chunk.size:
             self.space.release(chunk)
             raise CodegenError(f"code for {gen.base:#x} ({len(gen.code)} bytes) does not fit "
                                f"chunk {chunk.addr:#x}+{chunk.size}")
         region_id = self._next_id
         self._next_id += 1
-        reg = InstalledRegion(region_id, name or f"r{region_id}", chunk, gen, module=module)
+        reg = InstalledRegion(region_id, name or f"r{region_id}", chunk, gen, module=module,
+                              orig_ranges=list(orig_ranges))
         chunk.buffer.write(chunk.addr, gen.code)
         lo, hi = reg.code_range()
         exits = _merge_ranges(list(exit_ranges) or [(t, t + 1) for _, t in gen.exits])

@@ -1,0 +1,187 @@
+"""From selected super-regions to live replacement code, and back (DESIGN "One cycle",
+steps 5-7): emit each region where the code space has room, install it, and later
+judge from fresh samples whether it stays.
+
+Region selection runs in a worker; this runs where the agent session lives (the
+service's control side), because the code buffer and the session belong there.
+Emission is cheap next to selection, so a region is emitted once to learn its size
+and once more at the address it gets.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from dbr_service.codegen.emit import check_generated, emit_region
+from dbr_service.errors import AgentError, CodegenError, DbrError
+from dbr_service.install import InstalledRegion, Installer, InstallState
+from dbr_service.region.model import RegionState, SuperRegion
+
+PROVISIONAL_ALIGN = 16
+
+
+def region_extent(sr: SuperRegion) -> tuple[list[tuple[int, int]], list[int]]:
+    """Original code ranges of the region's blocks, and every original address its
+    code reaches (block addresses and exit targets): the rel32 reach set."""
+    ranges = sorted({(bb.start, bb.end) for _, bb in sr.blocks()})
+    reach = [lo for lo, _ in ranges] + [hi for _, hi in ranges]
+    for _, exits in sr.exit_edges():
+        reach.extend(exits)
+    return ranges, reach
+
+
+def install_region(installer: Installer, sr: SuperRegion) -> InstalledRegion:
+    """Emit ``sr`` into space reachable from everything it touches and patch its entries."""
+    ranges, reach = region_extent(sr)
+    if not ranges:
+        raise CodegenError(f"{sr.id}: no blocks")
+    provisional = emit_region(sr, (min(reach) // PROVISIONAL_ALIGN) * PROVISIONAL_ALIGN)
+    chunk = installer.reserve(provisional.size, reach)
+    try:
+        gen = emit_region(sr, chunk.addr)
+        check_generated(gen)
+    except DbrError:
+        installer.space.release(chunk)
+        raise
+    if gen.size > chunk.size:
+        installer.space.release(chunk)
+        raise CodegenError(f"{sr.id}: {gen.size} bytes at {chunk.addr:#x} > {chunk.size} reserved")
+    modules = [bb.module for _, bb in sr.blocks() if bb.module]
+    depends = ranges + [(t, t + 1) for _, t in gen.exits]
+    reg = installer.install(chunk, gen, name=sr.id, exit_ranges=depends,
+                            module=modules[0] if modules else None, orig_ranges=ranges)
+    sr.state = RegionState.INSTALLED if reg.state is InstallState.INSTALLED else sr.state
+    return reg
+
+
+@dataclass
+class InstallOutcome:
+    """What one batch of regions did."""
+
+    installed: list[InstalledRegion] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)   # (region id, why)
+
+
+def install_regions(installer: Installer, regions: Iterable[SuperRegion],
+                    already: Iterable[InstalledRegion] = ()) -> InstallOutcome:
+    """Install every region whose entry sites are not already patched; a failure in
+    one region is recorded and the others go on."""
+    out = InstallOutcome()
+    taken = {s.site for r in already if r.state is InstallState.INSTALLED
+             for s in r.patched_sites}
+    for sr in regions:
+        entries = set(sr.entry_points())
+        if entries & taken:
+            out.failed.append((sr.id, "entry already patched by an installed region"))
+            continue
+        try:
+            reg = install_region(installer, sr)
+        except (DbrError, OSError) as exc:
+            out.failed.append((sr.id, f"{type(exc).__name__}: {exc}"))
+            continue
+        if reg.state is InstallState.INSTALLED:
+            out.installed.append(reg)
+            taken |= {s.site for s in reg.patched_sites}
+        else:
+            out.failed.append((sr.id, reg.why_removed))
+    return out
+
+
+# ---- evaluation -------------------------------------------------------------------------
+@dataclass
+class Health:
+    """Samples of one snapshot for one installed region."""
+
+    region: InstalledRegion
+    in_replacement: int = 0
+    in_original: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.in_replacement + self.in_original
+
+    @property
+    def share(self) -> float:
+        return self.in_replacement / self.total if self.total else 0.0
+
+
+@dataclass
+class EvalPolicy:
+    """When an installed region is taken out again."""
+
+    #: Seconds after installation before a region may be judged.
+    grace_s: float = 0.5
+    #: Consecutive snapshots with fewer samples than ``cold_samples`` make it cold.
+    cold_snapshots: int = 5
+    cold_samples: int = 1
+    #: Judged not effective when its original code keeps more than this share of its
+    #: samples over at least ``min_samples`` samples.
+    ineffective_share: float = 0.5
+    min_samples: int = 50
+
+
+@dataclass
+class _Track:
+    cold_run: int = 0
+    in_replacement: int = 0
+    in_original: int = 0
+
+
+class Evaluator:
+    """Counts, per installed region, samples in its replacement code and in the original
+    code it replaces; says which regions went cold or did not take over."""
+
+    def __init__(self, installer: Installer, policy: EvalPolicy | None = None) -> None:
+        self.installer = installer
+        self.policy = policy or EvalPolicy()
+        self.tracks: dict[int, _Track] = {}
+
+    def snapshot(self, samples: Mapping[int, int]) -> list[Health]:
+        """Attribute one snapshot's raw sample IPs ({ip: count}) to installed regions."""
+        live = [r for r in self.installer.regions.values() if r.state is InstallState.INSTALLED]
+        health = {r.region_id: Health(r) for r in live}
+        for ip, n in samples.items():
+            for r in live:
+                if r.contains_code(ip):
+                    health[r.region_id].in_replacement += n
+                    break
+                if any(lo <= ip < hi for lo, hi in r.orig_ranges):
+                    health[r.region_id].in_original += n
+                    break
+        for h in health.values():
+            t = self.tracks.setdefault(h.region.region_id, _Track())
+            t.in_replacement += h.in_replacement
+            t.in_original += h.in_original
+            t.cold_run = t.cold_run + 1 if h.total < self.policy.cold_samples else 0
+        return list(health.values())
+
+    def verdicts(self, now: float | None = None) -> list[tuple[InstalledRegion, str]]:
+        """Regions to take out, with why ("cold" or "not effective")."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for rid, t in self.tracks.items():
+            reg = self.installer.regions.get(rid)
+            if reg is None or reg.state is not InstallState.INSTALLED:
+                continue
+            if now - reg.installed_at < self.policy.grace_s:
+                continue
+            total = t.in_replacement + t.in_original
+            if t.cold_run >= self.policy.cold_snapshots:
+                out.append((reg, "cold"))
+            elif total >= self.policy.min_samples and \
+                    t.in_original / total > self.policy.ineffective_share:
+                out.append((reg, "not effective"))
+        return out
+
+    def apply(self, now: float | None = None) -> list[tuple[InstalledRegion, str]]:
+        """Uninstall every region the verdicts name; failures are recorded, not raised."""
+        done = []
+        for reg, why in self.verdicts(now):
+            try:
+                self.installer.uninstall(reg.region_id, why)
+                done.append((reg, why))
+            except AgentError as exc:
+                reg.why_removed = f"unpatch failed: {exc}"
+        return done

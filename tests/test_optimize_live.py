@@ -1,0 +1,79 @@
+"""The whole chain on a live process, without the service: perf samples ->
+select_regions over the live memory view -> emit -> install through the agent ->
+later samples land in replacement code, and the output equals the native run's."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections import Counter
+
+import pytest
+
+from dbr_service.install import InstallState, Installer
+from dbr_service.optimize import EvalPolicy, Evaluator, install_regions
+from dbr_service.region.memview import LiveMemoryView
+from dbr_service.region.pipeline import RegionConfig, select_regions
+from dbr_service.sampling.perf import PerfSource
+from harness import FakeService, compile_c, read_mem
+
+E2E = "../e2e_progs/"
+
+
+def sample(pid: int, seconds: float) -> Counter:
+    src = PerfSource(sample_period_us=500)
+    src.open(pid)
+    src.enable()
+    counts: Counter = Counter()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        src.refresh_threads()
+        counts.update(s.ip for s in src.read())
+    counts.update(s.ip for s in src.read())
+    src.close()
+    return counts
+
+
+def native_output(exe, args) -> str:
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, check=True,
+                          timeout=120).stdout
+
+
+CASES = [
+    ("calls.c", "-O2", ["600"]),
+    ("calls.c", "-O0", ["150"]),
+    ("interp.c", "-O2", ["120"]),
+    ("threads.c", "-O2", ["300", "2"]),
+]
+
+
+@pytest.mark.parametrize("src, opt, args", CASES, ids=[f"{c[0]}{c[1]}" for c in CASES])
+def test_live_optimize(src, opt, args):
+    exe = compile_c([E2E + src], flags=[opt, "-s"], out_name=f"{src}{opt}")
+    expected = native_output(exe, args)
+    svc = FakeService()
+    try:
+        client = svc.spawn([exe, *args])
+        conn = svc.accept(pid=client.pid)
+        hot = sample(client.pid, 0.4)
+        assert sum(hot.values()) > 50
+        mem = LiveMemoryView(client.pid)
+        res = select_regions(dict(hot), mem, RegionConfig(hot_threshold=2.0))
+        assert res.regions, (res.failures, res.counters)
+        inst = Installer(conn, lambda a, n: read_mem(client.pid, a, n))
+        out = install_regions(inst, res.regions)
+        assert out.installed, out.failed
+        ev = Evaluator(inst, EvalPolicy(grace_s=0.0))
+        after = sample(client.pid, 0.6)
+        health = ev.snapshot(after)
+        in_repl = sum(h.in_replacement for h in health)
+        total = sum(after.values())
+        assert in_repl / total >= 0.9, (in_repl, total, [(h.region.name, h.share) for h in health])
+        assert not ev.verdicts(), "a region that took over was judged bad"
+        rc, rest = client.finish(timeout=120)
+        assert rc == 0, client.err.lines
+        assert "\n".join(client.out.lines) + "\n" == expected
+        assert all(r.state is InstallState.INSTALLED for r in out.installed)
+    finally:
+        svc.close()
