@@ -85,8 +85,8 @@ def test_fallthrough_chain_with_entry_and_exit_assumes_zero_for_pseudo_edges():
     b.ft(0x300, 0x304)
     b.exit(0x304, 0x308)
     b.flow(0x400, 0x304, 5)
-    b.entry(0x300, 99)
-    b.entry(0x400, 99)
+    b.entry(0x300)
+    b.entry(0x400)
     c = Counter()
     compute_fall_through_only(b.sr, c)
     sr = b.sr
@@ -96,6 +96,28 @@ def test_fallthrough_chain_with_entry_and_exit_assumes_zero_for_pseudo_edges():
     assert c["chains-entry-exit-zero"] == 1
     # Q's chain is a one-block chain with an entry: backward, entry = its jmp count.
     assert sr.block(0x400).count == 5 and edge_count(sr, START, 0x400) == 5
+
+
+def test_fallthrough_callee_entry_count_is_known_and_ret_exit_inferred():
+    """Discovery gives a callee's entry edge the count of its calls; its ret exit has
+    none.  F -> G -> R(ret): scanned forwards from the entry."""
+    b = Builder()
+    b.block(0x100, (3,))
+    b.block(0x103, (4,), T.JCC, targets=[0x10A])
+    b.block(0x107, (3,))
+    b.block(0x10A, (1,), T.RET)
+    b.ft(0x100, 0x103)
+    b.flow(0x103, 0x10A, 10)
+    b.ft(0x103, 0x107, 15)
+    b.ft(0x107, 0x10A)
+    b.exit(0x10A, 0)
+    b.entry(0x100, 25)
+    c = Counter()
+    compute_fall_through_only(b.sr, c)
+    sr = b.sr
+    assert [sr.block(k).count for k in (0x100, 0x103, 0x107, 0x10A)] == [25, 25, 15, 25]
+    assert edge_count(sr, START, 0x100) == 25 and edge_count(sr, 0x10A, END) == 25
+    assert c["chains-forward"] == 2 and c["chains-backward"] == 0
 
 
 def test_fallthrough_call_continuation_runs_as_often_as_the_call():
@@ -666,10 +688,10 @@ def test_pipeline_isolates_a_failing_region(monkeypatch):
 
     real = fallthrough.compute_fall_through_only
 
-    def flaky(sr, counters=None):
+    def flaky(sr, counters=None, **kw):
         if 0x100 in sr.g:
             raise RegionError("boom")
-        return real(sr, counters)
+        return real(sr, counters, **kw)
 
     monkeypatch.setattr(fallthrough, "compute_fall_through_only", flaky)
     res = run_pipeline(discovery_like(), None, RegionConfig(hot_threshold=10, min_region_size=8))
@@ -750,3 +772,26 @@ def test_select_regions_runs_discovery_first(monkeypatch):
                                   branch_samples={0x1A: {0x10: 9}})
     assert seen == {"samples": {0x10: 5.0}, "mem": "MEM", "jfh": 3, "bs": {0x1A: {0x10: 9}}}
     assert list(res.timings)[0] == "hot-code-discovery" and len(res.regions) == 1
+
+
+def test_fallthrough_callee_without_branches_is_not_taken_for_an_ip_only_profile():
+    """A leaf callee F -> R(ret) has no branch of its own: its entry count (the
+    calls to it) still marks the profile as one with branch counts."""
+    def leaf(entry_count):
+        b = Builder()
+        b.block(0x100, (3,), samples=7)
+        b.block(0x103, (1,), T.RET, samples=1)
+        b.ft(0x100, 0x103)
+        b.exit(0x103, 0)
+        b.entry(0x100, entry_count)
+        return b.sr
+
+    sr = leaf(55)
+    compute_fall_through_only(sr)
+    assert sr.block(0x100).count == 55 and edge_count(sr, 0x103, END) == 55
+    sr = leaf(0)                                       # IP-only: densities instead
+    compute_fall_through_only(sr)
+    assert sr.block(0x100).count == 4 and sr.block(0x103).count == 4
+    sr = leaf(0)                                       # told by the pipeline: not IP-only
+    compute_fall_through_only(sr, ip_only=False)
+    assert sr.block(0x100).count == 0

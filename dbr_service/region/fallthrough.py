@@ -4,8 +4,10 @@ Only control transfers carry sample counts.  Counts are unknown on:
 
 * *fall-through-only* edges: the FALLTHROUGH edge out of a block that ends
   without a control transfer (``TermKind.FALLTHROUGH``);
-* pseudo edges: entry edges, and exit edges out of blocks ending in
-  ``FALLTHROUGH`` or ``STOP`` (control just runs on into original code).
+* pseudo edges: entry edges without a count (discovery gives a callee's entry
+  edge the count of the calls to it; that one is known), exit edges out of
+  blocks ending in ``FALLTHROUGH`` or ``STOP`` (control just runs on into
+  original code), and a ``ret``'s exit edge without a count.
 
 A call block's continuation edge (the call assumed to return) gets the call's
 count, i.e. the count of its exit edge to the callee.
@@ -56,25 +58,43 @@ def _is_pseudo_exit(sr: SuperRegion, u: NodeKey) -> bool:
     return sr.g.has_edge(u, END) and sr.block(u).term in (TermKind.FALLTHROUGH, TermKind.STOP)
 
 
+def _unknown_edges(sr: SuperRegion) -> set[tuple[NodeKey, NodeKey]]:
+    """Edges whose count sampling cannot give (see the module doc)."""
+    out = set()
+    for u, v, d in sr.g.edges(data=True):
+        if u == START:
+            if d["count"] <= 0:                   # callee entries carry the call counts
+                out.add((u, v))
+        elif v == END:
+            if _is_pseudo_exit(sr, u) or (sr.block(u).term == TermKind.RET and d["count"] <= 0):
+                out.add((u, v))
+        elif _is_ft_only(sr, u, v):
+            out.add((u, v))
+    return out
+
+
 def _is_call_ft(sr: SuperRegion, u: NodeKey, v: NodeKey) -> bool:
     return (u not in (START, END) and v != END and sr.block(u).term in _CALLS
             and sr.g.edges[u, v]["kind"] == EdgeKind.FALLTHROUGH)
 
 
-def compute_fall_through_only(sr: SuperRegion, counters: Counter | None = None) -> None:
-    """Fill in unknown edge counts and every block's ``count`` (see module doc)."""
+def compute_fall_through_only(sr: SuperRegion, counters: Counter | None = None,
+                              ip_only: bool | None = None) -> None:
+    """Fill in unknown edge counts and every block's ``count`` (see module doc).
+
+    ``ip_only``: the profile has no branch counts, estimate from samples; None
+    decides from this SR alone (the pipeline decides once for all SRs, since a
+    small SR may just have no branch of its own)."""
     counters = counters if counters is not None else Counter()
     g = sr.g
-    if not _has_branch_counts(sr) and any(b.samples > 0 for _, b in sr.blocks()):
+    if ip_only is None:
+        ip_only = not has_branch_counts(sr)
+    if ip_only and any(b.samples > 0 for _, b in sr.blocks()):
         estimate_from_samples(sr)
         counters["ip-only-estimates"] += 1
         counters["blocks"] += len(sr)
         return
-    unknown: set[tuple[NodeKey, NodeKey]] = set()
-    for u, v in g.edges:
-        if u == START or (v == END and _is_pseudo_exit(sr, u)) or \
-                (v != END and _is_ft_only(sr, u, v)):
-            unknown.add((u, v))
+    unknown = _unknown_edges(sr)
     # Calls are assumed to return: the continuation runs as often as the call.
     for u, v in list(g.edges):
         if _is_call_ft(sr, u, v):
@@ -104,14 +124,14 @@ def compute_fall_through_only(sr: SuperRegion, counters: Counter | None = None) 
         while chain[-1] in ft_next and ft_next[chain[-1]] not in done:
             chain.append(ft_next[chain[-1]])
         done.update(chain)
-        has_entry = any(g.has_edge(START, b) for b in chain)
-        has_pexit = any(_is_pseudo_exit(sr, b) for b in chain)
+        has_entry = any((START, b) in unknown for b in chain)
+        has_pexit = any((b, END) in unknown for b in chain)
         if has_entry and not has_pexit:
-            _scan_backward(sr, chain, known_in, known_out)
+            _scan_backward(sr, chain, known_in, known_out, unknown)
             counters["chains-backward"] += 1
         else:
             for b in chain:
-                if g.has_edge(START, b):
+                if (START, b) in unknown:
                     g.edges[START, b]["count"] = 0.0
             _scan_forward(sr, chain, known_in, known_out, unknown)
             counters["chains-entry-exit-zero" if has_entry else "chains-forward"] += 1
@@ -128,27 +148,27 @@ def _scan_forward(sr, chain, known_in, known_out, unknown) -> None:
             nxt = chain[i + 1]
             g.edges[b, nxt]["count"] = rest
             running = rest + known_in(nxt)
-        elif _is_pseudo_exit(sr, b) and (b, END) in unknown:
+        elif (b, END) in unknown:
             _set_exit(sr, b, rest)
     for b in chain[:-1]:
-        if _is_pseudo_exit(sr, b):
+        if (b, END) in unknown:
             _set_exit(sr, b, 0.0)
 
 
-def _scan_backward(sr, chain, known_in, known_out) -> None:
+def _scan_backward(sr, chain, known_in, known_out, unknown) -> None:
     g = sr.g
     running = known_out(chain[-1])
     for i in range(len(chain) - 1, -1, -1):
         b = chain[i]
         sr.block(b).count = running
         if i > 0:
-            if g.has_edge(START, b):
+            if (START, b) in unknown:
                 g.edges[START, b]["count"] = 0.0
             ft = max(0.0, running - known_in(b))
             prev = chain[i - 1]
             g.edges[prev, b]["count"] = ft
             running = ft + known_out(prev)
-        elif g.has_edge(START, b):
+        elif (START, b) in unknown:
             g.edges[START, b]["count"] = max(0.0, running - known_in(b))
 
 
@@ -162,11 +182,14 @@ def _set_exit(sr: SuperRegion, b: NodeKey, count: float) -> None:
     d["count"] = count
 
 
-def _has_branch_counts(sr: SuperRegion) -> bool:
-    """Does any edge carry a measured count (not entries, not pseudo exits)?"""
+def has_branch_counts(sr: SuperRegion) -> bool:
+    """Does any edge carry a measured count (a callee's entry edge counts: it has
+    the count of the calls to it)?"""
     for u, v, d in sr.g.edges(data=True):
-        if u == START or d["count"] <= 0:
+        if d["count"] <= 0:
             continue
+        if u == START:
+            return True
         if v == END and _is_pseudo_exit(sr, u):
             continue
         if v != END and _is_ft_only(sr, u, v):

@@ -140,8 +140,13 @@ class FallThroughOnlyPass(RegionPass):
     def applies(self, config):
         return not config.measured_counts
 
+    def run(self, regions, ctx):
+        # One profile: branch counts anywhere mean the sampler gives them.
+        self.ip_only = not any(fallthrough.has_branch_counts(sr) for sr in regions)
+        return super().run(regions, ctx)
+
     def run_region(self, sr, ctx):
-        fallthrough.compute_fall_through_only(sr, self.counters)
+        fallthrough.compute_fall_through_only(sr, self.counters, ip_only=self.ip_only)
         return [sr]
 
 
