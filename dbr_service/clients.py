@@ -88,34 +88,6 @@ def module_base(maps: list[MapEntry], path: str) -> int:
     return min((m.lo - m.offset for m in maps if m.path == path), default=0)
 
 
-@dataclass(frozen=True)
-class MemoryReader:
-    """Reads a client's memory through /proc/PID/mem.  Picklable: it is just the pid,
-    so worker processes get one in their job and open the file themselves."""
-
-    pid: int
-
-    def read(self, addr: int, size: int) -> bytes:
-        """``size`` bytes at ``addr``; MemoryViewError if any of them is unreadable."""
-        try:
-            fd = os.open(f"/proc/{self.pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise MemoryViewError(f"cannot open memory of pid {self.pid}: {exc}") from exc
-        try:
-            data = os.pread(fd, size, addr)
-        except OSError as exc:
-            raise MemoryViewError(f"pid {self.pid}: read of {size} bytes at {addr:#x}: "
-                                  f"{exc}") from exc
-        finally:
-            os.close(fd)
-        if len(data) != size:
-            raise MemoryViewError(f"pid {self.pid}: short read at {addr:#x}")
-        return data
-
-    def maps(self) -> list[MapEntry]:
-        return read_maps(self.pid)
-
-
 # --------------------------------------------------------------------------- regions
 class RegionState(str, enum.Enum):
     """Lifecycle of a region in a client (checked where patches change)."""

@@ -299,10 +299,8 @@ def verb_config_set(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
     key = args["key"]
     if key in ("runtime_dir", "socket_group"):
         raise Fault(Code.CONFIG, f"{key} cannot change while the service runs")
-    value = args["value"]
     try:
-        service.set_config(service.config.replace_value(
-            key, value if isinstance(value, str) else value, source="config_set"))
+        service.set_config(service.config.replace_value(key, args["value"], source="config_set"))
     except ConfigError as exc:
         raise Fault(Code.CONFIG, str(exc)) from None
     return {key: service.config.get(key)}

@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import select
 import threading
 import time
 import traceback
@@ -26,7 +27,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dbr_service.clients import MapEntry, MemoryReader, find_mapping, module_base
+from dbr_service.clients import MapEntry, find_mapping, module_base
 
 log = logging.getLogger("dbr.scheduler")
 
@@ -79,15 +80,11 @@ class ClientJob:
     config: dict[str, Any]
     #: Taken branches seen in the snapshot ``{src: {dst: count}}`` (sources with branch info).
     branches: dict[int, dict[int, int]] = field(default_factory=dict)
-    #: Memory reader spec: the worker opens /proc/PID/mem itself.
-    mem: MemoryReader = field(init=False)
     submitted: float = field(default_factory=time.time)
 
-    def __post_init__(self) -> None:
-        self.mem = MemoryReader(self.pid)
-
     def memory_view(self):
-        """In the worker: the live view region selection reads (region/memview.py)."""
+        """In the worker: the live view region selection reads (region/memview.py);
+        the job carries only the pid, the worker opens /proc/PID/mem itself."""
         from dbr_service.region.memview import LiveMemoryView
 
         return LiveMemoryView(self.pid)
@@ -173,6 +170,21 @@ def auto_workers(cpu_count: int | None = None, load1: float | None = None) -> in
         load1 = os.getloadavg()[0]
     idle = int(cpus - load1 + 0.5)
     return max(1, min(max(1, cpus - 1), idle))
+
+
+def _worker_init(service_pid: int) -> None:
+    """Worker start-up: exit as soon as the service is gone, even after a SIGKILL
+    (pool workers otherwise wait on their queue forever, holding the forkserver)."""
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(service_pid)
+        except OSError:
+            os._exit(0)  # already gone
+        select.select([fd], [], [])  # readable once the process has exited
+        os._exit(0)
+
+    threading.Thread(target=watch, name="dbr-worker-watch", daemon=True).start()
 
 
 def warm_up() -> int:
@@ -281,7 +293,9 @@ class Scheduler:
             old = self._pool
             # forkserver: workers never inherit the service's threads, sockets or zmq.
             ctx = multiprocessing.get_context("forkserver")
-            self._pool = ProcessPoolExecutor(max_workers=size, mp_context=ctx)
+            self._pool = ProcessPoolExecutor(max_workers=size, mp_context=ctx,
+                                             initializer=_worker_init,
+                                             initargs=(os.getpid(),))
             self._pool_size = size
             if old is not None:
                 old.shutdown(wait=False)

@@ -98,6 +98,13 @@ class ServiceProc:
                            + "\n".join(self.output().splitlines()[-15:]))
 
     def stop(self) -> None:
+        """SIGTERM (a clean stop, workers included), SIGKILL after a bounded wait."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
         kill(self.proc)
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
