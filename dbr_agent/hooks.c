@@ -445,7 +445,12 @@ DBR_EXPORT int pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*
 
 void dbr_hooks_init(void)
 {
+    /* resolve everything now: dlsym is not async-signal-safe, and the signal
+     * handlers' chaining path calls pthread_sigmask and sigaction */
     REAL(real_sigaction_p, "sigaction");
+    REAL(real_signal_p, "signal");
+    REAL(real_sigprocmask_p, "sigprocmask");
+    REAL(real_pthread_sigmask_p, "pthread_sigmask");
     REAL(real_munmap_p, "munmap");
     REAL(real_mprotect_p, "mprotect");
     REAL(real_dlclose_p, "dlclose");
