@@ -181,6 +181,20 @@ def test_partition_one_region_per_component_with_terminals_connected():
     assert entries(parts[1]) == [0x100]
 
 
+def test_partition_keeps_each_inline_decision_with_its_call_block():
+    main, f = caller_callee()
+    inline_hot_calls([main, f], hot_threshold=10, inline_budget=1.0)
+    both = SuperRegion("both")
+    for part in (main, f):
+        both.g.add_nodes_from(part.g.nodes(data=True))
+        both.g.add_edges_from(part.g.edges(data=True))
+    both.info["inline"] = {"budget": 0, "growth": 0,
+                           "sites": {**main.info["inline"]["sites"], 0x999: {"decision": "exit"}}}
+    p_main, p_f = partition_code(both)
+    assert set(p_main.info["inline"]["sites"]) == {0x15, 0x999}     # 0x999: a removed block
+    assert set(p_f.info["inline"]["sites"]) == {0x999}
+
+
 def test_connect_terminals_prefers_patchable_block_of_a_source_scc():
     b = Builder()
     b.block(0x10, (2,), unpatchable=True)
@@ -647,6 +661,7 @@ def test_prune_separates_components_again():
     parts = prune_code(b.sr, hot_threshold=1, min_loop_trip_count=0, min_region_size=0)
     assert [sorted(p.body_nodes()) for p in parts] == [
         [0x10, 0x15, 0x20, 0x28, 0x30], [0x50, 0x60, 0x68, 0x70]]
+    assert [p.info["patch_points"] for p in parts] == [[0x10], [0x50]]
     for p in parts:
         p.verify()
 

@@ -34,9 +34,19 @@ def separate_connected_components(sr: SuperRegion) -> list[SuperRegion]:
     out = []
     for comp in comps:
         sub = sr.subregion(set(comp))
-        sub.info = {k: copy.deepcopy(v) for k, v in sr.info.items() if k != "loops"}
+        sub.info = {k: copy.deepcopy(v) for k, v in sr.info.items()
+                    if k not in ("loops", "patch_points")}
+        _keep_own_sites(sr, sub)
         out.append(sub)
     return out
+
+
+def _keep_own_sites(sr: SuperRegion, sub: SuperRegion) -> None:
+    """Inlining decisions about call blocks now in another component go there."""
+    sites = sub.info.get("inline", {}).get("sites")
+    if sites:
+        for k in [k for k in sites if k in sr.g and k not in sub.g]:
+            del sites[k]
 
 
 def connect_terminals(sr: SuperRegion, prefer: Iterable[NodeKey] = (),
