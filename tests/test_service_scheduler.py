@@ -1,0 +1,104 @@
+"""Scheduler and worker job: capacity from load, hottest first, results from a real
+worker process; automatic agent-timer fallback when perf is refused."""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import threading
+
+import pytest
+
+from dbr_service.clients import MapEntry
+from dbr_service.config import Config, ConfigSources
+from dbr_service.errors import SamplingError
+from dbr_service.scheduler import ClientJob, JobResult, Scheduler, auto_workers, find_hotspots
+from service_helpers import agent_path, build_example, kill, spawn_client, symbol_range
+
+MAPS = [MapEntry(0x400000, 0x401000, "r--p", 0, "/bin/prog"),
+        MapEntry(0x401000, 0x402000, "r-xp", 0x1000, "/bin/prog"),
+        MapEntry(0x7f0000000000, 0x7f0000001000, "r-xp", 0, "/lib/libc.so")]
+
+
+def test_auto_workers_follows_load():
+    assert auto_workers(2, 0.0) == 1          # never more than CPUs - 1 (but at least 1)
+    assert auto_workers(8, 2.0) == 6
+    assert auto_workers(8, 0.0) == 7
+    assert auto_workers(8, 20.0) == 1
+
+
+def test_find_hotspots_threshold_and_modules():
+    counts = {0x401010: 50, 0x401020: 30, 0x7f0000000100: 15, 0x401030: 5}
+    hs = find_hotspots(counts, MAPS, threshold=0.1)
+    assert [h["ip"] for h in hs] == [0x401010, 0x401020, 0x7f0000000100]
+    assert hs[0]["module"] == "/bin/prog" and hs[0]["offset"] == 0x1010
+    assert hs[0]["fraction"] == 0.5
+    assert hs[2]["module"] == "/lib/libc.so" and hs[2]["offset"] == 0x100
+    assert find_hotspots(counts, MAPS, threshold=0.0, top=2)[1]["ip"] == 0x401020
+    assert find_hotspots({0x10: 3}, MAPS, threshold=0.0)[0]["module"] == "[unknown]"
+    assert find_hotspots({}, MAPS, threshold=0.0) == []
+
+
+def test_schedule_hottest_first_and_worker_result():
+    results: queue.Queue = queue.Queue()
+    sched = Scheduler(lambda res, sid: results.put((sid, res)))
+    cfg = Config(hot_threshold=0.2).to_dict()
+    jobs = [ClientJob(sid, os.getpid(), "/bin/prog", {0x401010: n, 0x401020: 1},
+                      {0x401010: n, 0x401020: 1}, MAPS, cfg) for sid, n in
+            ((1, 10), (2, 500), (3, 40))]
+    try:
+        assert sched.schedule(jobs, max_workers=1) == [2]        # the hottest only
+        assert sched.stats()["deferred_for_load"] == 2
+        assert sched.schedule(jobs, max_workers=1) == []          # 2 still running
+        sid, res = results.get(timeout=60)
+        assert sid == 2 and isinstance(res, JobResult), res
+        assert res.worker_pid != os.getpid()
+        assert [h["ip"] for h in res.hotspots] == [0x401010]
+        # Region selection ran (or was reported missing/failing) without raising.
+        assert res.region_status
+        assert sched.schedule([jobs[0], jobs[2]], max_workers=2) == [3, 1]
+        got = {results.get(timeout=60)[0] for _ in range(2)}
+        assert got == {1, 3}
+    finally:
+        sched.shutdown()
+
+
+@pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
+def test_agent_timer_fallback_when_perf_refused(monkeypatch):
+    from dbr_service import service as service_mod
+
+    def refused(session, cfg, kind):
+        raise SamplingError("perf_event_open: Permission denied (simulated)")
+
+    monkeypatch.setattr(service_mod, "make_perf_source", refused)
+    rdir = tempfile.mkdtemp(prefix="dbr-fallback-")
+    env = dict(os.environ, DBR_RUNTIME_DIR=rdir)
+    svc = service_mod.Service(ConfigSources(aggressive=True, env=env), embedded=True)
+    svc.start()
+    assert svc.source_kind.startswith("perf-")
+    t = threading.Thread(target=svc.run, daemon=True)
+    t.start()
+    prog = build_example("hotloop")
+    client = spawn_client(rdir, [prog, "20000"])
+    try:
+        lo, hi = symbol_range(prog, "mix")
+
+        def fell_back():
+            s = svc.find_client(client.pid)
+            return s is not None and s.source_name == "agent-timer" and s.samples_total >= 30
+        deadline = threading.Event()
+        for _ in range(200):
+            if fell_back():
+                break
+            deadline.wait(0.1)
+        s = svc.find_client(client.pid)
+        assert fell_back(), (s and s.source_name, s and s.samples_total, s and list(s.errors))
+        top = find_hotspots(dict(s.ip_counts), s.maps, threshold=0.0, top=1)[0]
+        assert top["module"] == prog and lo <= top["offset"] < hi
+        assert any(e["event"] == "sampling-fallback" for e in svc.events.since(0))
+    finally:
+        kill(client)
+        svc.request_stop("test done")
+        t.join(5)
+        assert not t.is_alive()
