@@ -369,6 +369,7 @@ def test_inline_scales_clone_counts_and_subtracts_from_original():
     assert all(main.block(k).unpatchable and main.block(k).clone_of == k.start for k in clones)
     assert [f.block(k).count for k in (0x100, 0x105, 0x110)] == [100, 50, 100]
     assert edge_count(f, 0x100, 0x105) == 50 and edge_count(f, 0x110, END) == 100
+    assert edge_count(f, START, 0x100) == 100                # 200 calls, 100 now inlined
     assert main.g.edges[0x15, CloneKey(path, 0x100)] == {"kind": EdgeKind.CALL, "count": 100}
     assert main.g.edges[CloneKey(path, 0x110), 0x1A]["kind"] == EdgeKind.RETURN
     assert not main.g.has_edge(0x15, END) and not main.g.has_edge(0x15, 0x1A)

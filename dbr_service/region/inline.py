@@ -290,6 +290,9 @@ class _Inliner:
                 sr.add_edge(ck(u), ck(v), d["kind"], dc)
             self._scale_original(cs, u, v, f)
         sr.add_edge(c, ck(t), EdgeKind.CALL, call_count)
+        if cs.g.has_edge(START, t):  # these calls no longer enter the original callee
+            d = cs.g.edges[START, t]
+            d["count"] = max(0.0, d["count"] - call_count)
         self.counters["cloned-blocks"] += len(R)
         return ck(t)
 
