@@ -74,9 +74,10 @@ class PipelineResult:
     regions: list[SuperRegion] = field(default_factory=list)
     #: (stage name, deep copies of its SRs), "discovery" first; only with keep_stages.
     stages: list[tuple[str, list[SuperRegion]]] = field(default_factory=list)
-    #: Seconds per pass name.
+    #: Seconds per pass name; "verify": all verification; "hot-code-discovery"
+    #: when :func:`select_regions` ran discovery.
     timings: dict[str, float] = field(default_factory=dict)
-    #: Counters per pass name.
+    #: Counters per pass name (each pass's own, plus regions-in / regions-out).
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
     failures: list[Failure] = field(default_factory=list)
 
