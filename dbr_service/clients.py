@@ -166,6 +166,8 @@ class ClientSession:
         #: Hot spots from the last finished worker job (list of dicts, hottest first).
         self.hotspots: list[dict[str, Any]] = []
         self.regions: dict[str, RegionRecord] = {}
+        #: Stable ids ("r1", ...) of regions by (module, entries), across worker jobs.
+        self._region_ids: dict[tuple[str, tuple[int, ...]], str] = {}
         self.region_status = "no job run yet"
         self.patches_installed = 0
         self.patches_removed = 0
@@ -431,6 +433,13 @@ class ClientSession:
             self.snapshots += 1
             if self.first_patch_mono is not None:
                 self.samples_after_first_patch += n
+
+    def region_id(self, module: str, entries: list[int]) -> str:
+        """The stable id of the region with these entries (new ids count up)."""
+        key = (module, tuple(sorted(entries)))
+        if key not in self._region_ids:
+            self._region_ids[key] = f"r{len(self._region_ids) + 1}"
+        return self._region_ids[key]
 
     # ------------------------------------------------------------------ views
     def summary(self) -> dict[str, Any]:

@@ -514,10 +514,11 @@ class Service:
                 keep = {k: r for k, r in s.regions.items()
                         if r.state is RegionState.INSTALLED}
                 for d in res.regions:
-                    if d["id"] not in keep:
-                        keep[d["id"]] = RegionRecord(d["id"], d["module"], d["entries"],
-                                                     d["blocks"], d["code_bytes"],
-                                                     dot=d.get("dot"))
+                    rid = s.region_id(d["module"], d["entries"])
+                    if rid not in keep:
+                        keep[rid] = RegionRecord(rid, d["module"], d["entries"], d["blocks"],
+                                                 d["code_bytes"], dot=d.get("dot"),
+                                                 info={"pipeline_id": d["id"]})
                 s.regions = keep
         self.events.publish("job-done", pid=s.pid, hotspots=len(res.hotspots),
                             regions=None if res.regions is None else len(res.regions),

@@ -14,8 +14,8 @@ __attribute__((noinline)) unsigned long mix(unsigned long x, long n) {
     for (long i = 0; i < n; i++) {
         x ^= x << 13;
         x ^= x >> 7;
-        x ^= x << 17;
-        x += (unsigned long)i;
+        x = x * 1103515245UL + 12345; /* imul imm32 / add imm32: 5+ byte instructions, */
+        x += (unsigned long)i;         /* so the loop has a patchable instruction */
     }
     return x;
 }

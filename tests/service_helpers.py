@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from dbr_service import protocol as P
-from dbr_service.control import ControlClient
+from dbr_service.control import ControlClient, Fault
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -90,7 +90,10 @@ class ServiceProc:
     def wait_for(self, pred, timeout: float = 10.0, what: str = "condition"):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            v = pred()
+            try:
+                v = pred()
+            except Fault:  # e.g. NO_CLIENT before the agent connected
+                v = None
             if v:
                 return v
             time.sleep(0.05)

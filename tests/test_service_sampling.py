@@ -68,3 +68,35 @@ def test_every_thread_sampled_including_late_ones():
     finally:
         kill(client)
         svc.stop()
+
+
+def test_regions_selected_in_workers_and_shown():
+    """The worker job runs region selection on the live client; ctl lists the region
+    and gives its graph."""
+    import subprocess
+    import sys
+
+    svc = ServiceProc("--aggressive").wait_ready()
+    prog = build_example("hotloop", ("-O2",))
+    client = None
+    try:
+        client = spawn_client(svc.dir, [prog, "20000"])
+        regs = svc.wait_for(lambda: (r := svc.call("regions", {"pid": client.pid}))["regions"]
+                            and r, 30.0, "a region")
+        lo, hi = symbol_range(prog, "mix")
+        r = regs["regions"][0]
+        assert r["state"] == "selected" and r["blocks"] > 0 and r["code_bytes"] > 0
+        assert r["module"] == prog
+        base = min(h["ip"] - h["offset"] for h in
+                   svc.call("hotspots", {"pid": client.pid})["hotspots"] if h["module"] == prog)
+        assert any(lo <= e - base < hi for e in r["entries"]), (r["entries"], base)
+        dot = svc.call("region", {"pid": client.pid, "id": r["id"], "format": "dot"})["dot"]
+        assert dot.lstrip().startswith("digraph")
+        out = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "region",
+                              str(client.pid), r["id"], "--dot", "/dev/null"], env=svc.env,
+                             capture_output=True, text=True, timeout=20)
+        assert out.returncode == 0, out.stderr
+        assert svc.call("status")["scheduler"]["completed"] >= 1
+    finally:
+        kill(client)
+        svc.stop()
