@@ -394,11 +394,14 @@ class Settings:
     timeout_factor: float = 20.0  # a run taking this many times native's is killed
     min_timeout: float = 60.0
     pgo_helps: float = 0.98       # PGO ratio at or below this counts as a gain
+    valgrind_budget_s: float = 25.0  # no second valgrind round after this long
 
     @classmethod
     def for_mode(cls, quick: bool, runs: int | None = None) -> "Settings":
         if quick:
-            return cls(quick=True, runs=runs or 3, warmup=1, valgrind_runs=1)
+            # no warm-up rounds: the native reference run and each tool's availability
+            # smoke run have already warmed the page cache
+            return cls(quick=True, runs=runs or 3, warmup=0, valgrind_runs=1)
         return cls(quick=False, runs=runs or 5, warmup=1, valgrind_runs=2)
 
 
@@ -437,11 +440,16 @@ def _check_run(cell: Cell, r: Run, ref_code: int, ref_digest: str, wname: str) -
 
 def alternate(cells: list[Cell], prep: suite.Prepared, argv_of: Callable[[Cell], list[str]],
               env: dict[str, str], work: Path, runs: int, warmup: int, timeout: float,
-              ref: tuple[int, str], wname: str) -> list[list[tuple[str, float]]]:
+              ref: tuple[int, str], wname: str,
+              budget_s: float | None = None) -> list[list[tuple[str, float]]]:
     """Round-robin the live cells, rotating the starting config every round; returns the
-    per-round walls (config name, seconds) for paired ratios."""
+    per-round walls (config name, seconds) for paired ratios.  With ``budget_s``, no new
+    round starts once that much time has gone (at least one recorded round runs)."""
     rounds: list[list[tuple[str, float]]] = []
+    t0 = time.monotonic()
     for i in range(warmup + runs):
+        if budget_s is not None and rounds and time.monotonic() - t0 > budget_s:
+            break
         live = [c for c in cells if c.live]
         if not live:
             break
@@ -595,7 +603,8 @@ def run_workload(w: suite.Workload, configs: list[Config], ctx: suite.Ctx, st: S
         vt = max(st.min_timeout * 5, 100 * sref.wall)
         prounds = alternate([pair_native, cell], prep,
                             lambda c: argv, wenv, work, st.valgrind_runs, 0, vt,
-                            (sref.exit_code, sref.digest), w.name)
+                            (sref.exit_code, sref.digest), w.name,
+                            budget_s=st.valgrind_budget_s)
         cj = cell_json(cell, pair_native, prounds)
         cj["input"] = "small" if argv is not prep.argv else "same as the others"
         cj["native_pair_wall_s"] = spread([r.wall for r in pair_native.runs]) \

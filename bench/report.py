@@ -82,9 +82,12 @@ def _compare_md(c: dict) -> list[str]:
     names = _configs_in(rows)
     out += ["", "## Wall time relative to native", "",
             f"Median of {st.get('runs', '?')} alternated runs per config after "
-            f"{st.get('warmup', '?')} warm-up run(s) each, divided by native's median; "
+            f"{st.get('warmup', '?')} warm-up round(s) (besides the native reference run and "
+            "each tool's availability smoke run, which warm the caches), divided by native's "
+            "median; "
             "[min–max] of the per-round paired ratios; valgrind: its own native/valgrind "
-            f"pair, {st.get('valgrind_runs', '?')} run(s). Lower is better; 1 = native. "
+            f"pair, up to {st.get('valgrind_runs', '?')} run(s) (no new round after "
+            f"{st.get('valgrind_budget_s', '?')} s). Lower is better; 1 = native. "
             "*share of PGO gain* = (native − dbr)/(native − pgo), shown when PGO gains "
             f"at least {100 * (1 - st.get('pgo_helps', 0.98)):.0f} %.", "",
             "| workload | native s median (IQR) | " + " | ".join(names)
