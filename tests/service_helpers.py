@@ -3,7 +3,6 @@ dir, talk to it, fake agents in Python, build the examples.  Every wait is bound
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -16,19 +15,15 @@ from pathlib import Path
 
 from dbr_service import protocol as P
 from dbr_service.control import ControlClient, Fault
+from harness import compile_c
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-_BUILD = Path(tempfile.mkdtemp(prefix="dbr-svc-tests-"))
 
 
 def build_example(name: str, flags: tuple[str, ...] = ()) -> str:
-    """examples/NAME.c compiled once per test session (with symbols, for nm)."""
-    out = _BUILD / (name + "-" + "-".join(f.strip("-") for f in flags))
-    if not out.exists():
-        subprocess.run(["cc", "-O1", "-g", "-o", str(out), str(EXAMPLES / f"{name}.c"), *flags],
-                       check=True)
-    return str(out)
+    """examples/NAME.c built with -O1 (or ``flags``) and symbols; cached by content."""
+    return str(compile_c([EXAMPLES / f"{name}.c"], flags=["-O1", *flags], out_name=name))
 
 
 def symbol_range(binary: str, name: str) -> tuple[int, int]:
@@ -165,7 +160,3 @@ class FakeAgent:
 
     def close(self) -> None:
         self.sock.close()
-
-
-def hello_size() -> int:
-    return ctypes.sizeof(P.Hello)
