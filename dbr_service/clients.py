@@ -393,6 +393,7 @@ class ClientSession:
     def begin_window(self, make_source: Callable[["ClientSession"], "SamplingSource"]) -> None:
         """Session thread: open (if needed) and enable the sampling source."""
         self._refresh_threads()
+        self._refresh_maps()  # cheap; also catches mappings no agent hook announced
         with self.lock:
             if self.source is None:
                 self.source = make_source(self)

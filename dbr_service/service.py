@@ -157,6 +157,16 @@ class Service:
     # ------------------------------------------------------------------ start
     def start(self) -> None:
         """Create the runtime dir, bind every socket, start serving control requests."""
+        try:
+            self._start()
+        except (OSError, zmq.ZMQError) as exc:
+            self._release_sockets()
+            raise ServiceError(f"cannot set up the sockets in {self.runtime_dir}: {exc}") from exc
+        except ServiceError:
+            self._release_sockets()
+            raise
+
+    def _start(self) -> None:
         self._prepare_runtime_dir()
         self._refuse_if_running()
         allowed = self.config.effective_allowed_uids()
@@ -231,7 +241,12 @@ class Service:
         self._install_signals()
         try:
             while not self.stopping:
-                self._loop_once()
+                try:
+                    self._loop_once()
+                except Exception:  # a bug must not take every client's service down
+                    log.exception("control loop iteration failed")
+                    self.events.publish("error", message="internal error in the control loop")
+                    time.sleep(0.05)
         finally:
             self._shutdown()
 
@@ -595,18 +610,7 @@ class Service:
         for s in sessions:
             s.thread.join(max(0.0, deadline - time.monotonic()))
         self.scheduler.shutdown()
-        if self._control is not None:
-            self._control.stop()
-        self.events.close()
-        if self._listen is not None:
-            self._listen.close()
-        for name in (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET):
-            try:
-                os.unlink(self.path(name))
-            except FileNotFoundError:
-                pass
-        if self._ctx is not None:
-            self._ctx.term()
+        self._release_sockets()
         self.notifier.close()
         for fd in (self._wake_r, self._wake_w):
             try:
@@ -615,3 +619,22 @@ class Service:
                 pass
         self.stopped.set()
         log.info("stopped")
+
+    def _release_sockets(self) -> None:
+        """Close and remove every socket this service bound (also after a failed start)."""
+        if self._control is not None:
+            if self._control.thread.is_alive():
+                self._control.stop()
+            else:
+                self._control.sock.close(0)
+        self.events.close()
+        if self._listen is not None:
+            self._listen.close()
+            for name in (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET):
+                try:
+                    os.unlink(self.path(name))
+                except FileNotFoundError:
+                    pass
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
