@@ -48,7 +48,8 @@ class Config:
         "auto | perf | agent-timer (auto: perf, agent-timer when perf is refused)",
         choices=SAMPLING_SOURCES))
     hot_threshold: float = field(default=0.01, metadata=_doc(
-        "fraction of a client's samples an address needs to be a hot spot", min=0.0, max=1.0))
+        "fraction of a client's samples an address needs to be a hot spot (region "
+        "selection gets it as a sample count)", min=0.0, max=1.0))
     jumps_from_hot_limit: int = field(default=4, metadata=_doc(
         "conditional jumps away from a sampled block that discovery follows", min=0, max=64))
     min_loop_trip_count: int = field(default=16, metadata=_doc(
