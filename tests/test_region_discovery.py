@@ -892,3 +892,37 @@ def test_instructions_codegen_cannot_relocate_are_unsupported():
     assert kind(bytes.fromhex("ff542408")) is InsnKind.UNSUPPORTED      # call [rsp+8]
     assert kind(bytes.fromhex("488b0510000000")) is InsnKind.PLAIN      # mov rax,[rip+16]
     assert kind(bytes.fromhex("ffe0")) is InsnKind.IJMP                 # jmp rax
+
+
+def test_jump_table_with_base_hoisted_out_of_the_loop(tmp_path):
+    """gcc -O2 -fPIE hoists the table base (`lea r8,[rip+T]`) out of an interpreter
+    loop, into code discovery never reaches; the base is then guessed from the
+    bytes before the loop and believed only with a sampled target as evidence."""
+    import subprocess
+
+    from dbr_service.region.discovery import hot_code_discovery
+    from dbr_service.region.model import TermKind
+
+    src = Path(__file__).parent / "e2e_progs" / "interp.c"
+    full, stripped = tmp_path / "interp", tmp_path / "interp.s"
+    subprocess.run(["gcc", "-O2", "-fPIE", "-pie", "-o", str(full), str(src)], check=True)
+    subprocess.run(["strip", "-o", str(stripped), str(full)], check=True)
+    elf = lief.ELF.parse(str(full))   # keep it alive while its symbols are used
+    run = next(s for s in elf.symbols if s.name.split(".")[0] == "run")  # run.constprop.0
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    base = 0x555555554000
+    mem = ElfMemoryView(str(stripped), base=base)
+    code = mem.read(base + run.value, run.size)
+    samples = {i.address: 1.0 for i in md.disasm(code, base + run.value)}
+    sr = hot_code_discovery(samples, mem)
+    ijmps = [bb for _, bb in sr.blocks() if bb.term == TermKind.IJMP
+             and run.value <= bb.start - base < run.value + run.size]
+    assert len(ijmps) == 1
+    assert len(set(ijmps[0].targets)) >= 8 and not ijmps[0].unknown_target
+    assert all(run.value <= t - base < run.value + run.size for t in ijmps[0].targets)
+    # Without evidence (no sampled case block) the guess is not believed.
+    head = {a: n for a, n in samples.items()
+            if ijmps[0].start - 32 <= a <= ijmps[0].start and a not in ijmps[0].targets}
+    sr2 = hot_code_discovery(head, mem, jumps_from_hot_limit=1)
+    [ij] = [bb for _, bb in sr2.blocks() if bb.start == ijmps[0].start]
+    assert ij.unknown_target

@@ -778,10 +778,44 @@ class HotCodeDiscovery:
     def _infer(self, b: Block) -> jumptable.IndirectTargets | None:
         for path in self._backward_paths(b):
             steps = [jumptable.PathStep(p.start, self._bytes(p), taken) for p, taken in path]
-            res = jumptable.infer_targets(steps, self.mem)
+            first = path[0][0].start
+            res = jumptable.infer_targets(steps, self.mem,
+                                          lambda reg: self._hoisted_lea(reg, first))
+            if res is not None and res.guessed and \
+                    not any(self.samples.get(t, 0) > 0 for t in res.targets):
+                continue          # a guessed table base needs a sampled target as evidence
             if res is not None:
                 return res
         return None
+
+    _REG_NUM = {n: i for i, n in enumerate(
+        ["rax", "rcx", "rdx", "rbx", "rsp", "rbp", "rsi", "rdi",
+         "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15"])}
+
+    def _hoisted_lea(self, reg: str, before: int, window: int = 4096) -> list[int]:
+        """Values of ``lea reg, [rip+disp32]`` found in the bytes before ``before``:
+        where gcc hoists a jump table's base out of a loop that discovery entered in
+        the middle.  Nearest first; a candidate is only a guess, checked by the caller."""
+        num = self._REG_NUM.get(reg)
+        if num is None:
+            return []
+        lo = max(before - window, 0)
+        try:
+            raw = self.mem.read(lo, before - lo)
+        except MemoryViewError:
+            return []
+        rex = 0x4C if num >= 8 else 0x48
+        pat = bytes([rex, 0x8D, ((num & 7) << 3) | 5])
+        out: list[int] = []
+        at = raw.rfind(pat)
+        while at >= 0 and len(out) < 8:
+            if at + 7 <= len(raw):
+                disp = int.from_bytes(raw[at + 3:at + 7], "little", signed=True)
+                value = lo + at + 7 + disp
+                if value not in out and self.mem.is_readonly(value):
+                    out.append(value)
+            at = raw.rfind(pat, 0, at)
+        return out
 
     def _backward_paths(self, b: Block, depth: int = 4, limit: int = 8):
         """Chains of predecessors ending in ``b`` (earliest first), at most ``limit``."""

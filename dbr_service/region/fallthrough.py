@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from dbr_service.region.loops import sorted_nodes
+from dbr_service.region.loops import dfs_preorder, sorted_nodes
 from dbr_service.region.model import END, START, EdgeKind, NodeKey, SuperRegion, TermKind
 
 _CALLS = (TermKind.CALL, TermKind.ICALL)
@@ -198,8 +198,18 @@ def has_branch_counts(sr: SuperRegion) -> bool:
     return False
 
 
-def estimate_from_samples(sr: SuperRegion) -> None:
-    """Counts from sample density for IP-only profiles (see the module doc)."""
+def estimate_from_samples(sr: SuperRegion, sweeps: int = 8) -> None:
+    """Counts from sample density for IP-only profiles (see the module doc).
+
+    Blocks that must run equally often form a group (a fall-through-only or call
+    continuation edge that is its source's only way on and its target's only way
+    in from the body; entry edges do not count: discovery puts them at sampled
+    seeds).  A group's count is the larger of its samples per instruction and the
+    flow into it from the body, so a short block that samples missed takes the
+    count its predecessors send it; edges out of a block split its count over its
+    successors in proportion to their counts.  Sweeps in DFS order until stable.
+    Flow is only ever split, never created, so a cycle cannot inflate counts.
+    """
     g = sr.g
     body = sorted_nodes(sr.body_nodes())
     group = {b: b for b in body}
@@ -210,10 +220,13 @@ def estimate_from_samples(sr: SuperRegion) -> None:
             b = group[b]
         return b
 
+    def body_in_degree(v: NodeKey) -> int:
+        return sum(1 for u in g.predecessors(v) if u != START)
+
     for u, v in g.edges:
         if u in (START, END) or v in (START, END):
             continue
-        if (_is_ft_only(sr, u, v) or _is_call_ft(sr, u, v)) and g.in_degree(v) == 1 \
+        if (_is_ft_only(sr, u, v) or _is_call_ft(sr, u, v)) and body_in_degree(v) == 1 \
                 and (g.out_degree(u) == 1 or _is_call_ft(sr, u, v)):
             group[find(u)] = find(v)
     samples: Counter = Counter()
@@ -221,23 +234,45 @@ def estimate_from_samples(sr: SuperRegion) -> None:
     for b in body:
         samples[find(b)] += sr.block(b).samples
         insns[find(b)] += len(sr.block(b).insns)
+    dens = {r: (samples[r] / insns[r] if insns[r] else 0.0) for r in set(map(find, body))}
+    cnt = dict(dens)
+    order = [b for b in dfs_preorder(g) if b not in (START, END)]
+    order += [b for b in body if b not in set(order)]
+    for _ in range(sweeps):
+        changed = False
+        for u in order:
+            r = find(u)
+            inflow = sum(d["count"] for p, _, d in g.in_edges(u, data=True)
+                         if p != START and find(p) != r)
+            if inflow > cnt[r] + 1e-9:
+                cnt[r] = inflow
+                changed = True
+            _split_out_edges(sr, u, cnt[r], lambda v: cnt[find(v)])
+        if not changed:
+            break
     for b in body:
-        r = find(b)
-        sr.block(b).count = samples[r] / insns[r] if insns[r] else 0.0
-    for u in body:
-        cu = sr.block(u).count
-        outs = list(g.successors(u))
-        if sr.block(u).term in _CALLS:   # the call and its return: both run cu times
-            for v in outs:
-                _set_edge(sr, u, v, cu)
-            continue
-        w = {v: (sr.block(v).count if v != END else 0.0) for v in outs}
-        tot = sum(w.values())
-        for v in outs:
-            _set_edge(sr, u, v, cu * w[v] / tot if tot > 0 else cu / len(outs))
+        sr.block(b).count = cnt[find(b)]
     for v in list(g.successors(START)):
         inflow = sum(d["count"] for u, _, d in g.in_edges(v, data=True) if u != START)
         g.edges[START, v]["count"] = max(0.0, sr.block(v).count - inflow)
+
+
+def _split_out_edges(sr: SuperRegion, u: NodeKey, cu: float, count_of) -> None:
+    """Give u's out edges its count: a call and its return both run cu times; other
+    blocks split cu over body successors by their counts (exits get nothing unless
+    no body successor has a count)."""
+    outs = list(sr.g.successors(u))
+    if sr.block(u).term in _CALLS:
+        for v in outs:
+            _set_edge(sr, u, v, cu)
+        return
+    w = {v: (count_of(v) if v != END else 0.0) for v in outs}
+    tot = sum(w.values())
+    if tot <= 0:
+        w = {v: 1.0 for v in outs}
+        tot = float(len(outs))
+    for v in outs:
+        _set_edge(sr, u, v, cu * w[v] / tot)
 
 
 def _set_edge(sr: SuperRegion, u: NodeKey, v: NodeKey, count: float) -> None:

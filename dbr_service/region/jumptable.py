@@ -17,7 +17,7 @@ index bound comes only from the guarding compare-and-branch on the path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import capstone
@@ -60,6 +60,9 @@ class IndirectTargets:
     #: False when read from writable memory: the value may change, so a target is
     #: only to be believed if it also has samples, and others remain possible.
     complete: bool = True
+    #: True when a register the path never set was given a guessed value (a hoisted
+    #: table base): the caller wants evidence (sampled targets) before believing it.
+    guessed: bool = False
 
 
 # ---- expressions -------------------------------------------------------------
@@ -275,8 +278,14 @@ def decode(step: PathStep) -> list:
     return list(_cs.disasm(step.data, step.start))
 
 
-def infer_targets(path: Sequence[PathStep], mem: MemoryView) -> IndirectTargets | None:
-    """Targets of the indirect transfer ending ``path[-1]``, or None if not inferred."""
+def infer_targets(path: Sequence[PathStep], mem: MemoryView,
+                  resolve: Callable[[str], Sequence[int]] | None = None
+                  ) -> IndirectTargets | None:
+    """Targets of the indirect transfer ending ``path[-1]``, or None if not inferred.
+
+    ``resolve(reg)`` may offer candidate values for a register the path reads but
+    never sets (a table base gcc hoisted out of the loop, into code discovery did
+    not reach); each is tried in turn and a match says ``guessed=True``."""
     st = _State()
     insns: list = []
     for k, step in enumerate(path):
@@ -293,7 +302,52 @@ def infer_targets(path: Sequence[PathStep], mem: MemoryView) -> IndirectTargets 
     if op is None:
         return None
     target = st.get(op.reg) if op.type == X.X86_OP_REG else ("ld", 8, _mem_addr(st, last, op))
-    return _match(target, st.guards, mem)
+    found = _match(target, st.guards, mem)
+    if found is not None or resolve is None:
+        return found
+    for name in sorted(_inputs(target)):
+        for value in resolve(name):
+            guess = _match(_subst(target, name, value), [(_subst(e, name, value), n)
+                                                         for e, n in st.guards], mem)
+            if guess is not None and guess.how.startswith("table"):
+                return IndirectTargets(guess.targets, guess.how, guess.table, guess.entries,
+                                       guess.complete, guessed=True)
+    return None
+
+
+def _inputs(e: tuple) -> set[str]:
+    """Names of the unknown register inputs an expression uses."""
+    kind = e[0]
+    if kind == "s":
+        return {e[1]} if isinstance(e[1], str) else set()
+    if kind == "add":
+        return set().union(*(_inputs(t) for t in e[1]))
+    if kind in ("mul", "sx"):
+        return _inputs(e[1])
+    if kind == "ld":
+        return _inputs(e[2])
+    return set()
+
+
+def _subst(e: tuple, name: str, value: int) -> tuple:
+    """``e`` with the unknown register ``name`` replaced by the constant ``value``."""
+    kind = e[0]
+    if kind == "s":
+        return ("c", value) if e[1] == name else e
+    if kind == "c":
+        return e
+    if kind == "add":
+        out: tuple = ("c", 0)
+        for t in e[1]:
+            out = _add(out, _subst(t, name, value))
+        return out
+    if kind == "mul":
+        return _mul(_subst(e[1], name, value), e[2])
+    if kind == "ld":
+        return ("ld", e[1], _subst(e[2], name, value))
+    if kind == "sx":
+        return ("sx", _subst(e[1], name, value))
+    return tuple(_subst(x, name, value) if isinstance(x, tuple) else x for x in e)
 
 
 def _match(target: tuple, guards: list[tuple[tuple, int]], mem: MemoryView) \
