@@ -156,9 +156,8 @@ class ClientSession:
         self.maps: list[MapEntry] = []
         self.map_changes = 0
         self.paused = False
-        #: Samples per IP, cumulative and of the last snapshot.
+        #: Samples per IP, cumulative.
         self.ip_counts: collections.Counter[int] = collections.Counter()
-        self.last_snapshot: collections.Counter[int] = collections.Counter()
         #: Samples per thread id, cumulative.
         self.thread_samples: collections.Counter[int] = collections.Counter()
         self.samples_total = 0
@@ -174,7 +173,6 @@ class ClientSession:
         self.first_patch_mono: float | None = None
         self.samples_after_first_patch = 0
         self.samples_in_replacement = 0
-        self.job_running = False
         self.jobs_done = 0
         self.errors: collections.deque[str] = collections.deque(maxlen=20)
         self.source: SamplingSource | None = None
@@ -183,6 +181,7 @@ class ClientSession:
         self.forced_source: str | None = None
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_lock = threading.Lock()  # the pipe closes at the end: no write after
         self._stop = False
         self.thread = threading.Thread(target=self._main, name=f"dbr-session-{session_id}",
                                        daemon=True)
@@ -214,10 +213,13 @@ class ClientSession:
         self._wake()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass  # full: the thread is awake anyway
 
     @property
     def alive(self) -> bool:
@@ -317,11 +319,10 @@ class ClientSession:
                 break
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(AgentError(f"session of pid {self.pid} ended"))
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
 
     # ------------------------------------------------------------------ messages
     def _on_unsolicited(self, rec: Received) -> None:
@@ -428,7 +429,6 @@ class ClientSession:
         n = sum(ips.values())
         with self.lock:
             self.thread_samples.update(per_thread or {})
-            self.last_snapshot = ips
             self.ip_counts.update(ips)
             self.samples_total += n
             self.snapshots += 1
@@ -450,6 +450,8 @@ class ClientSession:
                 "state": self.state.value, "threads": len(self.threads),
                 "samples": self.samples_total, "snapshots": self.snapshots,
                 "paused": self.paused, "source": self.source_name,
+                "map_changes": self.map_changes, "jobs_done": self.jobs_done,
+                "hotspots_found": len(self.hotspots),
                 "regions": len(self.regions), "patches_installed": self.patches_installed,
                 "connected_at": self.connected_at, "ended_at": self.ended_at,
                 "close_reason": self.close_reason, "errors": list(self.errors)[-3:]}

@@ -306,11 +306,13 @@ class Scheduler:
                 "submitted": self.submitted, "completed": self.completed,
                 "failed": self.failed, "deferred_for_load": self.skipped_load}
 
-    def shutdown(self) -> None:
-        """Cancel queued jobs and stop workers without waiting for running ones."""
+    def shutdown(self, timeout: float = 1.0) -> None:
+        """Cancel queued jobs and stop workers without waiting for running ones
+        (bounded by ``timeout`` seconds in all)."""
+        deadline = time.monotonic() + timeout
         self._closed = True
         self._queue.put((None, 0))
-        self._thread.join(1.0)
+        self._thread.join(timeout / 2)
         pool, self._pool = self._pool, None
         if pool is None:
             return
@@ -319,6 +321,5 @@ class Scheduler:
         for p in procs:
             if p.is_alive():
                 p.terminate()
-        deadline = time.monotonic() + 1.0
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))

@@ -489,10 +489,7 @@ class Service:
                                       dict(s.ip_counts), list(s.maps), self.config.to_dict(),
                                       branches=window.branch_counts(s.pid)))
         if jobs and not self.paused:
-            for sid in self.scheduler.schedule(jobs, self.config.max_workers):
-                s = self.sessions.get(sid)
-                if s is not None:
-                    s.job_running = True
+            self.scheduler.schedule(jobs, self.config.max_workers)
         self.notifier.status(self._status_line())
 
     def attribute(self, pid: int, ip: int) -> int:
@@ -514,7 +511,6 @@ class Service:
         s = self._session_by_id(session_id)
         if s is None:
             return
-        s.job_running = False
         s.jobs_done += 1
         if isinstance(res, BaseException):
             s.errors.append(f"worker job failed: {res!r}")
@@ -606,10 +602,11 @@ class Service:
         for s in sessions:
             s.post(lambda s=s: farewell(s))
             s.stop("service shutting down")
-        deadline = time.monotonic() + 1.0
+        # Everything below shares one bound: SIGTERM to exit stays under 2 s.
+        deadline = time.monotonic() + 0.8
         for s in sessions:
             s.thread.join(max(0.0, deadline - time.monotonic()))
-        self.scheduler.shutdown()
+        self.scheduler.shutdown(timeout=0.5)
         self._release_sockets()
         self.notifier.close()
         for fd in (self._wake_r, self._wake_w):
