@@ -18,9 +18,10 @@ import queue
 import select
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, Received
@@ -135,7 +136,7 @@ class ClientSession:
     (single attribute reads); compound updates hold ``self.lock``.
     """
 
-    def __init__(self, service: "Service", conn: AgentConnection, session_id: int) -> None:
+    def __init__(self, service: Service, conn: AgentConnection, session_id: int) -> None:
         self.service = service
         self.conn = conn
         self.session_id = session_id
@@ -391,7 +392,7 @@ class ClientSession:
         self.map_changes += 1
 
     # ------------------------------------------------------------------ sampling
-    def begin_window(self, make_source: Callable[["ClientSession"], "SamplingSource"]) -> None:
+    def begin_window(self, make_source: Callable[[ClientSession], SamplingSource]) -> None:
         """Session thread: open (if needed) and enable the sampling source."""
         self._refresh_threads()
         self._refresh_maps()  # cheap; also catches mappings no agent hook announced

@@ -150,15 +150,16 @@ def render(verb: str, result: Any) -> str:
     """Human-readable form of a result."""
     if verb == "status":
         smp = result["sampling"]
-        lines = [f"dbr service {result['version']}  pid {result['pid']}  "
-                 f"up {result['uptime_s']:.1f}s  {result['runtime_dir']}",
-                 f"clients: {result['clients']} connected, {result['clients_seen']} seen; "
-                 f"snapshots: {result['snapshots']}{'  (paused)' if result['paused'] else ''}",
-                 f"sampling: {smp['active']} (configured {smp['configured']}); "
-                 f"every {smp['interval_s']}s for {smp['window_s']}s at {smp['period_us']}us",
-                 "capabilities: " + ", ".join(
-                     f"{k}={'yes' if v.get('available') else 'no'}"
-                     for k, v in smp["capabilities"].items() if isinstance(v, dict)),
+        caps = smp["capabilities"].get("capabilities", {})
+        paused = "  (paused)" if result["paused"] else ""
+        lines = [(f"dbr service {result['version']}  pid {result['pid']}  "
+                  f"up {result['uptime_s']:.1f}s  {result['runtime_dir']}"),
+                 (f"clients: {result['clients']} connected, {result['clients_seen']} seen; "
+                  f"snapshots: {result['snapshots']}{paused}"),
+                 (f"sampling: {smp['active']} (configured {smp['configured']}); "
+                  f"every {smp['interval_s']}s for {smp['window_s']}s at {smp['period_us']}us"),
+                 "host offers: " + ", ".join(
+                     f"{k}={'yes' if v.get('available') else 'no'}" for k, v in caps.items()),
                  f"workers: {result['scheduler']}"]
         return "\n".join(lines)
     if verb == "clients":
@@ -168,7 +169,8 @@ def render(verb: str, result: Any) -> str:
                        "yes" if c["paused"] else "", c["regions"], c["exe"]] for c in result],
                      ["PID", "STATE", "THREADS", "SAMPLES", "SOURCE", "PAUSED", "REGIONS", "EXE"])
     if verb == "hotspots":
-        head = f"pid {result['pid']}: {result['samples']} samples in {result['snapshots']} snapshots"
+        head = (f"pid {result['pid']}: {result['samples']} samples in "
+                f"{result['snapshots']} snapshots")
         rows = [[f"{h['fraction'] * 100:.1f}%", h["samples"], f"{h['ip']:#x}",
                  h["module"].rsplit("/", 1)[-1],
                  "" if h["offset"] is None else f"{h['offset']:#x}"] for h in result["hotspots"]]

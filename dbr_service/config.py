@@ -15,11 +15,13 @@ source.  A loaded Config is immutable; :meth:`Config.replace_value` returns a ne
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from dbr_service.errors import ConfigError
 
@@ -107,7 +109,7 @@ class Config:
         self.field_of(key)
         return self.to_dict()[key]
 
-    def replace_value(self, key: str, value: Any, source: str = "set") -> "Config":
+    def replace_value(self, key: str, value: Any, source: str = "set") -> Config:
         """A copy with ``key`` set from a string or a typed value (validated)."""
         f = self.field_of(key)
         new = dataclasses.replace(self, **{key: _coerce(f, value, source)})
@@ -194,7 +196,7 @@ def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
             out = float(value)
         except ValueError:
             raise bad(f"{value!r} is not a number") from None
-        if out != out or out in (float("inf"), float("-inf")):
+        if not math.isfinite(out):
             raise bad(f"{value!r} is not a finite number")
     else:
         if not isinstance(value, str):

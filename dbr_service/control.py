@@ -22,8 +22,9 @@ import subprocess
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -115,7 +116,7 @@ def check_args(name: str, spec: dict[str, Arg], args: Any) -> dict[str, Any]:
     return out
 
 
-def dispatch(service: "Service", raw: bytes) -> dict[str, Any]:
+def dispatch(service: Service, raw: bytes) -> dict[str, Any]:
     """Decode one request, run its handler, and build the reply (never raises)."""
     try:
         if len(raw) > MAX_REQUEST:
@@ -147,7 +148,7 @@ def dispatch(service: "Service", raw: bytes) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- helpers
-def _client(service: "Service", pid: int) -> "ClientSession":
+def _client(service: Service, pid: int) -> ClientSession:
     """The live session of ``pid``, else its most recent ended one."""
     s = service.find_client(pid)
     if s is None:
@@ -163,7 +164,7 @@ def _int_arg(v: Any, name: str) -> int:
 
 # --------------------------------------------------------------------------- verbs
 @verb("status")
-def verb_status(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+def verb_status(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Version, uptime, pid, sampling source and capabilities, clients, config."""
     with service.lock:
         live = [s for s in service.sessions.values() if s.alive]
@@ -182,7 +183,7 @@ def verb_status(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
 
 
 @verb("clients", all=Arg((bool,), default=False))
-def verb_clients(service: "Service", args: dict[str, Any]) -> list[dict[str, Any]]:
+def verb_clients(service: Service, args: dict[str, Any]) -> list[dict[str, Any]]:
     """Connected clients (``all``: also ended sessions still remembered)."""
     with service.lock:
         sessions = list(service.sessions.values())
@@ -192,7 +193,7 @@ def verb_clients(service: "Service", args: dict[str, Any]) -> list[dict[str, Any
 
 
 @verb("hotspots", pid=Arg((int,), required=True), top=Arg((int,), default=20))
-def verb_hotspots(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+def verb_hotspots(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Hottest addresses of one client, from every sample since it connected."""
     from dbr_service.scheduler import find_hotspots
 
@@ -209,7 +210,7 @@ def verb_hotspots(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
 
 
 @verb("regions", pid=Arg((int,), required=True))
-def verb_regions(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+def verb_regions(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Regions selected/installed for one client and the state of region selection."""
     s = _client(service, _int_arg(args["pid"], "pid"))
     return {"pid": s.pid, "status": s.region_status,
@@ -218,7 +219,7 @@ def verb_regions(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
 
 @verb("region", pid=Arg((int,), required=True), id=Arg((str,), required=True),
       format=Arg((str,), default="json"))
-def verb_region(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+def verb_region(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """One region: JSON details, or its graph as DOT or SVG text (``format``)."""
     s = _client(service, _int_arg(args["pid"], "pid"))
     fmt = args["format"]
@@ -246,7 +247,7 @@ def verb_region(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
 
 
 @verb("unpatch", pid=Arg((int,), required=True), id=Arg((str,)))
-def verb_unpatch(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+def verb_unpatch(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Remove one installed region's patches (``id``) or all of a client's."""
     s = _client(service, _int_arg(args["pid"], "pid"))
     if args["id"] is not None and args["id"] not in s.regions:
@@ -261,18 +262,18 @@ def verb_unpatch(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
 
 
 @verb("pause", pid=Arg((int,)))
-def verb_pause(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+def verb_pause(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Stop sampling and optimizing one client, or the whole service."""
     return _set_paused(service, args["pid"], True)
 
 
 @verb("resume", pid=Arg((int,)))
-def verb_resume(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+def verb_resume(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Undo ``pause``."""
     return _set_paused(service, args["pid"], False)
 
 
-def _set_paused(service: "Service", pid: int | None, paused: bool) -> dict[str, Any]:
+def _set_paused(service: Service, pid: int | None, paused: bool) -> dict[str, Any]:
     if pid is None:
         service.paused = paused
         return {"service": True, "paused": paused}
@@ -282,7 +283,7 @@ def _set_paused(service: "Service", pid: int | None, paused: bool) -> dict[str, 
 
 
 @verb("config_get", key=Arg((str,)))
-def verb_config_get(service: "Service", args: dict[str, Any]) -> Any:
+def verb_config_get(service: Service, args: dict[str, Any]) -> Any:
     """The whole configuration, or one key's value."""
     if args["key"] is None:
         return service.config.to_dict()
@@ -294,7 +295,7 @@ def verb_config_get(service: "Service", args: dict[str, Any]) -> Any:
 
 @verb("config_set", key=Arg((str,), required=True),
       value=Arg((str, int, float, bool), required=True))
-def verb_config_set(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+def verb_config_set(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Change one key at run time (until the next reload); runtime_dir is fixed."""
     key = args["key"]
     if key in ("runtime_dir", "socket_group"):
@@ -307,7 +308,7 @@ def verb_config_set(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
 
 
 @verb("report", pids=Arg((list,), required=True))
-def verb_report(service: "Service", args: dict[str, Any]) -> list[dict[str, Any]]:
+def verb_report(service: Service, args: dict[str, Any]) -> list[dict[str, Any]]:
     """dbr.run/1 client entries of the given pids and their descendants (by HELLO ppid),
     live or ended; used by `dbr run` at exit."""
     pids = args["pids"]
@@ -327,13 +328,13 @@ def verb_report(service: "Service", args: dict[str, Any]) -> list[dict[str, Any]
 
 
 @verb("events", since=Arg((int,), default=0))
-def verb_events(service: "Service", args: dict[str, Any]) -> list[dict[str, Any]]:
+def verb_events(service: Service, args: dict[str, Any]) -> list[dict[str, Any]]:
     """Recent events (the same ones the events socket publishes), after seq ``since``."""
     return service.events.since(args["since"])
 
 
 @verb("shutdown")
-def verb_shutdown(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
+def verb_shutdown(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Stop the service (agents get BYE; patches kept or reverted per on_shutdown)."""
     service.request_stop("shutdown requested over the control socket")
     return {"stopping": True}
@@ -343,7 +344,7 @@ def verb_shutdown(service: "Service", args: dict[str, Any]) -> dict[str, Any]:
 class ControlServer:
     """Serves the REP control socket from its own thread."""
 
-    def __init__(self, service: "Service", ctx: zmq.Context, path: str) -> None:
+    def __init__(self, service: Service, ctx: zmq.Context, path: str) -> None:
         self.service = service
         self.path = path
         self.sock = ctx.socket(zmq.REP)

@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # pragma: no cover
 SCHEMA = "dbr.run/1"
 
 
-def client_report(s: "ClientSession") -> dict[str, Any]:
+def client_report(s: ClientSession) -> dict[str, Any]:
     """One client's entry (fixed field names, plus hot spots and the region status)."""
     from dbr_service.scheduler import find_hotspots
 
@@ -54,9 +54,9 @@ def run_report(program: list[str], exit_code: int, wall_s: float,
 def format_report(rep: dict[str, Any]) -> str:
     """A few lines for stderr at the end of `dbr run`."""
     t = rep["totals"]
-    lines = [f"dbr: {' '.join(rep['program'])} exited {rep['exit_code']} after "
-             f"{rep['wall_s']:.2f} s; {len(rep['clients'])} client(s), {t['samples']} samples, "
-             f"{t['patches_installed']} patches, {t['regions_installed']} regions installed"]
+    lines = [(f"dbr: {' '.join(rep['program'])} exited {rep['exit_code']} after "
+              f"{rep['wall_s']:.2f} s; {len(rep['clients'])} client(s), {t['samples']} samples, "
+              f"{t['patches_installed']} patches, {t['regions_installed']} regions installed")]
     if rep.get("service"):
         lines[0] += f" ({rep['service']} service)"
     for c in rep["clients"]:

@@ -23,9 +23,10 @@ import select
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from dbr_service.clients import MapEntry, find_mapping, module_base
 

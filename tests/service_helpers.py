@@ -13,9 +13,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import compile_c
+
 from dbr_service import protocol as P
 from dbr_service.control import ControlClient, Fault
-from harness import compile_c
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -64,7 +65,7 @@ class ServiceProc:
         self.proc = subprocess.Popen(argv, env=self.env, stdout=self.log, stderr=self.log)
         self.ctl = ControlClient(self.dir, timeout=2.0)
 
-    def wait_ready(self, timeout: float = 15.0) -> "ServiceProc":
+    def wait_ready(self, timeout: float = 15.0) -> ServiceProc:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -8,10 +8,10 @@ import os
 import time
 
 import pytest
+from service_helpers import FakeAgent, ServiceProc
 
 from dbr_service import protocol as P
 from dbr_service.control import Code
-from service_helpers import FakeAgent, ServiceProc
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,9 @@ import threading
 import time
 
 import pytest
+from service_helpers import FakeAgent, ServiceProc, agent_path, build_example, kill, spawn_client
 
 from dbr_service import protocol as P
-
-from service_helpers import FakeAgent, ServiceProc, agent_path, build_example, kill, spawn_client
 
 
 def _dbr(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -38,7 +37,7 @@ class Notifications:
         while not self._stop:
             try:
                 self.lines.extend(self.sock.recv(4096).decode().splitlines())
-            except socket.timeout:
+            except TimeoutError:
                 continue
 
     def wait(self, line: str, timeout: float) -> bool:

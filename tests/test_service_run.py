@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from service_helpers import ServiceProc, agent_path, build_example, symbol_range
 
 pytestmark = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")

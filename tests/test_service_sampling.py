@@ -4,7 +4,6 @@ spot (perf and agent-timer), and every thread is sampled, also threads started l
 from __future__ import annotations
 
 import pytest
-
 from service_helpers import ServiceProc, agent_path, build_example, kill, spawn_client, symbol_range
 
 pytestmark = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")

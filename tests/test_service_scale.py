@@ -7,7 +7,6 @@ import statistics
 import time
 
 import pytest
-
 from service_helpers import ServiceProc, agent_path, build_example, kill, spawn_client
 
 pytestmark = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")

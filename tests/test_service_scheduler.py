@@ -9,12 +9,12 @@ import tempfile
 import threading
 
 import pytest
+from service_helpers import agent_path, build_example, kill, spawn_client, symbol_range
 
 from dbr_service.clients import MapEntry
 from dbr_service.config import Config, ConfigSources
 from dbr_service.errors import SamplingError
 from dbr_service.scheduler import ClientJob, JobResult, Scheduler, auto_workers, find_hotspots
-from service_helpers import agent_path, build_example, kill, spawn_client, symbol_range
 
 MAPS = [MapEntry(0x400000, 0x401000, "r--p", 0, "/bin/prog"),
         MapEntry(0x401000, 0x402000, "r-xp", 0x1000, "/bin/prog"),
