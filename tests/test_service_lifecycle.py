@@ -67,6 +67,7 @@ def test_notify_ctl_reload_and_sigterm(tmp_path):
         # READY comes after the sockets are bound: ctl answers at once.
         r = _dbr("ctl", "status", env=svc.env)
         assert r.returncode == 0 and "dbr service" in r.stdout, r.stderr
+        assert "agent-timer=yes" in r.stdout and "sampling: " in r.stdout, r.stdout
         r = _dbr("ctl", "--json", "config", "get", "hot_threshold", env=svc.env)
         assert '"hot_threshold": 0.01' in r.stdout
         assert nsock.wait("WATCHDOG=1", 2.0), nsock.lines
@@ -94,6 +95,10 @@ def test_notify_ctl_reload_and_sigterm(tmp_path):
             clients.append(spawn_client(svc.dir, [build_example("hotloop"), "20000"]))
         svc.wait_for(lambda: svc.call("status")["clients"] >= 3 + len(clients), 10.0,
                      "clients attached")
+        r = _dbr("ctl", "clients", env=svc.env)
+        assert r.returncode == 0 and r.stdout.startswith("PID") and "/fake/agent" in r.stdout
+        r = _dbr("ctl", "hotspots", str(os.getpid()), "--top", "3", env=svc.env)
+        assert r.returncode == 0 and r.stdout.startswith(f"pid {os.getpid()}:"), r.stderr
         t0 = time.monotonic()
         svc.proc.send_signal(signal.SIGTERM)
         svc.proc.wait(5)
