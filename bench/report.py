@@ -98,8 +98,9 @@ def _compare_md(c: dict) -> list[str]:
         w = nat.get("wall_s") or {}
         nat_s = (f"{w['median']:.3f} ({w['q1']:.3f}–{w['q3']:.3f})" if "median" in w else "–")
         share = r.get("pgo_share") or {}
-        share_s = (f"{share['value']:.2f}" if isinstance(share.get("value"), (int, float))
-                   else (share.get("why") or "–"))
+        v = share.get("value")
+        share_s = ((f"{v:.2f}" if v >= 0 else f"{v:.2f} (dbr slower than native: no gain)")
+                   if isinstance(v, (int, float)) else (share.get("why") or "–"))
         status = r.get("status", "?")
         if status in ("skipped", "crashed", "FAILURE"):
             status = f"**{status.upper()}**: {r.get('message', '')}"
@@ -116,9 +117,9 @@ def _compare_md(c: dict) -> list[str]:
             "*prog ratio*: PROG's own wall time as `dbr run` timed it (start-up of dbr run and "
             "its embedded service, report collection and shutdown excluded) / native.", "",
             "| workload | config | prog ratio | CPU ratio | first patch s (runs patched) | samples | "
-            "in replacement (after 1st patch) | patches (removed) | code bytes | "
-            "service CPU s | peak RSS MB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "in replacement (after 1st patch) | patches (removed) | code bytes installed "
+            "(generated) | service CPU s | peak RSS MB | region status (last run) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     any_dbr = False
     for r in rows:
         for n in dbr_names:
@@ -127,9 +128,11 @@ def _compare_md(c: dict) -> list[str]:
                 continue
             any_dbr = True
             d = cj.get("dbr") or {}
+            if cj.get("status") in ("unavailable", "n/a"):
+                continue  # said once, in the configurations table
             if cj.get("status") != "ok":
-                out.append(f"| {r['name']} | {n} | {cj.get('message') or cj.get('status')} "
-                           "||||||||")
+                out.append(f"| {r['name']} | {n} | **{cj.get('status')}**: "
+                           f"{cj.get('message', '')} ||||||||||")
                 continue
             rss = d.get("service_peak_rss_kb")
             out.append(
@@ -139,10 +142,11 @@ def _compare_md(c: dict) -> list[str]:
                 f"{_f(d.get('share_in_replacement'), '{:.1%}')} "
                 f"({_f(d.get('share_after_first_patch'), '{:.1%}')}) | "
                 f"{_f(d.get('patches_installed'), '{:.0f}')} ({_f(d.get('patches_removed'), '{:.0f}')}) | "
-                f"{_f(d.get('code_bytes'), '{:.0f}')} | {_f(d.get('service_cpu_s'), '{:.2f}')} | "
-                f"{_f(rss / 1024 if rss else None, '{:.0f}')} |")
+                f"{_f(d.get('code_bytes_installed'), '{:.0f}')} ({_f(d.get('code_bytes'), '{:.0f}')}) | "
+                f"{_f(d.get('service_cpu_s'), '{:.2f}')} | "
+                f"{_f(rss / 1024 if rss else None, '{:.0f}')} | {d.get('region_status') or '–'} |")
     if not any_dbr:
-        out.append("| (no dbr configuration ran) ||||||||||")
+        out.append("| (no dbr configuration ran) |||||||||||")
     out.append("")
     probs = [r for r in rows if r.get("status") != "ok"]
     if probs:
@@ -161,8 +165,8 @@ def _scaling_md(s: dict) -> list[str]:
         return out + [f"**{s['status']}**", ""]
     out += ["| clients | status | service CPU s (share of one core) | service peak RSS MB | "
             "clients patched | first patch s median (max) | ctl status ms median (p90, n) | "
-            "client wall s median |",
-            "|---|---|---|---|---|---|---|---|"]
+            "`dbr ctl --json status` command ms median | client wall s median |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for lv in s.get("levels", []):
         cpu = lv.get("service_cpu_s")
         lat = lv.get("ctl_latency_ms") or {}
@@ -174,6 +178,7 @@ def _scaling_md(s: dict) -> list[str]:
             f"{lv.get('clients_patched', '–')}/{lv.get('clients_seen', '–')} | "
             f"{_f(ttfp.get('median'))} ({_f(ttfp.get('max'))}) | "
             f"{_f(lat.get('median'), '{:.1f}')} ({_f(lat.get('p90'), '{:.1f}')}, {lat.get('n', 0)}) | "
+            f"{_f((lv.get('dbr_ctl_command_ms') or {}).get('median'), '{:.0f}')} | "
             f"{_f((lv.get('client_wall_s') or {}).get('median'))} |")
     out.append("")
     return out
