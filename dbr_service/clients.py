@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, Received
 from dbr_service.errors import AgentError, MemoryViewError, ProtocolError, SamplingError
+from dbr_service.install import Installer, InstallState
+from dbr_service.optimize import Evaluator, install_regions
 
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.sampling.base import SamplingSource
@@ -178,6 +180,20 @@ class ClientSession:
         self.errors: collections.deque[str] = collections.deque(maxlen=20)
         self.source: SamplingSource | None = None
         self.source_name = ""
+        #: Installation of replacement code (session thread only; created on first use).
+        self.installer: Installer | None = None
+        self.evaluator: Evaluator | None = None
+        #: Replacement code now live: (lo, hi, InstalledRegion) tuples, replaced whole by
+        #: the session thread so other threads read it without a lock.
+        self.live_code: tuple[tuple[int, int, Any], ...] = ()
+        #: Raw sample IPs outside replacement code, one Counter per recent snapshot:
+        #: what region selection sees (old samples of code already optimized fade out).
+        self.recent: collections.deque[collections.Counter[int]] = collections.deque(maxlen=4)
+        #: Region ids never to install again (judged not effective).
+        self.blocked_regions: set[str] = set()
+        self._perf_map_ours = False
+        #: Seconds from connection to the first occurrence of each step of the cycle.
+        self.timeline: dict[str, float] = {}
         #: Source this client must use (set when perf was refused for it).
         self.forced_source: str | None = None
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
@@ -339,10 +355,16 @@ class ClientSession:
         elif t is P.MsgType.MAP_CHANGED:
             body = rec.msg.body
             self._refresh_maps()
-            if body.req_id:
-                self.conn.ack(body.req_id, P.Result.OK)
-            self.service.events.publish("map-changed", pid=self.pid, kind=int(body.kind),
-                                        lo=body.lo, hi=body.hi)
+            lo, hi, req_id, kind = body.lo, body.hi, body.req_id, int(body.kind)
+            if self.installer is not None and self.installer.affected_by(lo, hi):
+                # Unpatching needs requests of its own: never from inside another
+                # request's wait (its reply could be taken for ours), so it runs as the
+                # next command of this thread; the agent waits (bounded) for the ACK.
+                self._commands.put((lambda: self._map_changed(lo, hi, req_id), Future()))
+                self._wake()
+            elif req_id:
+                self.conn.ack(req_id, P.Result.OK)
+            self.service.events.publish("map-changed", pid=self.pid, kind=kind, lo=lo, hi=hi)
         elif t is P.MsgType.BYE:
             self.close_reason = "agent said BYE"
             self._stop = True
@@ -442,6 +464,188 @@ class ClientSession:
         if key not in self._region_ids:
             self._region_ids[key] = f"r{len(self._region_ids) + 1}"
         return self._region_ids[key]
+
+    # ------------------------------------------------------------------ replacement code
+    def mark(self, step: str) -> None:
+        """Record the first time ``step`` happened (report field ``timeline``)."""
+        if step not in self.timeline:
+            self.timeline[step] = round(time.monotonic() - self.connected_mono, 4)
+
+    def _read_original(self, addr: int, n: int) -> bytes:
+        with open(f"/proc/{self.pid}/mem", "rb", buffering=0) as f:
+            f.seek(addr)
+            return f.read(n)
+
+    def _get_installer(self) -> Installer:
+        if self.installer is None:
+            cfg = self.service.config
+            variant = {"int3": P.Variant.INT3, "self-branch": P.Variant.SELF_BRANCH,
+                       "single": P.Variant.SINGLE}[cfg.patch_variant]
+            self.installer = Installer(self.conn, self._read_original, variant=variant)
+            self.evaluator = Evaluator(self.installer)
+        return self.installer
+
+    def _publish_live_code(self) -> None:
+        inst = self.installer
+        if inst is None:
+            return
+        self.live_code = tuple((r.chunk.addr, r.chunk.addr + r.chunk.size, r)
+                               for r in inst.regions.values()
+                               if r.state is InstallState.INSTALLED)
+        self._write_perf_map()
+
+    def patched_ranges(self) -> list[tuple[int, int]]:
+        """Byte ranges of installed patch sites (for discovery in the next job)."""
+        return [(s.site, s.site + P.PATCH_LEN) for _, _, r in self.live_code
+                for s in r.patched_sites]
+
+    def install_selected(self, srs: list[Any], ids: list[str]) -> int:
+        """Session thread: emit and install the regions not yet installed; regions
+        installed.  One region's failure is recorded; the others go on."""
+        inst = self._get_installer()
+        todo = [(rid, sr) for rid, sr in zip(ids, srs)
+                if rid not in self.blocked_regions
+                and (rid not in self.regions or self.regions[rid].state
+                     not in (RegionState.INSTALLED,))]
+        if not todo:
+            return 0
+        live = [r for r in inst.regions.values() if r.state is InstallState.INSTALLED]
+        out = install_regions(inst, [sr for _, sr in todo], already=live)
+        by_name = {r.name: r for r in out.installed}
+        n = 0
+        with self.lock:
+            for rid, sr in todo:
+                rec = self.regions.get(rid)
+                reg = by_name.get(sr.id)
+                if rec is None:
+                    continue
+                if reg is None:
+                    why = next((w for i, w in out.failed if i == sr.id), "not installed")
+                    rec.info["install_error"] = why
+                    continue
+                rec.state = RegionState.INSTALLED
+                rec.sites = reg.patched_sites
+                rec.code_bytes = reg.gen.size
+                rec.info.update(install_id=reg.region_id, code_at=hex(reg.chunk.addr),
+                                sites=len(reg.patched_sites))
+                reg.name = rid
+                n += 1
+                self.patches_installed += len(reg.patched_sites)
+                if self.first_patch_mono is None:
+                    self.first_patch_mono = time.monotonic()
+                    self.mark("first_patch")
+                self.service.events.publish("patch-installed", pid=self.pid, region=rid,
+                                            sites=len(reg.patched_sites),
+                                            code_bytes=reg.gen.size)
+        for rid, why in out.failed:
+            self.errors.append(f"region {rid}: {why}")
+        self._publish_live_code()
+        return n
+
+    def uninstall_region(self, rid: str, why: str) -> bool:
+        """Session thread: restore the patch sites of one installed region."""
+        rec = self.regions.get(rid)
+        if rec is None or rec.state is not RegionState.INSTALLED or self.installer is None:
+            return False
+        reg = self.installer.regions.get(rec.info.get("install_id", -1))
+        if reg is not None and reg.state is InstallState.INSTALLED:
+            self.installer.uninstall(reg.region_id, why)
+        self._region_removed(rec, why)
+        self._publish_live_code()
+        return True
+
+    def _region_removed(self, rec: RegionRecord, why: str) -> None:
+        with self.lock:
+            rec.state = RegionState.REMOVED
+            rec.info["removed_why"] = why
+            self.patches_removed += len(rec.sites)
+        self.service.events.publish("patch-removed", pid=self.pid, region=rec.id,
+                                    sites=len(rec.sites), why=why)
+
+    def _record_of(self, install_id: int) -> RegionRecord | None:
+        return next((r for r in self.regions.values()
+                     if r.info.get("install_id") == install_id), None)
+
+    def _map_changed(self, lo: int, hi: int, req_id: int) -> None:
+        """Session thread: unpatch regions that patch, copy or exit into [lo, hi), ACK."""
+        try:
+            for reg in self.installer.on_map_changed(lo, hi) if self.installer else []:
+                rec = self._record_of(reg.region_id)
+                if rec is not None:
+                    self._region_removed(rec, f"map change {lo:#x}-{hi:#x}")
+            self._publish_live_code()
+        finally:
+            if req_id:
+                self.conn.ack(req_id, P.Result.OK)
+
+    def split_window(self, samples: list) -> tuple[collections.Counter[int], int]:
+        """Control thread: raw IPs of one window, and how many landed in replacement
+        code.  IPs outside it feed the next region selection."""
+        raw: collections.Counter[int] = collections.Counter(smp.ip for smp in samples)
+        if raw:
+            self.mark("first_samples")
+        live = self.live_code
+        in_repl = 0
+        outside: collections.Counter[int] = collections.Counter()
+        for ip, n in raw.items():
+            if any(lo <= ip < hi for lo, hi, _ in live):
+                in_repl += n
+            else:
+                outside[ip] = n
+        with self.lock:
+            self.recent.append(outside)
+            if self.first_patch_mono is not None:
+                self.samples_in_replacement += in_repl
+        return raw, in_repl
+
+    def selection_input(self) -> dict[int, int]:
+        """Samples region selection works from: recent ones outside replacement code."""
+        total: collections.Counter[int] = collections.Counter()
+        with self.lock:
+            for c in self.recent:
+                total.update(c)
+        return dict(total)
+
+    def evaluate(self, raw: collections.Counter[int]) -> None:
+        """Session thread: judge installed regions on one window; reclaim code space."""
+        if self.evaluator is None or self.installer is None:
+            return
+        self.evaluator.snapshot(raw)
+        for reg, why in self.evaluator.apply():
+            rec = self._record_of(reg.region_id)
+            if rec is not None:
+                if why == "not effective":
+                    self.blocked_regions.add(rec.id)
+                self._region_removed(rec, why)
+        self._publish_live_code()
+        if self.installer.space.quarantine:
+            try:
+                self.installer.reclaim()
+            except AgentError as exc:
+                self.errors.append(f"census: {exc}")
+
+    def original_address(self, ip: int) -> int:
+        """Any thread: the original address of a replacement-code IP (else ``ip``)."""
+        for lo, hi, reg in self.live_code:
+            if lo <= ip < hi:
+                orig = reg.original_of(ip)
+                return ip if orig is None else orig
+        return ip
+
+    def _write_perf_map(self) -> None:
+        """/tmp/perf-PID.map names replacement code for `perf report`; never touches a
+        map another writer (a JIT in the client) owns."""
+        if not self.service.config.perf_map or self.installer is None:
+            return
+        path = f"/tmp/perf-{self.pid}.map"
+        if not self._perf_map_ours and os.path.exists(path):
+            return
+        try:
+            with open(path, "w") as f:
+                f.write("\n".join(self.installer.perf_map_lines()) + "\n")
+            self._perf_map_ours = True
+        except OSError as exc:
+            self.errors.append(f"perf map: {exc}")
 
     # ------------------------------------------------------------------ views
     def summary(self) -> dict[str, Any]:

@@ -34,6 +34,9 @@ def _doc(text: str, **extra: Any) -> dict[str, Any]:
     return {"doc": text, **extra}
 
 
+PATCH_VARIANTS = ("int3", "self-branch", "single")
+
+
 @dataclass(frozen=True)
 class Config:
     """All tunables of the service; see docs/operators.md for the long form."""
@@ -83,6 +86,13 @@ class Config:
         "entries of the agent-timer sample ring (power of two)", min=64, max=1 << 22))
     hotspots_kept: int = field(default=256, metadata=_doc(
         "hot spots remembered per client", min=1, max=100_000))
+    patching: bool = field(default=True, metadata=_doc(
+        "install replacement code (false: sample and select regions only)"))
+    patch_variant: str = field(default="int3", metadata=_doc(
+        "int3 | self-branch | single: the agent's cross-modifying-code protocol "
+        "(DESIGN.md invariant 5); single is opt-in only", choices=PATCH_VARIANTS))
+    perf_map: bool = field(default=True, metadata=_doc(
+        "write /tmp/perf-PID.map naming replacement code (unless another writer owns it)"))
     log_level: str = field(default="info", metadata=_doc(
         "debug | info | warning | error",
         choices=("debug", "info", "warning", "error")))

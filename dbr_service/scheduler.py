@@ -13,6 +13,7 @@ The job, :func:`optimize_client`, is the one place the cycle's worker steps run
 
 from __future__ import annotations
 
+import bisect
 import importlib
 import importlib.util
 import logging
@@ -81,6 +82,8 @@ class ClientJob:
     config: dict[str, Any]
     #: Taken branches seen in the snapshot ``{src: {dst: count}}`` (sources with branch info).
     branches: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: Byte ranges of installed patches: discovery stops at them (seed 001).
+    patched: list[tuple[int, int]] = field(default_factory=list)
     submitted: float = field(default_factory=time.time)
 
     def memory_view(self):
@@ -104,6 +107,9 @@ class JobResult:
     region_status: str = ""
     elapsed_s: float = 0.0
     worker_pid: int = 0
+    #: The selected super-regions themselves (same order as ``regions``), for codegen
+    #: and installation on the service side.
+    srs: list[Any] | None = None
 
 
 def optimize_client(job: ClientJob) -> JobResult:
@@ -118,9 +124,9 @@ def optimize_client(job: ClientJob) -> JobResult:
     cfg = Config(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in job.config.items()})
     hotspots = find_hotspots(job.samples, job.maps, threshold=cfg.hot_threshold,
                              top=cfg.hotspots_kept)
-    regions, status = select_client_regions(job, cfg)
+    regions, status, srs = select_client_regions(job, cfg)
     return JobResult(job.session_id, job.pid, hotspots, regions, status,
-                     time.monotonic() - t0, os.getpid())
+                     time.monotonic() - t0, os.getpid(), srs=srs)
 
 
 def region_config(cfg: Any, total_samples: int) -> Any:
@@ -134,23 +140,31 @@ def region_config(cfg: Any, total_samples: int) -> Any:
                         min_region_size=cfg.min_region_size, inline_budget=cfg.inline_budget)
 
 
-def select_client_regions(job: ClientJob, cfg: Any) -> tuple[list[dict] | None, str]:
-    """Run region selection if the pipeline module exists; (regions, status text)."""
-    if importlib.util.find_spec("dbr_service.region.pipeline") is None:
-        return None, "region selection not available yet (dbr_service.region.pipeline missing)"
+def select_client_regions(job: ClientJob, cfg: Any
+                          ) -> tuple[list[dict] | None, str, list[Any] | None]:
+    """Run region selection; (region summaries, status text, the super-regions)."""
+    if not job.cumulative:
+        return None, "no samples outside replacement code", None
+    patched = sorted(job.patched)
+
+    def is_patched(addr: int) -> bool:
+        i = bisect.bisect_right(patched, (addr, 1 << 64)) - 1
+        return i >= 0 and patched[i][0] <= addr < patched[i][1]
+
     try:
         pipeline = importlib.import_module("dbr_service.region.pipeline")
         rcfg = region_config(cfg, sum(job.cumulative.values()))
         res = pipeline.select_regions(job.cumulative, job.memory_view(), rcfg,
-                                      branch_samples=job.branches or None)
+                                      branch_samples=job.branches or None,
+                                      patched=is_patched if patched else None)
     except Exception as exc:  # per-client: recorded, the service goes on
         tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        return None, f"region selection failed: {tb}"
+        return None, f"region selection failed: {tb}", None
     regions = [describe_region(sr) for sr in res.regions]
     status = f"{len(regions)} region(s) selected"
     if res.failures:
         status += f", {len(res.failures)} dropped by failures ({res.failures[0].error})"
-    return regions, status + "; code generation not wired yet"
+    return regions, status, list(res.regions)
 
 
 def describe_region(sr: Any) -> dict[str, Any]:
@@ -188,8 +202,16 @@ def _worker_init(service_pid: int) -> None:
     threading.Thread(target=watch, name="dbr-worker-watch", daemon=True).start()
 
 
+WORKER_PRELOAD = ["dbr_service.scheduler", "dbr_service.region.pipeline",
+                  "dbr_service.region.discovery", "dbr_service.region.memview",
+                  "dbr_service.codegen.relocate"]
+
+
 def warm_up() -> int:
-    """A no-op job: makes the pool start a worker (and import this module) early."""
+    """Makes the pool start a worker early and import what a job needs (capstone,
+    networkx, the pipeline), so the first job does not pay for it."""
+    for name in WORKER_PRELOAD:
+        importlib.import_module(name)
     return os.getpid()
 
 
@@ -213,6 +235,12 @@ class Scheduler:
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[ClientJob | None, int]] = queue.Queue()
         self._closed = False
+        #: Set once a pool worker has answered: until then jobs run on a thread of this
+        #: process (a cold pool costs ~0.5-1 s; the first job should not wait for it).
+        self._pool_ready = threading.Event()
+        self._pool_lock = threading.Lock()
+        self._warming = False
+        self.inline_jobs = 0
         self._thread = threading.Thread(target=self._submitter, name="dbr-scheduler",
                                         daemon=True)
         self._thread.start()
@@ -231,8 +259,28 @@ class Scheduler:
         return auto_workers(cpus, load1)
 
     def warm(self, max_workers: int) -> None:
-        """Start the pool and one worker in the background (first jobs come sooner)."""
-        self._queue.put((None, self._pool_limit(max_workers)))
+        """Start the pool and one worker in the background (first jobs come sooner), and
+        import what jobs need in this process too, for jobs run before the pool is up."""
+        self._start_warm(self._pool_limit(max_workers))
+        threading.Thread(target=warm_up, name="dbr-warm-imports", daemon=True).start()
+
+    def _start_warm(self, limit: int) -> None:
+        self._warming = True
+        threading.Thread(target=self._warm_pool, args=(limit,), name="dbr-warm-pool",
+                         daemon=True).start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait (bounded) until a pool worker has answered; True if it has."""
+        return self._pool_ready.wait(timeout)
+
+    def _warm_pool(self, limit: int) -> None:
+        """Start the pool (submitting the first job starts the forkserver and a worker,
+        synchronously: never on the submitter thread, jobs would queue behind it)."""
+        try:
+            pool = self._ensure_pool(limit)
+            pool.submit(warm_up).add_done_callback(lambda f: self._pool_ready.set())
+        except Exception as exc:  # no pool: jobs keep running inline
+            log.warning("worker pool did not start: %s", exc)
 
     @staticmethod
     def _pool_limit(max_workers: int) -> int:
@@ -259,10 +307,15 @@ class Scheduler:
             if self._closed:
                 return
             try:
-                pool = self._ensure_pool(limit)
                 if job is None:
-                    pool.submit(warm_up)
                     continue
+                if not self._pool_ready.is_set():
+                    if not self._warming:   # nobody called warm(): start the pool now
+                        self._start_warm(limit)
+                    threading.Thread(target=self._run_inline, args=(job,), daemon=True,
+                                     name=f"dbr-job-{job.session_id}").start()
+                    continue
+                pool = self._ensure_pool(limit)
                 fut = pool.submit(optimize_client, job)
             except Exception as exc:  # pool broken or shut down: report, go on
                 if job is not None:
@@ -275,6 +328,23 @@ class Scheduler:
                 self.running[job.session_id] = fut
                 self.submitted += 1
             fut.add_done_callback(lambda f, sid=job.session_id: self._done(sid, f))
+
+    def _run_inline(self, job: ClientJob) -> None:
+        """A job on a thread of the service (only while the pool is still starting)."""
+        with self._lock:
+            self.running[job.session_id] = None
+            self.inline_jobs += 1
+        try:
+            res: JobResult | BaseException = optimize_client(job)
+        except Exception as exc:  # optimize_client records its own failures; a bug here
+            res = exc
+        with self._lock:
+            self.running.pop(job.session_id, None)
+            if isinstance(res, BaseException):
+                self.failed += 1
+            else:
+                self.completed += 1
+        self.on_result(res, job.session_id)
 
     def _done(self, session_id: int, fut: Future) -> None:
         with self._lock:
@@ -290,10 +360,17 @@ class Scheduler:
             self.on_result(exc, session_id)
 
     def _ensure_pool(self, size: int) -> ProcessPoolExecutor:
+        with self._pool_lock:
+            return self._ensure_pool_locked(size)
+
+    def _ensure_pool_locked(self, size: int) -> ProcessPoolExecutor:
         if self._pool is None or size != self._pool_size:
             old = self._pool
             # forkserver: workers never inherit the service's threads, sockets or zmq.
             ctx = multiprocessing.get_context("forkserver")
+            # The forkserver imports what jobs need once; every worker forks from it
+            # with those modules loaded (the first job no longer pays ~0.5 s of imports).
+            ctx.set_forkserver_preload(WORKER_PRELOAD)
             self._pool = ProcessPoolExecutor(max_workers=size, mp_context=ctx,
                                              initializer=_worker_init,
                                              initargs=(os.getpid(),))
@@ -305,7 +382,8 @@ class Scheduler:
     def stats(self) -> dict[str, Any]:
         return {"pool_size": self._pool_size, "running": len(self.running),
                 "submitted": self.submitted, "completed": self.completed,
-                "failed": self.failed, "deferred_for_load": self.skipped_load}
+                "failed": self.failed, "deferred_for_load": self.skipped_load,
+                "inline_jobs": self.inline_jobs, "pool_ready": self._pool_ready.is_set()}
 
     def shutdown(self, timeout: float = 1.0) -> None:
         """Cancel queued jobs and stop workers without waiting for running ones

@@ -128,6 +128,8 @@ class Service:
         self.pending: dict[int, ClientSession] = {}
         self.history: collections.deque[ClientSession] = collections.deque(maxlen=1024)
         self.sessions_seen = 0
+        #: pid -> live session, rebuilt at each snapshot (sample attribution).
+        self._by_pid: dict[int, ClientSession] = {}
         self.paused = False
         self.stopping = False
         self.stop_reason = ""
@@ -468,6 +470,7 @@ class Service:
         """Aggregate the window by (client, IP) and hand the hottest clients to workers."""
         snap, self._snap = self._snap, None
         self.snapshot_count += 1
+        self._by_pid = {x.pid: x for x in self.live_sessions()}  # for attribute()
         agg = SampleAggregator(attribute=self.attribute)
         agg.start_window()
         done: list[ClientSession] = []
@@ -478,25 +481,35 @@ class Service:
             if fut.exception() is not None:
                 self._sampling_failed(s, fut.exception())
                 continue
-            agg.add(fut.result())
+            samples = fut.result()
+            raw, _ = s.split_window(samples)  # before attribution: replacement IPs as such
+            if s.evaluator is not None and s.alive:
+                s.post(lambda s=s, raw=raw: s.evaluate(raw))
+            agg.add(samples)
             done.append(s)
         window = agg.end_window().aggregator
         jobs = []
         for s in done:
             counts = collections.Counter(window.ips.get(s.pid, {}))
             s.add_samples(counts, window.per_thread(s.pid))
-            if counts and s.alive and not s.paused:
+            selection = s.selection_input()
+            if counts and selection and s.alive and not s.paused:
                 jobs.append(ClientJob(s.session_id, s.pid, s.exe, dict(counts),
-                                      dict(s.ip_counts), list(s.maps), self.config.to_dict(),
-                                      branches=window.branch_counts(s.pid)))
+                                      selection, list(s.maps), self.config.to_dict(),
+                                      branches=window.branch_counts(s.pid),
+                                      patched=s.patched_ranges()))
         if jobs and not self.paused:
-            self.scheduler.schedule(jobs, self.config.max_workers)
+            queued = set(self.scheduler.schedule(jobs, self.config.max_workers))
+            for s in done:
+                if s.session_id in queued:
+                    s.mark("first_job_queued")
         self.notifier.status(self._status_line())
 
     def attribute(self, pid: int, ip: int) -> int:
-        """Replacement-code address -> original address (identity until codegen emits
-        address maps; the hook the aggregator calls)."""
-        return ip
+        """Replacement-code address -> original address (the hook the aggregator
+        calls), so hot spots and later selection see one program."""
+        s = self._by_pid.get(pid)
+        return ip if s is None else s.original_address(ip)
 
     def _session_by_id(self, sid: int) -> ClientSession | None:
         with self.lock:
@@ -513,11 +526,13 @@ class Service:
         if s is None:
             return
         s.jobs_done += 1
+        s.mark("first_job_done")
         if isinstance(res, BaseException):
             s.errors.append(f"worker job failed: {res!r}")
             self.events.publish("error", pid=s.pid, message=f"worker job failed: {res!r}")
             return
         s.hotspots = res.hotspots
+        s.timeline.setdefault("first_job_worker_s", round(res.elapsed_s, 4))
         if res.regions is None and not s.alive and s.jobs_done > 1:
             return  # the client left while its last job ran: keep the earlier outcome
         s.region_status = res.region_status
@@ -532,23 +547,30 @@ class Service:
                                                  d["code_bytes"], dot=d.get("dot"),
                                                  info={"pipeline_id": d["id"]})
                 s.regions = keep
+            if self.config.patching and res.srs and s.alive and not s.paused:
+                ids = [s.region_id(d["module"], d["entries"]) for d in res.regions]
+                fut = s.post(lambda s=s, srs=res.srs, ids=ids: s.install_selected(srs, ids))
+                fut.add_done_callback(lambda f, s=s: self._install_done(s, f))
         self.events.publish("job-done", pid=s.pid, hotspots=len(res.hotspots),
                             regions=None if res.regions is None else len(res.regions),
                             status=res.region_status, elapsed_s=round(res.elapsed_s, 3))
 
+    def _install_done(self, s: ClientSession, fut) -> None:
+        exc = fut.exception()
+        if exc is not None:
+            msg = f"installation failed: {exc!r}"
+            s.errors.append(msg)
+            self.events.publish("error", pid=s.pid, message=msg)
+
     # ------------------------------------------------------------------ operations
     def unpatch(self, s: ClientSession, region_id: str | None) -> int:
         """Remove the patches of one installed region (or all); regions removed."""
-        targets = [r for r in s.regions.values()
+        targets = [r.id for r in s.regions.values()
                    if r.state is RegionState.INSTALLED and (region_id in (None, r.id))]
         removed = 0
-        for r in targets:
-            if r.sites:
-                s.call(lambda r=r: s.conn.unpatch(list(r.sites)), timeout=6.0)
-            r.state = RegionState.REMOVED
-            s.patches_removed += len(r.sites)
-            removed += 1
-            self.events.publish("patch-removed", pid=s.pid, region=r.id, sites=len(r.sites))
+        for rid in targets:
+            if s.call(lambda rid=rid: s.uninstall_region(rid, "operator"), timeout=6.0):
+                removed += 1
         return removed
 
     def set_config(self, new: Config) -> None:

@@ -926,3 +926,18 @@ def test_jump_table_with_base_hoisted_out_of_the_loop(tmp_path):
     sr2 = hot_code_discovery(head, mem, jumps_from_hot_limit=1)
     [ij] = [bb for _, bb in sr2.blocks() if bb.start == ijmps[0].start]
     assert ij.unknown_target
+
+
+@pytest.mark.parametrize("path", ["/lib/x86_64-linux-gnu/libc.so.6", "/usr/bin/gzip"])
+def test_elf_got_names_agree_with_lief(path):
+    """The live view's small ELF reader names the same GOT slots as lief."""
+    import os
+
+    from dbr_service.region.memview import elf_got_names
+
+    if not os.path.exists(path):
+        pytest.skip(f"{path} not on this machine")
+    elf = lief.ELF.parse(path)
+    want = {r.address: r.symbol.name for r in list(elf.pltgot_relocations)
+            + list(elf.dynamic_relocations) if r.symbol is not None and r.symbol.name}
+    assert elf_got_names(path) == want

@@ -62,7 +62,11 @@ def test_report_embedded_follows_forks_and_execs(noservice_env, tmp_path):
         assert c["samples"] > 10   # CPU time of a loaded 2-core machine: keep it low
         assert lo <= c["hotspots"][0]["offset"] < hi, c["hotspots"][:3]
     assert rep["totals"]["samples"] == sum(c["samples"] for c in rep["clients"])
-    assert rep["totals"]["patches_installed"] == 0
+    assert rep["totals"]["patches_installed"] == sum(c["patches_installed"]
+                                                    for c in rep["clients"])
+    for c in rep["clients"]:
+        assert c["samples_in_replacement"] <= c["samples_after_first_patch"] <= c["samples"]
+        assert (c["time_to_first_patch_s"] is None) == (c["patches_installed"] == 0)
     assert "dbr:" in r.stderr and "samples" in r.stderr
 
 

@@ -84,7 +84,8 @@ def test_regions_selected_in_workers_and_shown():
                             and r, 30.0, "a region")
         lo, hi = symbol_range(prog, "mix")
         r = regs["regions"][0]
-        assert r["state"] == "selected" and r["blocks"] > 0 and r["code_bytes"] > 0
+        assert r["state"] in ("selected", "installed", "removed") and r["blocks"] > 0 \
+            and r["code_bytes"] > 0
         assert r["module"] == prog
         base = min(h["ip"] - h["offset"] for h in
                    svc.call("hotspots", {"pid": client.pid})["hotspots"] if h["module"] == prog)

@@ -48,12 +48,14 @@ def test_schedule_hottest_first_and_worker_result():
                       {0x401010: n, 0x401020: 1}, MAPS, cfg) for sid, n in
             ((1, 10), (2, 500), (3, 40))]
     try:
+        sched.warm(1)
+        assert sched.wait_ready(60), "the worker pool did not start"
         assert sched.schedule(jobs, max_workers=1) == [2]        # the hottest only
         assert sched.stats()["deferred_for_load"] == 2
         assert sched.schedule(jobs, max_workers=1) == []          # 2 still running
         sid, res = results.get(timeout=60)
         assert sid == 2 and isinstance(res, JobResult), res
-        assert res.worker_pid != os.getpid()
+        assert res.worker_pid != os.getpid()                      # in a worker process
         assert [h["ip"] for h in res.hotspots] == [0x401010]
         # Region selection ran (or was reported missing/failing) without raising.
         assert res.region_status
@@ -102,3 +104,24 @@ def test_agent_timer_fallback_when_perf_refused(monkeypatch):
         svc.request_stop("test done")
         t.join(5)
         assert not t.is_alive()
+
+
+def test_jobs_run_inline_until_the_pool_is_ready():
+    """A cold pool takes ~0.5-1 s to start: the first jobs run on a thread of the
+    service meanwhile, and the pool is started even if nobody called warm()."""
+    results: queue.Queue = queue.Queue()
+    sched = Scheduler(lambda res, sid: results.put((sid, res)))
+    cfg = Config(hot_threshold=0.2).to_dict()
+    job = ClientJob(7, os.getpid(), "/bin/prog", {0x401010: 50}, {0x401010: 50}, MAPS, cfg)
+    try:
+        assert sched.schedule([job], max_workers=1) == [7]
+        sid, res = results.get(timeout=60)
+        assert sid == 7 and isinstance(res, JobResult)
+        assert res.worker_pid == os.getpid() and sched.stats()["inline_jobs"] == 1
+        assert sched.wait_ready(60)
+        assert sched.schedule([job], max_workers=1) == [7]
+        sid, res = results.get(timeout=60)
+        assert res.worker_pid != os.getpid()
+    finally:
+        sched.shutdown()
+

@@ -14,6 +14,7 @@ import abc
 import bisect
 import itertools
 import os
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -175,6 +176,42 @@ class _Image:
 def _perm_str(flags: int) -> str:
     # lief segment flags: R=4, W=2, X=1
     return ("r" if flags & 4 else "-") + ("w" if flags & 2 else "-") + ("x" if flags & 1 else "-")
+
+
+def elf_got_names(path: str) -> dict[int, str]:
+    """GOT slot (link address) -> imported symbol name, from the file's ``SHT_RELA``
+    sections against their ``SHT_DYNSYM`` table.  A small struct reader: the live
+    view needs only this, and importing lief costs a worker about a second."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise MemoryViewError(f"{path}: {exc}") from exc
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise MemoryViewError(f"{path}: not a 64-bit little-endian ELF file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    if not shoff or shentsize < 64 or shoff + shnum * shentsize > len(data):
+        return {}
+    secs = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+            for i in range(shnum)]
+    out: dict[int, str] = {}
+    for _, sh_type, _, _, off, size, link, _, _, entsize in secs:
+        if sh_type != 4 or link >= shnum or secs[link][1] != 11:   # SHT_RELA -> SHT_DYNSYM
+            continue
+        symoff, symsize, strsec = secs[link][4], secs[link][5], secs[link][6]
+        stroff = secs[strsec][4] if strsec < shnum else 0
+        for k in range(0, size - 23, entsize or 24):
+            r_offset, r_info = struct.unpack_from("<QQ", data, off + k)
+            sym = r_info >> 32
+            if sym == 0 or (sym + 1) * 24 > symsize:
+                continue
+            st_name, = struct.unpack_from("<I", data, symoff + sym * 24)
+            end = data.find(b"\0", stroff + st_name)
+            name = data[stroff + st_name:end].decode(errors="replace")
+            if name:
+                out[r_offset] = name
+    return out
 
 
 def _load_elf_image(path: str, base: int | None) -> _Image:
@@ -362,9 +399,8 @@ class LiveMemoryView(MemoryView):
         names = self._got_cache.get(rng.module)
         if names is None:
             try:
-                img = _load_elf_image(rng.module, 0)
-                names = img.got_names
-            except (MemoryViewError, OSError):
+                names = elf_got_names(rng.module)
+            except MemoryViewError:
                 names = {}
             self._got_cache[rng.module] = names
         return names.get(got_addr - base)
