@@ -538,8 +538,8 @@ class Service:
         s.region_status = res.region_status
         if res.regions is not None:
             with s.lock:
-                keep = {k: r for k, r in s.regions.items()
-                        if r.state is RegionState.INSTALLED}
+                keep = {k: r for k, r in s.regions.items()   # with their history
+                        if r.state in (RegionState.INSTALLED, RegionState.REMOVED)}
                 for d in res.regions:
                     rid = s.region_id(d["module"], d["entries"])
                     if rid not in keep:
