@@ -36,7 +36,7 @@ SITE_LEN = len(SITE_INSN)
 
 
 def compile_c(sources: Iterable[str | Path], *, flags: Iterable[str] = (), out_name: str | None = None,
-              shared: bool = False) -> Path:
+              shared: bool = False, cc: str = "gcc") -> Path:
     """Compile C sources (relative names are under tests/agent_progs); cached by content."""
     srcs = [Path(s) if Path(s).is_absolute() else PROGS / s for s in sources]
     flags = list(flags)
@@ -45,12 +45,12 @@ def compile_c(sources: Iterable[str | Path], *, flags: Iterable[str] = (), out_n
         h.update(s.read_bytes())
     for inc in PROGS.glob("*.h"):
         h.update(inc.read_bytes())
-    h.update(repr((flags, shared)).encode())
+    h.update(repr((flags, shared, cc)).encode())
     _BUILD_DIR.mkdir(parents=True, exist_ok=True)
     name = out_name or srcs[0].stem
     out = _BUILD_DIR / f"{name}-{h.hexdigest()[:12]}{'.so' if shared else ''}"
     if not out.exists():
-        cmd = ["gcc", "-O2", "-g", "-pthread", f"-I{PROGS}", *flags]
+        cmd = [cc, "-O2", "-g", "-pthread", f"-I{PROGS}", *flags]
         if shared:
             cmd += ["-shared", "-fPIC"]
         tmp = out.with_suffix(out.suffix + f".tmp{os.getpid()}")
