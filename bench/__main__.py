@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import time
 
@@ -14,6 +15,10 @@ BENCHMARKS = [
     ("compare", "bench.compare"),     # issue 6: dbr vs native, PGO, perf, valgrind
     ("scaling", "bench.scaling"),     # issue 6: 1..64 clients under one service
 ]
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DBR_BENCH_SESSION", f"{os.getpid()}-{time.time():.0f}")
     os.environ.setdefault("DBR_BENCH_COMMAND", " ".join(["python", "-m", "bench", *(argv if argv
                                                          is not None else sys.argv[1:])]))
+    # SIGTERM unwinds like Ctrl-C: runs in progress are killed, partial results written.
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     t0 = time.monotonic()
     rc = 0
     for name, mod in BENCHMARKS:

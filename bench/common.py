@@ -134,6 +134,23 @@ def machine_details() -> dict:
     return m
 
 
+def code_version() -> dict:
+    """Which dbr was measured: git commit and uncommitted changes under the code dirs."""
+    repo = Path(__file__).resolve().parents[1]
+    out: dict = {}
+    try:
+        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo,
+                                       capture_output=True, text=True,
+                                       timeout=10).stdout.strip()
+        st = subprocess.run(["git", "status", "--porcelain", "--", "dbr_service", "dbr_agent",
+                             "shared"], cwd=repo, capture_output=True, text=True,
+                            timeout=10).stdout
+        out["uncommitted_files"] = len([ln for ln in st.splitlines() if ln.strip()])
+    except (OSError, subprocess.SubprocessError):
+        out["commit"] = "unknown"
+    return out
+
+
 class Results:
     """``bench/results/latest.json`` (+ ``latest.md`` and PNG plots), written
     incrementally.  Benchmarks of one ``python -m bench`` session (env
@@ -157,6 +174,7 @@ class Results:
                          "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                          "machine": machine_details(), "benchmarks": {}, "plots": []}
             self.data["machine"]["loadavg_start"] = self.data["machine"]["loadavg"]
+            self.data["code"] = code_version()
 
     @classmethod
     def open(cls, quick: bool, command: list[str] | None = None,

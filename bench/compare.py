@@ -103,7 +103,15 @@ def run_once(argv: list[str], env: dict[str, str], run_dir: Path, outputs: list[
 
         th = threading.Thread(target=waiter, daemon=True)
         th.start()
-        th.join(timeout)
+        try:
+            th.join(timeout)
+        except BaseException:  # interrupted (SIGINT/SIGTERM): take the run down with us
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            th.join(10)
+            raise
         timed_out = th.is_alive()
         if timed_out:
             try:

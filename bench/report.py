@@ -52,6 +52,9 @@ def markdown(data: dict) -> str:
         f"* machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, kernel "
         f"{m.get('kernel', '?')}, {m.get('pmu_note', '')}; CPU governor: "
         f"{m.get('cpu_governor', '?')}; memory {_f((m.get('memtotal_kb') or 0) / 1048576, '{:.1f}')} GiB",
+        f"* dbr measured: commit {data.get('code', {}).get('commit', '?')}, "
+        f"{data.get('code', {}).get('uncommitted_files', '?')} uncommitted file(s) under "
+        "dbr_service/, dbr_agent/, shared/",
         f"* load average (1/5/15 min) at start {_fmt_load(la0)}, at end {_fmt_load(la1)}"
         + (" — **the machine was loaded: treat differences of a few % as noise**"
            if la0 and max(la0[0], (la1 or [0])[0]) > 0.5 * (m.get('cores') or 1) else ""),
