@@ -240,6 +240,7 @@ class Scheduler:
         self._pool_ready = threading.Event()
         self._pool_lock = threading.Lock()
         self._warming = False
+        self._inline_free = threading.Semaphore(1)
         self.inline_jobs = 0
         self._thread = threading.Thread(target=self._submitter, name="dbr-scheduler",
                                         daemon=True)
@@ -312,9 +313,11 @@ class Scheduler:
                 if not self._pool_ready.is_set():
                     if not self._warming:   # nobody called warm(): start the pool now
                         self._start_warm(limit)
-                    threading.Thread(target=self._run_inline, args=(job,), daemon=True,
-                                     name=f"dbr-job-{job.session_id}").start()
-                    continue
+                    if self._inline_free.acquire(blocking=False):  # one at a time: the
+                        threading.Thread(target=self._run_inline, args=(job,),  # GIL is
+                                         daemon=True,           # the control thread's too
+                                         name=f"dbr-job-{job.session_id}").start()
+                        continue
                 pool = self._ensure_pool(limit)
                 fut = pool.submit(optimize_client, job)
             except Exception as exc:  # pool broken or shut down: report, go on
@@ -338,6 +341,8 @@ class Scheduler:
             res: JobResult | BaseException = optimize_client(job)
         except Exception as exc:  # optimize_client records its own failures; a bug here
             res = exc
+        finally:
+            self._inline_free.release()
         with self._lock:
             self.running.pop(job.session_id, None)
             if isinstance(res, BaseException):

@@ -41,15 +41,20 @@ def native_output(exe, args) -> str:
 
 
 CASES = [
-    ("calls.c", "-O2", ["600"]),
-    ("calls.c", "-O0", ["150"]),
-    ("interp.c", "-O2", ["120"]),
-    ("threads.c", "-O2", ["300", "2"]),
+    ("calls.c", "-O2", ["600"], True),
+    ("calls.c", "-O0", ["150"], True),
+    ("interp.c", "-O2", ["120"], False),
+    ("threads.c", "-O2", ["300", "2"], True),
 ]
 
 
-@pytest.mark.parametrize("src, opt, args", CASES, ids=[f"{c[0]}{c[1]}" for c in CASES])
-def test_live_optimize(src, opt, args):
+@pytest.mark.parametrize("src, opt, args, takes_over", CASES,
+                         ids=[f"{c[0]}{c[1]}" for c in CASES])
+def test_live_optimize(src, opt, args, takes_over):
+    """``takes_over``: the region holds the hot loop (>= 90% of samples land in it and
+    the evaluator keeps it).  The interpreter's 12-way dispatch is left to original
+    code (no cascades beyond 4 targets), so its region bounces in and out every
+    iteration and the evaluator must judge it not effective."""
     exe = compile_c([E2E + src], flags=[opt, "-s"], out_name=f"{src}{opt}")
     expected = native_output(exe, args)
     svc = FakeService()
@@ -69,11 +74,16 @@ def test_live_optimize(src, opt, args):
         health = ev.snapshot(after)
         in_repl = sum(h.in_replacement for h in health)
         total = sum(after.values())
-        assert in_repl / total >= 0.9, (in_repl, total, [(h.region.name, h.share) for h in health])
-        assert not ev.verdicts(), "a region that took over was judged bad"
+        shares = [(h.region.name, round(h.share, 3)) for h in health]
+        if takes_over:
+            assert in_repl / total >= 0.9, (in_repl, total, shares)
+            assert not ev.verdicts(), "a region that took over was judged bad"
+        else:
+            assert [why for _, why in ev.verdicts()] == ["not effective"] * len(health), shares
         rc, rest = client.finish(timeout=120)
         assert rc == 0, client.err.lines
         assert "\n".join(client.out.lines) + "\n" == expected
-        assert all(r.state is InstallState.INSTALLED for r in out.installed)
+        if takes_over:
+            assert all(r.state is InstallState.INSTALLED for r in out.installed)
     finally:
         svc.close()
