@@ -1,0 +1,115 @@
+"""Real programs not written here, under `dbr run --embedded --aggressive`, on inputs
+generated (seeded) by the test: gzip, xz, zstd, bzip2, sqlite3, perl, python3.
+
+Every output must equal the native run's byte for byte.  A program missing from the
+machine is skipped with its name.  How many got patched is asserted loosely (the
+runs are 0.5-2 s: short for a sampling system) and printed; bench/ measures it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SQL = """CREATE TABLE t(a INTEGER, b TEXT, c REAL);
+WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM n WHERE x < 1000000)
+INSERT INTO t SELECT x, printf('k%07d', (x * 7919) % 100003), (x * 31 % 1000) / 7.0 FROM n;
+CREATE INDEX tb ON t(b);
+SELECT count(*), sum(a), round(avg(c), 4) FROM t WHERE b LIKE 'k00%';
+SELECT substr(b, 1, 4), count(*) FROM t GROUP BY substr(b, 1, 4) ORDER BY 2 DESC LIMIT 5;
+SELECT sum(t1.a) FROM t t1 JOIN t t2 ON t1.b = t2.b WHERE t1.a % 97 = 0;
+"""
+
+PERL = r"""my %h; my $n = 0;
+while (<STDIN>) { for my $w (split) { $h{$w}++; $n++ } }
+my @top = (sort { $h{$b} <=> $h{$a} || $a cmp $b } keys %h)[0..9];
+print "$n\n", join("\n", map { "$_ $h{$_}" } @top), "\n";
+"""
+
+PYTHON = """import sys, collections
+def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)
+c = collections.Counter()
+for line in sys.stdin:
+    c.update(line.split())
+print(sum(c.values()), c.most_common(5), fib(30))
+"""
+
+# name -> (argv with {in}/{sql}/{pl}/{py} placeholders, stdin file key or None)
+PROGRAMS = {
+    "gzip": (["gzip", "-9", "-c", "{in16}", "{in16}", "{in16}"], None),
+    "bzip2": (["bzip2", "-9", "-c", "{in4}"], None),
+    "xz": (["xz", "-6", "-T1", "-c", "{in2}"], None),
+    "zstd": (["zstd", "-19", "-T1", "-c", "{in2}"], None),
+    "sqlite3": (["sqlite3", ":memory:"], "sql"),
+    "perl": (["perl", "{pl}"], "in16"),
+    "python3": ([sys.executable, "-S", "{py}"], "in4"),
+}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("real-inputs")
+    r = random.Random(42)
+    words = ["".join(r.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(r.randint(2, 9)))
+             for _ in range(3000)]
+    lines = []
+    size = 0
+    while size < 16 << 20:
+        line = " ".join(r.choice(words) for _ in range(r.randint(3, 12)))
+        if r.random() < 0.3:
+            line += f" {r.randint(0, 10**6)}"
+        lines.append(line)
+        size += len(line) + 1
+    text = ("\n".join(lines) + "\n").encode()
+    out = {}
+    for mb in (2, 4, 8, 16):
+        p = d / f"in{mb}.txt"
+        p.write_bytes(text[: mb << 20])
+        out[f"in{mb}"] = p
+    for key, body in (("sql", SQL), ("pl", PERL), ("py", PYTHON)):
+        p = d / f"script.{key}"
+        p.write_text(body)
+        out[key] = p
+    return out
+
+
+RESULTS: dict[str, int] = {}
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_real_program_output_identical(name, inputs, tmp_path):
+    argv, stdin_key = PROGRAMS[name]
+    if shutil.which(argv[0]) is None:
+        pytest.skip(f"{argv[0]} is not installed on this machine")
+    argv = [a.format(**{k: str(v) for k, v in inputs.items()}) for a in argv]
+    stdin = inputs[stdin_key].read_bytes() if stdin_key else None
+    native = subprocess.run(argv, input=stdin, capture_output=True, timeout=300)
+    assert native.returncode == 0, native.stderr[-2000:]
+    report = tmp_path / "report.json"
+    run = subprocess.run([sys.executable, "-m", "dbr_service.cli", "run", "--embedded",
+                          "--aggressive", "--quiet", "--report", str(report), "--", *argv],
+                         input=stdin, capture_output=True, timeout=300)
+    assert run.returncode == native.returncode, run.stderr[-2000:]
+    assert run.stdout == native.stdout, f"{name}: output differs from the native run"
+    rep = json.loads(report.read_text())
+    RESULTS[name] = rep["totals"]["patches_installed"]
+    print(f"{name}: {rep['totals']['patches_installed']} patches, "
+          f"{rep['totals']['regions_installed']} regions installed")
+
+
+def test_real_programs_got_patched():
+    """Runs after the others (file order).  A regression guard, not issue 5's "most":
+    4 of 7 are typically patched in these 1-2 s runs (gzip, xz, zstd, perl; bzip2
+    sometimes); sqlite3's and python3's flat profiles take longer to select than the
+    runs last.  The closing notes and bench/ carry the measured figures."""
+    if len(RESULTS) < 4:
+        pytest.skip(f"only {len(RESULTS)} real programs ran")
+    patched = [n for n, p in RESULTS.items() if p > 0]
+    print(f"patched: {patched} of {sorted(RESULTS)}")
+    assert len(patched) >= 3, RESULTS
