@@ -666,6 +666,10 @@ def pgo_share(cfgs: dict, st: Settings) -> dict:
     if pgo["ratio"] > st.pgo_helps:
         return {"value": None, "why": f"PGO gain below {100 * (1 - st.pgo_helps):.0f} % "
                                       f"(pgo/native {pgo['ratio']:.3f})"}
+    q3 = (pgo.get("paired_ratio") or {}).get("q3")
+    if q3 is not None and q3 >= 1.0:
+        return {"value": None, "why": f"PGO gain not consistent (pgo/native {pgo['ratio']:.3f}, "
+                                      f"paired-ratio q3 {q3:.3f} ≥ 1)"}
     if dbr.get("status") != "ok" or "ratio" not in dbr:
         return {"value": None, "why": f"dbr {dbr.get('status', 'not run')}"}
     # ratios are over the same native median, so (1 − r_dbr)/(1 − r_pgo)

@@ -92,7 +92,8 @@ def _compare_md(c: dict) -> list[str]:
             f"pair, up to {st.get('valgrind_runs', '?')} run(s) (no new round after "
             f"{st.get('valgrind_budget_s', '?')} s). Lower is better; 1 = native. "
             "*share of PGO gain* = (native − dbr)/(native − pgo), shown when PGO gains "
-            f"at least {100 * (1 - st.get('pgo_helps', 0.98)):.0f} %.", "",
+            f"at least {100 * (1 - st.get('pgo_helps', 0.98)):.0f} % and in at least 3 of 4 "
+            "paired rounds (paired-ratio q3 < 1).", "",
             "| workload | native s median (IQR) | " + " | ".join(names)
             + " | dbr share of PGO gain | status |",
             "|---|---|" + "---|" * len(names) + "---|---|"]
@@ -232,7 +233,7 @@ def plots(data: dict, outdir: Path) -> list[Path]:
             ax.text(0.01, 0.98, "\n".join(missing), transform=ax.transAxes, fontsize=7,
                     va="top", color="dimgray")
         if plotted:
-            ax.legend(fontsize=8, loc="upper right")
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
         p = outdir / "ratios.png"
         fig.savefig(p, dpi=90)
@@ -256,8 +257,10 @@ def plots(data: dict, outdir: Path) -> list[Path]:
             pts = [(n, y) for n, y in zip(ns, ys) if isinstance(y, (int, float))]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-")
+                ax.set_ylim(bottom=0)  # no magnified differences
             else:
-                ax.text(0.5, 0.5, "no data", ha="center", transform=ax.transAxes)
+                ax.text(0.5, 0.5, "no data (no client patched?)" if "patch" in title
+                        else "no data", ha="center", transform=ax.transAxes)
             ax.set_xscale("log", base=2)
             ax.set_xticks(ns)
             ax.set_xticklabels([str(n) for n in ns])
