@@ -455,8 +455,6 @@ class ClientSession:
             self.ip_counts.update(ips)
             self.samples_total += n
             self.snapshots += 1
-            if self.first_patch_mono is not None:
-                self.samples_after_first_patch += n
 
     def region_id(self, module: str, entries: list[int]) -> str:
         """The stable id of the region with these entries (new ids count up)."""
@@ -578,9 +576,12 @@ class ClientSession:
             if req_id:
                 self.conn.ack(req_id, P.Result.OK)
 
-    def split_window(self, samples: list) -> tuple[collections.Counter[int], int]:
+    def split_window(self, samples: list, window_start: float
+                     ) -> tuple[collections.Counter[int], int]:
         """Control thread: raw IPs of one window, and how many landed in replacement
-        code.  IPs outside it feed the next region selection."""
+        code.  IPs outside it feed the next region selection.  Only windows that began
+        after the first patch count towards the after-first-patch figures (a window
+        straddling it would count samples taken before any replacement code existed)."""
         raw: collections.Counter[int] = collections.Counter(smp.ip for smp in samples)
         if raw:
             self.mark("first_samples")
@@ -594,8 +595,9 @@ class ClientSession:
                 outside[ip] = n
         with self.lock:
             self.recent.append(outside)
-            if self.first_patch_mono is not None:
+            if self.first_patch_mono is not None and self.first_patch_mono <= window_start:
                 self.samples_in_replacement += in_repl
+                self.samples_after_first_patch += sum(raw.values())
         return raw, in_repl
 
     def selection_input(self) -> dict[int, int]:

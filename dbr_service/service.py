@@ -482,7 +482,7 @@ class Service:
                 self._sampling_failed(s, fut.exception())
                 continue
             samples = fut.result()
-            raw, _ = s.split_window(samples)  # before attribution: replacement IPs as such
+            raw, _ = s.split_window(samples, snap.started)  # before attribution
             if s.evaluator is not None and s.alive:
                 s.post(lambda s=s, raw=raw: s.evaluate(raw))
             agg.add(samples)
