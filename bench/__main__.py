@@ -11,7 +11,8 @@ import time
 
 # name -> module with main(argv) -> int, in the order they run.
 BENCHMARKS = [
-    ("agent_overhead", "bench.agent_overhead"),
+    ("agent_overhead", "bench.agent_overhead"),      # issue 2: the agent, never patched
+    ("sampling_overhead", "bench.sampling_overhead"),  # issue 3: what sampling costs
     ("compare", "bench.compare"),     # issue 6: dbr vs native, PGO, perf, valgrind
     ("scaling", "bench.scaling"),     # issue 6: 1..64 clients under one service
 ]

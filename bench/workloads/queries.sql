@@ -1,6 +1,9 @@
 -- CPU-bound queries of the dbr benchmark suite (run read-only by the sqlite3 shell
 -- over the generated database; every result is ordered so output is deterministic).
-SELECT c.region, count(*), sum(o.qty * p.price), avg(o.qty)
+-- Integer results only: sqlite formats REALs through long double, which valgrind
+-- (one of the configurations) computes at lower precision, so its output differed.
+SELECT c.region, count(*), sum(o.qty * CAST(round(p.price * 100) AS INTEGER)),
+       sum(o.qty) * 1000 / count(*)
   FROM orders o JOIN customers c ON c.id = o.customer JOIN products p ON p.id = o.product
   GROUP BY c.region ORDER BY c.region;
 SELECT p.category, o.day / 30 AS month, sum(o.qty) AS q
