@@ -395,24 +395,29 @@ def _match_abs(addr: tuple, guards, mem: MemoryView) -> IndirectTargets | None:
         if not mem.is_readonly_range(c, 8):
             return IndirectTargets((t,), "literal-writable", complete=False)
         return IndirectTargets((t,), "literal")
-    split = _index_of(addr, 8)
+    found = _table_and_bound(addr, 8, guards)
+    if found is None:
+        return None
+    return _read_table(*found, 8, lambda v: v, "table-abs", mem)
+
+
+def _table_and_bound(addr: tuple, scale: int, guards) -> tuple[int, int] | None:
+    """(table address, entries) of ``T + idx*scale`` with idx bounded by a guard."""
+    split = _index_of(addr, scale)
     if split is None:
         return None
     table, idx = split
     n = _bound(idx, guards)
     if n is None or not 0 < n <= MAX_TABLE:
         return None
-    return _read_table(table, n, 8, lambda v: v, "table-abs", mem)
+    return table, n
 
 
 def _match_rel(base: int, addr: tuple, guards, mem: MemoryView) -> IndirectTargets | None:
-    split = _index_of(addr, 4)
-    if split is None:
+    found = _table_and_bound(addr, 4, guards)
+    if found is None:
         return None
-    table, idx = split
-    n = _bound(idx, guards)
-    if n is None or not 0 < n <= MAX_TABLE:
-        return None
+    table, n = found
 
     def rel(v: int) -> int:
         if v & 0x80000000:
