@@ -394,8 +394,50 @@ class Valgrind(Config):
         return [self.exe, "--tool=none", "-q", *argv]
 
 
+class DbrHost(Dbr):
+    """``dbr run`` attached to a host service that is already running (default settings),
+    as on a deployed host: the embedded service's start-up is not in the figure."""
+
+    name, what = "dbr-host", "dbr run with a running host `dbr service` (default settings)"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rt: str | None = None
+        self.proc: subprocess.Popen | None = None
+
+    def prefix(self, report: Path) -> list[str]:
+        return ["env", f"DBR_RUNTIME_DIR={self.rt}", _dbr_exe(), "run", "--quiet",
+                "--report", str(report), "--"]
+
+    def check(self, ctx, env, tmp):
+        import atexit
+        import tempfile
+
+        self.rt = tempfile.mkdtemp(prefix="dbr-bench-host-")
+        self.proc = subprocess.Popen([_dbr_exe(), "service"], env=dict(env, DBR_RUNTIME_DIR=self.rt),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        atexit.register(self.stop)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(self.rt, "control.sock")):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return "unavailable: the host dbr service did not start"
+            time.sleep(0.05)
+        time.sleep(1.0)  # let its worker pool start, as on a host that runs all the time
+        return super().check(ctx, env, tmp)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if self.rt:
+            shutil.rmtree(self.rt, ignore_errors=True)
+
+
 def default_configs() -> list[Config]:
-    return [Native(), Dbr(), DbrSampling(), Perf(), Valgrind(), Pgo()]
+    return [Native(), Dbr(), DbrHost(), DbrSampling(), Perf(), Valgrind(), Pgo()]
 
 
 EXTRA_CONFIGS: dict[str, Callable[[], Config]] = {
