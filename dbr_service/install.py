@@ -209,15 +209,21 @@ class Installer:
         exits = _merge_ranges(list(exit_ranges) or [(t, t + 1) for _, t in gen.exits])
         if len(exits) > P.MAX_EXITS:
             exits = [(min(a for a, _ in exits), max(b for _, b in exits))]
-        rc = self.conn.region(region_id, lo, hi, exits)
-        if rc != P.Result.OK:
+        try:
+            rc = self.conn.region(region_id, lo, hi, exits)
+            if rc != P.Result.OK:
+                raise AgentError(f"agent refused REGION: {result_name(rc)}")
+            reg.sites = [make_site(site, target, self.read_original(site, P.PATCH_LEN),
+                                   self.variant, region_id)
+                         for site, target in sorted(gen.entries.items())]
+            results = self.conn.patch(reg.sites) if reg.sites else []
+        except (AgentError, OSError):
+            # The client refused or went away mid-install: nothing of this region is
+            # patched by us (a lost PATCH_RESULT leaves the agent's own policy in charge);
+            # its space goes to quarantine like any removed region's.
             self.space.release(chunk)
-            raise AgentError(f"agent refused REGION: {result_name(rc)}")
-        reg.sites = [make_site(site, target, self.read_original(site, P.PATCH_LEN),
-                               self.variant, region_id)
-                     for site, target in sorted(gen.entries.items())]
+            raise
         self.regions[region_id] = reg
-        results = self.conn.patch(reg.sites) if reg.sites else []
         reg.results = {s.site: r for s, r in zip(reg.sites, results)}
         ok = sum(1 for r in results if r == P.Result.OK)
         if ok == 0:

@@ -322,6 +322,7 @@ class LiveMemoryView(MemoryView):
     def __init__(self, pid: int) -> None:
         super().__init__()
         self.pid = pid
+        self._fd = -1          # set before anything can fail: __del__ closes it
         self._pages: dict[int, bytes] = {}
         self._ranges: list[MappedRange] = []
         self._range_starts: list[int] = []
