@@ -153,15 +153,36 @@ class Client:
 class FakeService:
     """Accepts agents on a private runtime dir and drives them by hand."""
 
-    def __init__(self, *, on_disconnect: int = P.DISCONNECT_KEEP, map_wait_ms: int = 300) -> None:
-        self.runtime_dir = tempfile.mkdtemp(prefix="dbr-rt-")
+    def __init__(self, *, on_disconnect: int = P.DISCONNECT_KEEP, map_wait_ms: int = 300,
+                 runtime_dir: str | None = None, listening: bool = True) -> None:
+        """``runtime_dir``: serve an existing directory (another process's clients),
+        which close() then leaves in place; ``listening=False``: no socket until
+        start_listening() (agents meanwhile find nobody and retry)."""
+        self._own_dir = runtime_dir is None
+        self.runtime_dir = runtime_dir or tempfile.mkdtemp(prefix="dbr-rt-")
         self.sock_path = os.path.join(self.runtime_dir, "agent.sock")
-        self.listener = listen(self.sock_path)
+        self.listener: socket.socket | None = None
+        if listening:
+            self.start_listening()
         self.on_disconnect = on_disconnect
         self.map_wait_ms = map_wait_ms
         self.clients: list[Client] = []
         self.conns: list[AgentConnection] = []
         self._session = 0
+
+    def start_listening(self) -> None:
+        """Bind the agent socket (replacing a stale file, e.g. a killed service's)."""
+        self.listener = listen(self.sock_path)
+
+    def stop_listening(self) -> None:
+        """Close and remove the agent socket: agents find nobody and stay dormant."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        try:
+            os.unlink(self.sock_path)
+        except FileNotFoundError:
+            pass
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
@@ -205,8 +226,10 @@ class FakeService:
             c.kill()
         for conn in self.conns:
             conn.close()
-        self.listener.close()
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        if self.listener is not None:
+            self.listener.close()
+        if self._own_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
 def exit_stub(buf: CodeBufferHandle, at: int, site: int, first_insn: bytes = SITE_INSN) -> int:

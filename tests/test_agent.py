@@ -218,12 +218,7 @@ KILLED_DRIVER = r"""
 import sys, time
 sys.path.insert(0, sys.argv[1])
 from harness import FakeService, exit_stub, patch_sites
-from dbr_service import protocol as P
-import harness, os
-svc = FakeService.__new__(FakeService)
-svc.runtime_dir = sys.argv[2]
-svc.listener = harness.listen(os.path.join(svc.runtime_dir, "agent.sock"))
-svc.on_disconnect, svc.map_wait_ms, svc.clients, svc.conns, svc._session = 0, 300, [], [], 0
+svc = FakeService(runtime_dir=sys.argv[2])
 conn = svc.accept(pid=int(sys.argv[3]))
 sites = [int(a, 16) for a in sys.argv[4:]]
 buf = conn.code_buffer(near=sites[0], size=4096)
@@ -237,15 +232,10 @@ time.sleep(60)
 @pytest.mark.parametrize("policy", ["keep", "revert"])
 def test_service_killed_mid_session(storm_exe, tmp_path, policy):
     """SIGKILL of the service: the client finishes correctly under both policies."""
-    import tempfile
-    rt = tempfile.mkdtemp(prefix="dbr-rt-")
-    env = dict(os.environ, DBR_RUNTIME_DIR=rt, DBR_ON_DISCONNECT=policy)
-    import dbr_agent
-    env["LD_PRELOAD"] = dbr_agent.agent_path()
-    client = subprocess.Popen([str(storm_exe), "8"], env=env, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    from harness import Client
-    c = Client(client)
+    svc = FakeService(listening=False)      # the driver process is the service
+    c = svc.spawn([storm_exe, "8"], env={"DBR_ON_DISCONNECT": policy})
+    client = c.proc
+    rt = svc.runtime_dir
     driver = None
     try:
         sites = parse_sites(c.out.expect("sites"))
@@ -280,25 +270,21 @@ def test_service_killed_mid_session(storm_exe, tmp_path, policy):
         assert rc == 0, c.err.lines
         assert rest[-1].startswith("ok calls=")
     finally:
-        c.kill()
         if driver and driver.poll() is None:
             driver.kill()
             driver.wait(5)
-        import shutil
-        shutil.rmtree(rt, ignore_errors=True)
+        svc.close()
 
 
 def test_agent_dormant_without_service_then_connects(storm_exe):
     svc = FakeService()
     try:
-        svc.listener.close()
-        os.unlink(svc.sock_path)
+        svc.stop_listening()
         client = svc.spawn([storm_exe, "2"])
         client.out.expect("ready")
         time.sleep(0.5)  # nobody answers: the agent retries with backoff
         assert client.proc.poll() is None
-        from dbr_service.agentconn import listen
-        svc.listener = listen(svc.sock_path)
+        svc.start_listening()
         conn = svc.accept(pid=client.pid, timeout=10)
         assert conn.hello.pid == client.pid
         rc, rest = client.finish()

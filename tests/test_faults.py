@@ -27,14 +27,10 @@ from harness import (SITE_INSN, FakeService, compile_c, exit_stub, parse_sites, 
 from test_install import stub_gen
 
 DRIVER = r"""
-import os, sys, time
+import sys, time
 sys.path.insert(0, sys.argv[1])
-import harness
 from harness import FakeService, exit_stub
-svc = FakeService.__new__(FakeService)
-svc.runtime_dir = sys.argv[2]
-svc.listener = harness.listen(os.path.join(svc.runtime_dir, "agent.sock"))
-svc.on_disconnect, svc.map_wait_ms, svc.clients, svc.conns, svc._session = 0, 300, [], [], 0
+svc = FakeService(runtime_dir=sys.argv[2])
 conn = svc.accept(pid=int(sys.argv[3]))
 site = int(sys.argv[4], 16)
 buf = conn.code_buffer(near=site, size=4096)
@@ -50,11 +46,9 @@ def storm_exe():
 
 
 def test_service_killed_between_writing_code_and_patching(storm_exe, tmp_path):
-    svc = FakeService()
+    svc = FakeService(listening=False)   # the driver process owns the socket first
     driver = None
     try:
-        svc.listener.close()          # the driver process owns the socket first
-        os.unlink(svc.sock_path)
         client = svc.spawn([storm_exe, "4"])
         site = parse_sites(client.out.expect("sites"))[0]
         client.out.expect("ready")
@@ -71,9 +65,7 @@ def test_service_killed_between_writing_code_and_patching(storm_exe, tmp_path):
         assert read_mem(client.pid, site, 6) == SITE_INSN, "text changed without a PATCH"
         assert client.proc.poll() is None
         # A new service on the same socket gets the client back and can patch it.
-        from dbr_service.agentconn import listen
-        os.unlink(svc.sock_path)
-        svc.listener = listen(svc.sock_path)
+        svc.start_listening()
         conn = svc.accept(pid=client.pid, timeout=10)
         buf = conn.code_buffer(near=site, size=4096)
         ps = patch_sites(conn, client.pid, {site: exit_stub(buf, buf.base, site)})
