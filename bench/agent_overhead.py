@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import dbr_agent
-from bench.common import ab, machine, time_cmd, write_results
+from bench.common import ab, machine, timed, write_results
 
 PROGS = Path(__file__).resolve().parents[1] / "tests" / "agent_progs"
 
@@ -43,14 +43,6 @@ def main(argv: list[str] | None = None) -> int:
         base.pop("LD_PRELOAD", None)
         with_agent = dict(base, LD_PRELOAD=agent)
 
-        def runner(argv, env):
-            def run() -> float:
-                secs, _, rc = time_cmd(argv, env=env)
-                if rc != 0:
-                    raise SystemExit(f"{argv} exited {rc}")
-                return secs
-            return run
-
         # Start-up: a shell loop of K starts per sample (the agent preloaded into the
         # measured program only).  Timing single starts from Python is confounded here:
         # native starts went 0.68 -> 1.97 ms after ~100 spawns from one Python process.
@@ -58,14 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         loops = {pre: ["sh", "-c", f"i=0; while [ $i -lt {k} ]; do {pre}{trivial}; "
                        "i=$((i+1)); done"] for pre in ("", f"LD_PRELOAD={agent} ")}
         n_start = 7 if args.quick else 21
-        per = ab("startup-trivial-x100", runner(loops[""], base),
-                 runner(loops[f"LD_PRELOAD={agent} "], base), runs=n_start, warmup=2)
+        per = ab("startup-trivial-x100", timed(loops[""], base),
+                 timed(loops[f"LD_PRELOAD={agent} "], base), runs=n_start, warmup=2)
         startup = type(per)(per.name, per.runs, per.a_median / k, per.b_median / k,
                             per.ratio, [x / k for x in per.a_all], [x / k for x in per.b_all],
                             note=f"per start, from loops of {k} starts")
         iters = "150" if args.quick else "400"
         n_cpu = 3 if args.quick else 7
-        steady = ab("steady-cpuloop", runner([cpu, iters], base), runner([cpu, iters], with_agent),
+        steady = ab("steady-cpuloop", timed([cpu, iters], base), timed([cpu, iters], with_agent),
                     runs=n_cpu)
     rows = [
         ("start-up added (ms, median)", f"{startup.delta * 1e3:+.3f}", "< 2 ms",

@@ -42,6 +42,17 @@ def time_cmd(argv: Sequence[str], env: dict | None = None, stdin: bytes | None =
     return time.perf_counter() - t0, p.stdout, p.returncode
 
 
+def timed(argv: Sequence[str], env: dict | None = None) -> Callable[[], float]:
+    """A no-argument runner for ab(): wall seconds of one run; a failing run stops
+    the benchmark (its figure would be meaningless)."""
+    def run() -> float:
+        secs, _, rc = time_cmd(argv, env=env)
+        if rc != 0:
+            raise SystemExit(f"{list(argv)} exited {rc}")
+        return secs
+    return run
+
+
 @dataclass
 class ABResult:
     """Medians of alternated runs of A (baseline) and B, and B/A."""

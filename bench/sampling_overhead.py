@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 import dbr_agent
-from bench.common import ab, machine, time_cmd, write_results
+from bench.common import ab, machine, timed, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "tests" / "e2e_progs" / "threads.c"
@@ -86,16 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             agent_env = dict(base_env, DBR_RUNTIME_DIR=rt, LD_PRELOAD=dbr_agent.agent_path())
             cmd = [exe, iters, "1"]
-
-            def run(env):
-                def f() -> float:
-                    secs, _, rc = time_cmd(cmd, env=env)
-                    if rc != 0:
-                        raise SystemExit(f"{cmd} exited {rc}")
-                    return secs
-                return f
-
-            overhead = ab("client-sampling-only", run(base_env), run(agent_env), runs=runs)
+            overhead = ab("client-sampling-only", timed(cmd, base_env), timed(cmd, agent_env),
+                          runs=runs)
             # Service CPU per busy thread: 2 busy threads for a fixed time.
             sp = psutil.Process(svc.pid)
             c0, t0 = cpu_of_tree(sp), time.monotonic()
