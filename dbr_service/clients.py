@@ -183,9 +183,6 @@ class ClientSession:
         #: Installation of replacement code (session thread only; created on first use).
         self.installer: Installer | None = None
         self.evaluator: Evaluator | None = None
-        #: Replacement code now live: (lo, hi, InstalledRegion) tuples, replaced whole by
-        #: the session thread so other threads read it without a lock.
-        self.live_code: tuple[tuple[int, int, Any], ...] = ()
         #: Raw sample IPs outside replacement code, one Counter per recent snapshot:
         #: what region selection sees (old samples of code already optimized fade out).
         self.recent: collections.deque[collections.Counter[int]] = collections.deque(maxlen=4)
@@ -483,14 +480,11 @@ class ClientSession:
             self.evaluator = Evaluator(self.installer)
         return self.installer
 
-    def _publish_live_code(self) -> None:
+    @property
+    def live_code(self) -> tuple[tuple[int, int, Any], ...]:
+        """Installed replacement code as (lo, hi, region); safe from any thread."""
         inst = self.installer
-        if inst is None:
-            return
-        self.live_code = tuple((r.chunk.addr, r.chunk.addr + r.chunk.size, r)
-                               for r in inst.regions.values()
-                               if r.state is InstallState.INSTALLED)
-        self._write_perf_map()
+        return () if inst is None else inst.live
 
     def patched_ranges(self) -> list[tuple[int, int]]:
         """Byte ranges of installed patch sites (for discovery in the next job)."""
@@ -537,7 +531,7 @@ class ClientSession:
                                             code_bytes=reg.gen.size)
         for rid, why in out.failed:
             self.errors.append(f"region {rid}: {why}")
-        self._publish_live_code()
+        self._write_perf_map()
         return n
 
     def uninstall_region(self, rid: str, why: str) -> bool:
@@ -549,7 +543,7 @@ class ClientSession:
         if reg is not None and reg.state is InstallState.INSTALLED:
             self.installer.uninstall(reg.region_id, why)
         self._region_removed(rec, why)
-        self._publish_live_code()
+        self._write_perf_map()
         return True
 
     def _region_removed(self, rec: RegionRecord, why: str) -> None:
@@ -571,7 +565,7 @@ class ClientSession:
                 rec = self._record_of(reg.region_id)
                 if rec is not None:
                     self._region_removed(rec, f"map change {lo:#x}-{hi:#x}")
-            self._publish_live_code()
+            self._write_perf_map()
         finally:
             if req_id:
                 self.conn.ack(req_id, P.Result.OK)
@@ -619,7 +613,7 @@ class ClientSession:
                 if why == "not effective":
                     self.blocked_regions.add(rec.id)
                 self._region_removed(rec, why)
-        self._publish_live_code()
+        self._write_perf_map()
         if self.installer.space.quarantine:
             try:
                 self.installer.reclaim()
@@ -628,11 +622,8 @@ class ClientSession:
 
     def original_address(self, ip: int) -> int:
         """Any thread: the original address of a replacement-code IP (else ``ip``)."""
-        for lo, hi, reg in self.live_code:
-            if lo <= ip < hi:
-                orig = reg.original_of(ip)
-                return ip if orig is None else orig
-        return ip
+        inst = self.installer
+        return ip if inst is None else inst.attribute(ip)[0]
 
     def _write_perf_map(self) -> None:
         """/tmp/perf-PID.map names replacement code for `perf report`; never touches a

@@ -183,6 +183,13 @@ class Installer:
         self.patches_installed = 0
         self.patches_removed = 0
         self.first_patch_at: float | None = None
+        #: Installed regions' code as (lo, hi, region), replaced whole on every change so
+        #: other threads (sample attribution) read it without a lock.
+        self.live: tuple[tuple[int, int, InstalledRegion], ...] = ()
+
+    def _refresh_live(self) -> None:
+        self.live = tuple((*r.code_range(), r) for r in self.regions.values()
+                          if r.state is InstallState.INSTALLED)
 
     # ---- install ---------------------------------------------------------
     def reserve(self, size: int, reach: Sequence[int]) -> Chunk:
@@ -232,6 +239,7 @@ class Installer:
                          ", ".join(sorted({result_name(r) for r in results})))
             return reg
         reg.state = InstallState.INSTALLED
+        self._refresh_live()
         reg.installed_at = time.monotonic()
         self.first_patch_at = self.first_patch_at or reg.installed_at
         self.patches_installed += ok
@@ -261,6 +269,7 @@ class Installer:
             reg.state = InstallState.REMOVED
         reg.removed_at = time.monotonic()
         reg.why_removed = why
+        self._refresh_live()
         try:
             self.conn.region_forget(reg.region_id)
         except AgentError:
@@ -299,9 +308,10 @@ class Installer:
 
     # ---- attribution -------------------------------------------------------
     def attribute(self, pc: int) -> tuple[int, InstalledRegion | None]:
-        """Map a sampled PC to its original address and the region whose code holds it."""
-        for reg in self.regions.values():
-            if reg.contains_code(pc):
+        """Map a sampled PC to its original address and the installed region whose code
+        holds it.  Safe from any thread (reads the ``live`` snapshot)."""
+        for lo, hi, reg in self.live:
+            if lo <= pc < hi:
                 orig = reg.original_of(pc)
                 return (orig if orig is not None else pc), reg
         return pc, None
