@@ -5,9 +5,15 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: build agent test test-long demo bench clean lint
+.PHONY: build agent pyc test test-long demo bench clean lint
 
-build: $(STAMP) agent
+build: $(STAMP) agent pyc
+
+# Byte-compile dbr's own modules: with PYTHONDONTWRITEBYTECODE set (as on these machines)
+# nothing else writes .pyc files, and compiling ~40 modules cost every `dbr` command
+# 60 ms.  Only stale files are rewritten.
+pyc: $(STAMP)
+	$(PY) -m compileall -q dbr_service dbr_agent bench
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
