@@ -356,6 +356,9 @@ class ControlServer:
             os.umask(old)
         os.chmod(path, 0o600)
         self._stop = threading.Event()
+        # stop() writes here so the serving thread wakes at once (a stopping `dbr run`
+        # used to wait out the poll period).
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.requests = 0
         self.thread = threading.Thread(target=self._serve, name="dbr-control", daemon=True)
 
@@ -365,9 +368,11 @@ class ControlServer:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not poller.poll(100):
+                ready = dict(poller.poll(1000))
+                if self.sock not in ready:
                     continue
                 raw = self.sock.recv(copy=True)
                 reply = dispatch(self.service, raw)
@@ -381,7 +386,14 @@ class ControlServer:
 
     def stop(self) -> None:
         self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
         self.thread.join(2.0)
+        if not self.thread.is_alive():
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
 
 
 def _json_default(o: Any) -> Any:
