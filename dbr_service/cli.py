@@ -19,20 +19,24 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _base_parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
         prog="dbr", description="dbr — sampling-driven dynamic binary rewriter for x86-64 Linux",
         epilog="examples:\n  dbr run --aggressive -- ./prog arg\n  dbr ctl status\n"
                "  dbr analyze ./prog --samples samples.txt",
         formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every command (``only``: just that one's module is imported, so
+    `dbr run` does not pay for importing the region and codegen code before PROG starts)."""
+    parser = _base_parser()
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, modname, help_text in COMMANDS:
-        try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as exc:
-            if exc.name != modname:
-                raise
-            continue  # command not built yet
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text)
+            continue
+        mod = importlib.import_module(modname)
         p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
@@ -41,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    names = {name for name, _m, _h in COMMANDS}
+    # The command is the first word that is not an option (dbr has no global options
+    # taking values); import only its module.
+    first = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(first if first in names else None)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dbr_service.clients import RegionState
-
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.clients import ClientSession
 
 SCHEMA = "dbr.run/1"
+#: ``RegionState.INSTALLED.value`` (spelled out: `dbr run` builds the report after PROG
+#: exits and must not pay for importing the service's session code then).
+INSTALLED = "installed"
 
 
 def client_report(s: ClientSession) -> dict[str, Any]:
@@ -46,7 +47,7 @@ def run_report(program: list[str], exit_code: int, wall_s: float,
         "samples_in_replacement": sum(c["samples_in_replacement"] for c in clients),
         "patches_installed": sum(c["patches_installed"] for c in clients),
         "regions_installed": sum(1 for c in clients for r in c["regions"]
-                                 if r["state"] == RegionState.INSTALLED.value),
+                                 if r["state"] == INSTALLED),
     }
     return {"schema": SCHEMA, "program": list(program), "exit_code": exit_code,
             "wall_s": round(wall_s, 3), "clients": clients, "totals": totals, **extra}
