@@ -238,6 +238,8 @@ class Scheduler:
         #: Set once a pool worker has answered: until then jobs run on a thread of this
         #: process (a cold pool costs ~0.5-1 s; the first job should not wait for it).
         self._pool_ready = threading.Event()
+        self._stop_warm = threading.Event()
+        self._warm_lock = threading.Lock()
         self._pool_lock = threading.Lock()
         self._warming = False
         self._inline_free = threading.Semaphore(1)
@@ -259,16 +261,27 @@ class Scheduler:
             load1, cpus = os.getloadavg()[0], os.cpu_count() or 1
         return auto_workers(cpus, load1)
 
-    def warm(self, max_workers: int) -> None:
+    def warm(self, max_workers: int, delay_s: float = 0.0) -> None:
         """Start the pool and one worker in the background (first jobs come sooner), and
-        import what jobs need in this process too, for jobs run before the pool is up."""
-        self._start_warm(self._pool_limit(max_workers))
+        import what jobs need in this process too, for jobs run before the pool is up.
+
+        ``delay_s``: start the pool only after this long (`dbr run`'s embedded service:
+        a program that ends sooner never pays for starting worker processes; jobs run
+        inline until the pool is up anyway)."""
+        self._start_warm(self._pool_limit(max_workers), delay_s)
         threading.Thread(target=warm_up, name="dbr-warm-imports", daemon=True).start()
 
-    def _start_warm(self, limit: int) -> None:
+    def _start_warm(self, limit: int, delay_s: float = 0.0) -> None:
         self._warming = True
-        threading.Thread(target=self._warm_pool, args=(limit,), name="dbr-warm-pool",
-                         daemon=True).start()
+
+        def later() -> None:
+            if delay_s > 0 and self._stop_warm.wait(delay_s):
+                return  # shut down first
+            with self._warm_lock:
+                if not self._closed:
+                    self._warm_pool(limit)
+
+        threading.Thread(target=later, name="dbr-warm-pool", daemon=True).start()
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait (bounded) until a pool worker has answered; True if it has."""
@@ -281,6 +294,7 @@ class Scheduler:
             pool = self._ensure_pool(limit)
             pool.submit(warm_up).add_done_callback(lambda f: self._pool_ready.set())
         except Exception as exc:  # no pool: jobs keep running inline
+            self._warming = False   # nothing to wait for at shutdown
             log.warning("worker pool did not start: %s", exc)
 
     @staticmethod
@@ -394,9 +408,20 @@ class Scheduler:
         """Cancel queued jobs and stop workers without waiting for running ones
         (bounded by ``timeout`` seconds in all)."""
         deadline = time.monotonic() + timeout
+        self._stop_warm.set()
+        # Not while the pool is being created (bounded: a pool still starting after the
+        # timeout is left to its workers' watch on this process).
+        locked = self._warm_lock.acquire(timeout=timeout / 2)
         self._closed = True
+        if locked:
+            self._warm_lock.release()
         self._queue.put((None, 0))
         self._thread.join(timeout / 2)
+        if self._pool is not None and self._warming:
+            # A worker still starting unpickles the pool's semaphores from its parent:
+            # shutting the pool down under it makes it die with a traceback on our
+            # stderr.  Give it (bounded) time to come up.
+            self._pool_ready.wait(max(0.0, deadline - time.monotonic()))
         pool, self._pool = self._pool, None
         if pool is None:
             return

@@ -117,8 +117,17 @@ class Service:
     """See the module docstring."""
 
     def __init__(self, sources: ConfigSources, *, embedded: bool = False,
-                 notifier: Notifier | None = None) -> None:
+                 notifier: Notifier | None = None,
+                 agent_listener: socket.socket | None = None,
+                 warm_delay_s: float = 0.0) -> None:
+        """``agent_listener``: an agent socket already bound and listening in this
+        service's runtime dir (`dbr run` binds it before PROG starts, so PROG's agent
+        connects at once while the service is still starting; the runtime dir is then
+        private to this service and is not probed for another one).  ``warm_delay_s``:
+        start the worker pool only after this long (see :meth:`Scheduler.warm`)."""
         self.sources = sources
+        self._warm_delay_s = warm_delay_s
+        self._prebound = agent_listener
         self.config: Config = sources.load()
         self.runtime_dir = self.config.effective_runtime_dir(sources.env)
         self.embedded = embedded
@@ -171,11 +180,14 @@ class Service:
 
     def _start(self) -> None:
         self._prepare_runtime_dir()
-        self._refuse_if_running()
-        allowed = self.config.effective_allowed_uids()
-        mode = 0o660 if self.config.socket_group else (
-            0o600 if allowed <= {0, os.getuid()} else 0o666)
-        self._listen = agentconn.listen(self.path(AGENT_SOCKET), mode=mode)
+        if self._prebound is not None:
+            self._listen = self._prebound
+        else:
+            self._refuse_if_running()
+            allowed = self.config.effective_allowed_uids()
+            mode = 0o660 if self.config.socket_group else (
+                0o600 if allowed <= {0, os.getuid()} else 0o666)
+            self._listen = agentconn.listen(self.path(AGENT_SOCKET), mode=mode)
         self._listen.setblocking(False)
         self._ctx = zmq.Context()
         self._control = ControlServer(self, self._ctx, self.path(CONTROL_SOCKET))
@@ -184,7 +196,7 @@ class Service:
         self.capabilities = sampling_capabilities()
         self.source_kind = choose_source(self.config.sampling_source, self.capabilities)
         self._control.start()
-        self.scheduler.warm(self.config.max_workers)
+        self.scheduler.warm(self.config.max_workers, delay_s=self._warm_delay_s)
         self._started = True
         self._next_snapshot = time.monotonic() + min(0.05, self.config.snapshot_interval_s)
         log.info("dbr service pid %d on %s; sampling: %s", os.getpid(), self.runtime_dir,
@@ -366,6 +378,10 @@ class Service:
     def session_ended(self, s: ClientSession, leftover: list | None = None) -> None:
         """Session thread: the client left; ``leftover`` are samples of its open window."""
         if leftover:
+            # The open window counts towards the after-first-patch figures like any
+            # other (a short client's last window is often the only one after its patch).
+            snap = self._snap
+            s.split_window(leftover, snap.started if snap is not None else time.monotonic())
             agg = SampleAggregator(attribute=self.attribute)
             agg.add(leftover)
             s.add_samples(collections.Counter(agg.ips.get(s.pid, {})), agg.per_thread(s.pid))
@@ -629,7 +645,7 @@ class Service:
         deadline = time.monotonic() + 0.8
         for s in sessions:
             s.thread.join(max(0.0, deadline - time.monotonic()))
-        self.scheduler.shutdown(timeout=0.5)
+        self.scheduler.shutdown(timeout=1.0)
         self._release_sockets()
         self.notifier.close()
         for fd in (self._wake_r, self._wake_w):

@@ -81,3 +81,42 @@ def test_uses_host_service():
         assert any(c["exe"] == prog and c["samples"] > 0 for c in seen), seen
     finally:
         svc.stop()
+
+
+def test_run_starts_prog_without_importing_the_service():
+    """`dbr run` on the host-service path imports neither the region/codegen code nor
+    the session code before PROG starts (they cost 0.2 s of every run), and the report
+    module it uses after PROG exits stays light too."""
+    probe = ("import sys, dbr_service.cli as c\n"
+             "p = c.build_parser('run'); a = p.parse_args(['run', '--', 'true'])\n"
+             "import dbr_service.report\n"
+             "heavy = sorted(m for m in ('networkx', 'capstone', 'keystone', 'lief',\n"
+             "               'dbr_service.clients', 'dbr_service.service',\n"
+             "               'dbr_service.region.model', 'dbr_service.codegen.emit')\n"
+             "               if m in sys.modules)\n"
+             "print(','.join(heavy) or 'none')\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "none"
+
+
+def test_report_installed_state_matches_region_state():
+    from dbr_service import report
+    from dbr_service.clients import RegionState
+
+    assert report.INSTALLED == RegionState.INSTALLED.value
+
+
+def test_embedded_service_failing_to_start_leaves_prog_running(noservice_env, tmp_path):
+    """PROG starts before the embedded service (so the service's start-up overlaps the
+    program): a service that then fails to start is reported, and PROG runs to its own
+    exit status, unoptimized."""
+    out = tmp_path / "rep.json"
+    r = _run("--embedded", "-o", "socket_group=no-such-group-dbr", "--report", str(out),
+             "--", "sh", "-c", "echo ran; exit 3", env=noservice_env)
+    assert r.returncode == 3 and r.stdout == "ran\n"
+    assert "cannot start the embedded service" in r.stderr
+    assert "no-such-group-dbr" in r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["exit_code"] == 3 and rep["clients"] == []
