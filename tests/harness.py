@@ -36,8 +36,10 @@ SITE_LEN = len(SITE_INSN)
 
 
 def compile_c(sources: Iterable[str | Path], *, flags: Iterable[str] = (), out_name: str | None = None,
-              shared: bool = False, cc: str = "gcc") -> Path:
-    """Compile C sources (relative names are under tests/agent_progs); cached by content."""
+              shared: bool = False, cc: str = "gcc", link: Iterable[str | Path] = ()) -> Path:
+    """Compile C sources (relative names are under tests/agent_progs); cached by content.
+    ``link``: libraries, placed after the sources (the linker drops a shared library
+    named before the objects that need it when --as-needed is the default)."""
     srcs = [Path(s) if Path(s).is_absolute() else PROGS / s for s in sources]
     flags = list(flags)
     h = hashlib.sha256()
@@ -45,7 +47,8 @@ def compile_c(sources: Iterable[str | Path], *, flags: Iterable[str] = (), out_n
         h.update(s.read_bytes())
     for inc in PROGS.glob("*.h"):
         h.update(inc.read_bytes())
-    h.update(repr((flags, shared, cc)).encode())
+    link = [str(x) for x in link]
+    h.update(repr((flags, shared, cc, link)).encode())
     _BUILD_DIR.mkdir(parents=True, exist_ok=True)
     name = out_name or srcs[0].stem
     out = _BUILD_DIR / f"{name}-{h.hexdigest()[:12]}{'.so' if shared else ''}"
@@ -54,7 +57,7 @@ def compile_c(sources: Iterable[str | Path], *, flags: Iterable[str] = (), out_n
         if shared:
             cmd += ["-shared", "-fPIC"]
         tmp = out.with_suffix(out.suffix + f".tmp{os.getpid()}")
-        subprocess.run([*cmd, "-o", str(tmp), *map(str, srcs), "-ldl"], check=True)
+        subprocess.run([*cmd, "-o", str(tmp), *map(str, srcs), *link, "-ldl"], check=True)
         os.replace(tmp, out)
     return out
 
