@@ -118,6 +118,11 @@ class CodeSpace:
     def _reaches(buf: CodeBufferHandle, addr: int, size: int, points: Sequence[int]) -> bool:
         return all(abs(addr - p) < REL32 - size and abs(addr + size - p) < REL32 for p in points)
 
+    def span_fits(self, size: int, reach: Sequence[int]) -> bool:
+        """Whether one buffer can be placed with every address of ``reach`` in rel32
+        reach (the test :meth:`allocate` applies before asking for a new buffer)."""
+        return max(reach) - min(reach) <= REL32 - max(self.buffer_size, size)
+
     def allocate(self, size: int, reach: Sequence[int]) -> Chunk:
         """Space for ``size`` bytes from which every address in ``reach`` is rel32-reachable."""
         size = (size + ALIGN - 1) & ~(ALIGN - 1)
@@ -134,7 +139,7 @@ class CodeSpace:
                 return Chunk(buf, buf.base + off, size)
         want = max(self.buffer_size, size)
         near = (min(reach) + max(reach)) // 2
-        if max(reach) - min(reach) > REL32 - want:
+        if not self.span_fits(size, reach):
             raise CodegenError("region reaches addresses more than 2 GiB apart")
         buf = self.conn.code_buffer(near=near, size=want)
         if not self._reaches(buf, buf.base, size, reach):

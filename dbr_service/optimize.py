@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from dbr_service.codegen.emit import check_generated, emit_region
+from dbr_service.codegen.emit import check_generated, emit_region, far_exit_bound
 from dbr_service.errors import AgentError, CodegenError, DbrError
 from dbr_service.install import InstalledRegion, Installer, InstallState
 from dbr_service.region.model import RegionState, SuperRegion
@@ -32,13 +32,37 @@ def region_extent(sr: SuperRegion) -> tuple[list[tuple[int, int]], list[int]]:
     return ranges, reach
 
 
-def install_region(installer: Installer, sr: SuperRegion) -> InstalledRegion:
-    """Emit ``sr`` into space reachable from everything it touches and patch its entries."""
+def placement(installer: Installer, sr: SuperRegion) -> tuple[int, list[int]]:
+    """Bytes to reserve for ``sr`` and the addresses its code buffer must reach.
+
+    Normally everything the region touches (its blocks and exit targets) is within
+    2 GiB and the buffer goes where all of it is in rel32 reach.  When it is not (a call
+    inlined into a shared library far from the executable), only the patch sites (a
+    5-byte ``jmp rel32`` each) and the RIP-relative data operands (disp32) must be in
+    reach; exits beyond it go through far-exit stubs (:mod:`~dbr_service.codegen.emit`),
+    so room for a stub per exit target is reserved."""
     ranges, reach = region_extent(sr)
     if not ranges:
         raise CodegenError(f"{sr.id}: no blocks")
-    provisional = emit_region(sr, (min(reach) // PROVISIONAL_ALIGN) * PROVISIONAL_ALIGN)
-    chunk = installer.reserve(provisional.size, reach)
+    entries = sr.entry_points()
+    if not entries:
+        raise CodegenError(f"{sr.id}: no entry points")
+    # Emitted near the patch sites (which must be in reach in any case) to learn the size,
+    # the data operands and the exit targets.
+    provisional = emit_region(sr, (min(entries) // PROVISIONAL_ALIGN) * PROVISIONAL_ALIGN)
+    full = reach + provisional.data_refs
+    if installer.space.span_fits(provisional.size, full):
+        return provisional.size, full
+    targets = {t for _, t in provisional.exits}
+    return provisional.size + far_exit_bound(len(targets)), entries + provisional.data_refs
+
+
+def install_region(installer: Installer, sr: SuperRegion) -> InstalledRegion:
+    """Emit ``sr`` into space reachable from everything it must reach and patch its
+    entries."""
+    ranges, _ = region_extent(sr)
+    size, reach = placement(installer, sr)
+    chunk = installer.reserve(size, reach)
     try:
         gen = emit_region(sr, chunk.addr)
         check_generated(gen)

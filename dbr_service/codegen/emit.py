@@ -21,8 +21,16 @@ else exits with ``jmp rel32`` to the original address:
   indirect jmp as a dynamic exit.
 * HALT (hlt/ud2/int3): copied, nothing follows.
 
+Far exits: an exit whose original target lies beyond rel32 reach of the code (a region
+spanning two modules more than 2 GiB apart, e.g. a PLT call inlined into a shared
+library) jumps to a stub after the last block, ``jmp [rip+slot]`` with the 8-byte
+original address in a table after the stubs: no register, flag or stack byte changes
+(a ``push``/``ret`` pair would write below rsp, into the red zone of the code it exits
+to).  The table is data: :func:`check_generated` stops decoding at ``data_start``.
+
 Two passes: sizes depend only on region membership (every branch is rel32), so pass one
-measures blocks, addresses (with loop-head alignment) are fixed, and pass two encodes.
+measures blocks and collects the exit targets, addresses (with loop-head alignment and
+the far-exit stubs) are fixed, and pass two encodes.
 The output is decoded in full to check invariant 1 (no ``call``) and that the address map
 covers every instruction; every rel32 is range-checked when encoded (invariant 4).
 """
@@ -30,6 +38,7 @@ covers every instruction; every rel32 is range-checked when encoded (invariant 4
 from __future__ import annotations
 
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -102,6 +111,12 @@ class GeneratedCode:
     layout: list[NodeKey] = field(default_factory=list)
     #: True: every rel32 reaches its target (emission raises otherwise).
     reach_ok: bool = True
+    #: Original target -> its far-exit stub (targets beyond rel32 reach of the code).
+    far_exits: dict[int, int] = field(default_factory=dict)
+    #: Offset where data begins (the far-exit address table); None: all instructions.
+    data_start: int | None = None
+    #: Addresses reached by RIP-relative data operands (disp32: must stay in reach).
+    data_refs: list[int] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -129,8 +144,9 @@ class _BlockEmitter:
     """Emits one block's pieces given the addresses of all blocks."""
 
     def __init__(self, sr: SuperRegion, reloc: Relocator,
-                 addr_of: Callable[[NodeKey], int]) -> None:
-        self.sr, self.reloc, self.addr_of = sr, reloc, addr_of
+                 addr_of: Callable[[NodeKey], int],
+                 exit_to: Callable[[int], int] = lambda t: t) -> None:
+        self.sr, self.reloc, self.addr_of, self.exit_to = sr, reloc, addr_of, exit_to
 
     def succ(self, key: NodeKey, kinds: set[EdgeKind]) -> dict[int, NodeKey]:
         out = {}
@@ -191,14 +207,14 @@ class _BlockEmitter:
         try:
             r: Relocated = self.reloc.relocate_insn(
                 bb.data[off:off + n], a, self._at, target_map=self.tmap(succ),
-                ret_target=ret_target, ijmp_targets=ijmp)
+                ret_target=ret_target, ijmp_targets=ijmp, exit_map=self.exit_to)
         except CannotRelocate as e:
             raise CodegenError(f"{self.sr.id}: block {fmt_node(bb.start)}: {e}") from e
         self._add(_Piece(r.code, a, r.fixups, r.dynamic_exits))
 
     def _jump(self, t: int, succ: dict[int, NodeKey], orig: int) -> None:
         v = succ.get(t)
-        dst = t if v is None else self.addr_of(v)
+        dst = self.exit_to(t) if v is None else self.addr_of(v)
         code = self._encode(lambda: jmp_rel32(self._at, dst))
         self._add(_Piece(code, orig, [Fixup(0, 1, dst, t, v is None)]))
 
@@ -226,7 +242,7 @@ class _BlockEmitter:
         if nxt is not None and vt == nxt and vf != nxt:
             cc, t, ft = cc ^ 1, ft, t                       # invert: fall into the taken side
         v = flow.get(t)
-        dst = t if v is None else self.addr_of(v)
+        dst = self.exit_to(t) if v is None else self.addr_of(v)
         code = self._encode(lambda: jcc_rel32(cc, self._at, dst))
         self._add(_Piece(code, a, [Fixup(0, 2, dst, t, v is None)]))
         self._goto(ft, flow, nxt, a)
@@ -261,25 +277,50 @@ class _BlockEmitter:
         return None
 
 
+#: Bytes of one far-exit stub (``jmp [rip+disp32]``) and of its table slot.
+FAR_STUB, FAR_SLOT = 6, 8
+#: Reach with a margin for the instruction lengths around the measured addresses.
+_REACH = (1 << 31) - 64
+
+
+def _near(t: int, lo: int, hi: int) -> bool:
+    """rel32 from anywhere in [lo, hi) reaches ``t``."""
+    return abs(t - lo) < _REACH and abs(t - hi) < _REACH
+
+
+def far_exit_bound(n_targets: int) -> int:
+    """Most bytes the far-exit stubs and table of ``n_targets`` exit targets take."""
+    return n_targets * (FAR_STUB + FAR_SLOT) + FAR_SLOT if n_targets else 0
+
+
 def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = None,
-                layout: Layout | None = None) -> GeneratedCode:
-    """Replacement code for ``sr`` placed at ``base`` (see the module docstring)."""
+                layout: Layout | None = None, far_exits: bool = True) -> GeneratedCode:
+    """Replacement code for ``sr`` placed at ``base`` (see the module docstring).
+    ``far_exits=False``: an exit beyond rel32 reach is an error instead of a stub."""
     if len(sr) == 0:
         raise CodegenError(f"{sr.id}: empty region")
     reloc = relocator or Relocator()
     lay = layout or compute_layout(sr)
     nxt = lay.next_of()
-    # pass 1: sizes (independent of addresses)
-    sizing = _BlockEmitter(sr, reloc, lambda _k: base)
-    sizes = {k: sum(len(p.code) for p in sizing.emit(k, base, nxt[k])) for k in lay.order}
+    # pass 1: sizes (independent of addresses) and the static exit targets
+    sizing = _BlockEmitter(sr, reloc, lambda _k: base, lambda _t: base)
+    sizes, targets = {}, set()
+    for k in lay.order:
+        pieces = sizing.emit(k, base, nxt[k])
+        sizes[k] = sum(len(p.code) for p in pieces)
+        targets |= {f.orig_target for p in pieces for f in p.fixups if f.exit}
     addr, block_addr, pads = base, {}, {}
     for k in lay.order:
         pads[k] = (-addr) % ALIGN if k in lay.aligned else 0
         addr += pads[k]
         block_addr[k] = addr
         addr += sizes[k]
+    blocks_end = addr
+    bound = blocks_end + far_exit_bound(len(targets))
+    far = sorted(t for t in targets if not _near(t, base, bound)) if far_exits else []
+    stub = {t: blocks_end + i * FAR_STUB for i, t in enumerate(far)}
     # pass 2: encode
-    em = _BlockEmitter(sr, reloc, block_addr.__getitem__)
+    em = _BlockEmitter(sr, reloc, block_addr.__getitem__, lambda t: stub.get(t, t))
     out = bytearray()
     gen = GeneratedCode(b"", base, {}, [], [], block_addr=block_addr, layout=list(lay.order))
     for k in lay.order:
@@ -293,10 +334,13 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
             if p.code:
                 gen.addr_map.append((at, at + len(p.code), p.orig))
             gen.exits += [(at + f.insn_off, f.orig_target) for f in p.fixups if f.exit]
+            gen.data_refs += [f.target for f in p.fixups if f.data]
             gen.dynamic_exits += [at + o for o in p.dynamic]
             out += p.code
         if base + len(out) != block_addr[k] + sizes[k]:
             raise CodegenError(f"{sr.id}: block {fmt_node(k)} changed size between passes")
+    if far:
+        _far_stubs(gen, out, far, stub)
     gen.code = bytes(out)
     for v, _c in sr.entry_edges():
         if isinstance(v, CloneKey):
@@ -306,6 +350,24 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
     return gen
 
 
+def _far_stubs(gen: GeneratedCode, out: bytearray, far: list[int], stub: dict[int, int]) -> None:
+    """Append ``jmp [rip+slot]`` per far target, then the 8-aligned table of targets."""
+    base = gen.base
+    assert base + len(out) == stub[far[0]]
+    table = base + len(out) + len(far) * FAR_STUB
+    table += (-table) % FAR_SLOT
+    for i, t in enumerate(far):
+        at = base + len(out)
+        slot = table + i * FAR_SLOT
+        out += b"\xff\x25" + struct.pack("<i", slot - (at + FAR_STUB))
+        gen.addr_map.append((at, at + FAR_STUB, t))
+        gen.far_exits[t] = at
+    gen.data_start = len(out)
+    out += b"\xcc" * (table - (base + len(out)))
+    for t in far:
+        out += struct.pack("<Q", t)
+
+
 def check_generated(gen: GeneratedCode, reloc: Relocator | None = None) -> None:
     """Decode all of ``gen.code``: no ``call`` (invariant 1), no undecodable bytes, every
     instruction inside one address-map range."""
@@ -313,7 +375,8 @@ def check_generated(gen: GeneratedCode, reloc: Relocator | None = None) -> None:
     ranges = iter(gen.addr_map)
     cur = next(ranges, None)
     pos = 0
-    for insn in md.disasm(gen.code, gen.base):
+    code = gen.code if gen.data_start is None else gen.code[:gen.data_start]
+    for insn in md.disasm(code, gen.base):
         if insn.id in (capstone.x86_const.X86_INS_CALL, capstone.x86_const.X86_INS_LCALL):
             raise CodegenError(f"call in replacement code at {insn.address:#x}")
         while cur is not None and cur[1] <= insn.address:
@@ -321,7 +384,7 @@ def check_generated(gen: GeneratedCode, reloc: Relocator | None = None) -> None:
         if cur is None or not cur[0] <= insn.address < insn.address + insn.size <= cur[1]:
             raise CodegenError(f"instruction at {insn.address:#x} not covered by the map")
         pos += insn.size
-    if pos != len(gen.code):
+    if pos != len(code):
         raise CodegenError(f"replacement code does not decode at {gen.base + pos:#x}")
 
 

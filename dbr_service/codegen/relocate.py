@@ -45,6 +45,8 @@ from capstone import x86_const as X
 from dbr_service.errors import CodegenError
 
 TargetMap = Callable[[int], "int | None"]
+#: Original exit target -> the address the exit branch jumps to (a far-exit stub).
+ExitMap = Callable[[int], int]
 
 
 class CannotRelocate(CodegenError):
@@ -274,7 +276,8 @@ class Relocator:
     def relocate_insn(self, insn_bytes: bytes, old_addr: int, new_addr: int, *,
                       target_map: TargetMap = lambda _t: None,
                       ret_target: int | None = None,
-                      ijmp_targets: Sequence[int] = ()) -> Relocated:
+                      ijmp_targets: Sequence[int] = (),
+                      exit_map: ExitMap | None = None) -> Relocated:
         """Relocate the instruction at the start of ``insn_bytes`` from ``old_addr`` to
         ``new_addr``.
 
@@ -282,6 +285,9 @@ class Relocator:
         None to exit to the original address.  ``ret_target`` is the original continuation
         when a ``ret`` belongs to an inlined callee.  ``ijmp_targets`` are the known original
         targets of an indirect jmp/call (those mapped in-buffer get a compare case).
+        ``exit_map(orig)`` is where a branch exiting to ``orig`` jumps (default: ``orig``
+        itself; the emitter maps targets beyond rel32 reach to far-exit stubs).  The
+        fixup of such an exit keeps ``orig`` as its original target.
         """
         insn = self.decode(insn_bytes, old_addr)
         kind = self.classify(insn)
@@ -292,30 +298,32 @@ class Relocator:
             code, fx = self._redisplace(insn, b, new_addr, 0)
             return Relocated(code, kind, [fx])
         if kind is Kind.JMP:
-            return self._direct(b"", insn.operands[0].imm, new_addr, target_map, kind)
+            return self._direct(b"", insn.operands[0].imm, new_addr, target_map, kind,
+                                exit_map)
         if kind is Kind.JCC:
             t = insn.operands[0].imm
-            dst, ex = _dest(t, target_map)
+            dst, ex = _dest(t, target_map, exit_map)
             code = jcc_rel32(jcc_condition(insn), new_addr, dst)
             return Relocated(code, kind, [Fixup(0, 2, dst, t, ex)])
         if kind is Kind.LOOP:
-            return self._loop(insn, b, new_addr, target_map)
+            return self._loop(insn, b, new_addr, target_map, exit_map)
         if kind is Kind.CALL:
             return self._direct(push_return(insn.address + insn.size), insn.operands[0].imm,
-                                new_addr, target_map, kind)
+                                new_addr, target_map, kind, exit_map)
         if kind is Kind.RET:
             imm = insn.operands[0].imm if insn.operands else 0
             if ret_target is None:
                 return Relocated(b, kind, dynamic_exits=[0])
-            return self._direct(ret_adjust(imm), ret_target, new_addr, target_map, kind)
+            return self._direct(ret_adjust(imm), ret_target, new_addr, target_map, kind,
+                                exit_map)
         push = push_return(insn.address + insn.size) if kind is Kind.ICALL else b""
         r = self._indirect(insn, b, new_addr + len(push), target_map, ijmp_targets)
         return _shift(r, push, kind)
 
     def _direct(self, head: bytes, t: int, new_addr: int, target_map: TargetMap,
-                kind: Kind) -> Relocated:
+                kind: Kind, exit_map: ExitMap | None = None) -> Relocated:
         """``head`` then ``jmp rel32`` to the mapped ``t``."""
-        dst, ex = _dest(t, target_map)
+        dst, ex = _dest(t, target_map, exit_map)
         at = new_addr + len(head)
         return Relocated(head + jmp_rel32(at, dst), kind,
                          [Fixup(len(head), len(head) + 1, dst, t, ex)])
@@ -331,10 +339,11 @@ class Relocator:
         code = b[:do] + rel32(new_addr + len(b), target) + b[do + 4:]
         return code, Fixup(offset, offset + do, target, target, False, data=True)
 
-    def _loop(self, insn, b: bytes, new_addr: int, target_map: TargetMap) -> Relocated:
+    def _loop(self, insn, b: bytes, new_addr: int, target_map: TargetMap,
+              exit_map: ExitMap | None = None) -> Relocated:
         """``<op> +2; jmp short +5; jmp rel32 L`` (flags untouched on every path)."""
         t = insn.operands[0].imm
-        dst, ex = _dest(t, target_map)
+        dst, ex = _dest(t, target_map, exit_map)
         head = b[:-1] + b"\x02" + b"\xeb\x05"
         at = new_addr + len(head)
         return Relocated(head + jmp_rel32(at, dst), Kind.LOOP,
@@ -438,9 +447,11 @@ class Relocator:
                          tail.dynamic_exits)
 
 
-def _dest(t: int, target_map: TargetMap) -> tuple[int, bool]:
+def _dest(t: int, target_map: TargetMap, exit_map: ExitMap | None = None) -> tuple[int, bool]:
     dst = target_map(t)
-    return (t, True) if dst is None else (dst, False)
+    if dst is not None:
+        return dst, False
+    return (t if exit_map is None else exit_map(t)), True
 
 
 def _shift(r: Relocated, head: bytes, kind: Kind) -> Relocated:
