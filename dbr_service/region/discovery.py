@@ -667,7 +667,12 @@ class HotCodeDiscovery:
 
     def _memory_indirect_targets(self, b: Block) -> None:
         """Literal load address: its value is trusted in read-only memory, elsewhere
-        only when the value is itself a sampled address; plus sampled targets."""
+        only when the value is itself a sampled address or the slot is an import's GOT
+        entry already resolved into another module (a PLT stub under lazy binding: the
+        callee's first instruction, e.g. a 1-byte ``push rbp``, is rarely sampled; an
+        unresolved slot points back at the stub's own module); plus sampled targets.  A value believed
+        here can only make a compare case: the loaded target is compared with it at run
+        time, so a slot that changes later exits to original code."""
         last = b.last
         trusted = False
         if last.literal is not None:
@@ -676,7 +681,10 @@ class HotCodeDiscovery:
             except MemoryViewError:
                 t = None
             readonly = self.mem.is_readonly_range(last.literal, 8)
-            if t is not None and self.mem.is_exec(t) and (readonly or self.samples.get(t, 0) > 0):
+            believed = readonly or (t is not None and self.samples.get(t, 0) > 0) \
+                or (t is not None and self.mem.import_name(last.literal) is not None
+                    and self.mem.module_of(t) != self.mem.module_of(last.literal))
+            if t is not None and self.mem.is_exec(t) and believed:
                 b.targets.append(t)
                 trusted = readonly
         for t, n in self.branch_samples.get(last.addr, {}).items():
