@@ -33,8 +33,10 @@ class Case:
     link_lib: bool = False                # link the first lib (PLT calls into it)
     lib_arg: bool = False                 # pass the first lib's path as argv[1]
     loop_share: bool = True               # assert the replacement-code share (at -O2)
-    #: Why a patch is not required (the test then checks correctness only).
-    no_patch_needed: str = ""
+    #: Known gap, per optimization level: why dbr installs no region there yet.  The
+    #: test still checks correctness in full, then reports the missing region as an
+    #: expected failure (visible in every summary) instead of passing.
+    patch_gap: dict[str, str] = field(default_factory=dict)
     xfail: dict[str, str] = field(default_factory=dict)
 
 
@@ -42,17 +44,23 @@ CASES = [
     Case("calls", "calls.c", {"-O2": ["400"], "-O0": ["120"]}),
     Case("threads", "threads.c", {"-O2": ["150", "4"], "-O0": ["40", "4"]}),
     Case("sigjmp", "sigjmp.c", {"-O2": ["8000"], "-O0": ["3000"]}),
-    Case("interp", "interp.c", {"-O2": ["50"], "-O0": ["15"]}, loop_share=False),
+    Case("interp", "interp.c", {"-O2": ["50"], "-O0": ["15"]}, loop_share=False,
+         patch_gap=dict.fromkeys(
+             ("-O2", "-O0"),
+             "the 12-way dispatch is an indirect jump code generation leaves as an exit "
+             "(a compare cascade was 3-4x slower), so selection no longer sees a loop; "
+             "installed anyway, the region made the program 12-25% slower; needs "
+             "jump-table translation in replacement code")),
     Case("throw", "throw.cpp", {"-O2": ["150000"], "-O0": ["60000"]}, loop_share=False),
     Case("plt", "plt.c", {"-O2": ["500"], "-O0": ["200"]}, libs=["libplt.c"], link_lib=True),
     Case("workers", "workers.c", {"-O2": ["600"], "-O0": ["200"]}, loop_share=False,
-         no_patch_needed="at -O2 the hot loop has no instruction of 5 bytes or more and its "
-                         "pre-header is rarely sampled; what matters here is forked children "
-                         "running inherited patches correctly"),
+         patch_gap={"-O2": "the hot loop has no instruction of 5 bytes or more and its "
+                           "pre-header is rarely sampled (no patch point); what is checked "
+                           "is forked children running inherited code correctly"}),
     Case("dlhot", "dlhot.c", {"-O2": ["1000"], "-O0": ["300"]}, libs=["libdlhot.c"],
          lib_arg=True, loop_share=False,
-         no_patch_needed="the library's loop (no 5-byte instruction at -O2) runs once per "
-                         "dlopen; what matters is dlclose of hot, maybe patched, code"),
+         patch_gap={"-O2": "the library's loop has no 5-byte instruction and runs once per "
+                           "dlopen (no patch point); what is checked is dlclose of hot code"}),
 ]
 
 
@@ -91,8 +99,9 @@ def test_program_under_dbr(case: Case, opt: str, tmp_path):
     mine = [c for c in rep["clients"] if c["exe"] == str(exe)]
     assert mine, rep["clients"]
     installed = sum(c["patches_installed"] for c in mine)
-    if not case.no_patch_needed:
-        assert installed >= 1, [(c["region_status"], c["regions"]) for c in mine]
+    if not installed and opt in case.patch_gap:
+        pytest.xfail(case.patch_gap[opt])
+    assert installed >= 1, [(c["region_status"], c["regions"]) for c in mine]
     for c in mine:
         assert c["samples_in_replacement"] <= c["samples_after_first_patch"] <= c["samples"]
     after = sum(c["samples_after_first_patch"] for c in mine)

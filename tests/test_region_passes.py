@@ -811,3 +811,40 @@ def test_fallthrough_callee_without_branches_is_not_taken_for_an_ip_only_profile
     sr = leaf(0)                                       # told by the pipeline: not IP-only
     compute_fall_through_only(sr, ip_only=False)
     assert sr.block(0x100).count == 0
+
+
+# ---- CUT-WIDE-DISPATCH ---------------------------------------------------------------
+def _dispatch_loop(n_targets: int) -> SuperRegion:
+    """head -> dispatch (indirect jmp over ``n_targets`` cases) -> case_i -> head: an
+    interpreter loop whose only cycle passes through the indirect jump."""
+    from dbr_service.region.model import RegionState
+
+    b = Builder("discovered")
+    head = b.block(0x100, (5, 3), count=1000, samples=100)
+    cases = [0x200 + 0x10 * i for i in range(n_targets)]
+    disp = b.block(0x108, (4, 2), T.IJMP, targets=cases, count=1000, samples=100)
+    b.entry(head, 1)
+    b.ft(head, disp, 1000)
+    for c in cases:
+        b.block(c, (5, 2), T.JMP, targets=[head], count=1000 / n_targets,
+                samples=100 / n_targets)
+        b.flow(disp, c, 1000 / n_targets)
+        b.flow(c, head, 1000 / n_targets)
+    b.exit(disp, 0x900, 0)
+    b.sr.state = RegionState.DISCOVERED
+    return b.sr
+
+
+def test_wide_dispatch_is_cut_and_its_loop_not_selected() -> None:
+    from dbr_service.region.model import MAX_CASCADE_TARGETS
+
+    cfg = RegionConfig(hot_threshold=10, min_region_size=8, min_loop_trip_count=2)
+    wide = run_pipeline(_dispatch_loop(MAX_CASCADE_TARGETS + 8), None, cfg)
+    assert wide.counters["partition-code"]["wide-dispatches"] == 1
+    assert wide.counters["partition-code"]["edges-cut"] == MAX_CASCADE_TARGETS + 8
+    assert wide.regions == [] and not wide.failures
+    # a dispatch code generation turns into a compare cascade keeps its loop
+    narrow = run_pipeline(_dispatch_loop(MAX_CASCADE_TARGETS), None, cfg)
+    assert "wide-dispatches" not in narrow.counters["partition-code"]
+    assert len(narrow.regions) == 1 and not narrow.failures
+    assert narrow.regions[0].info["loops"]

@@ -60,6 +60,7 @@ from dbr_service.codegen.relocate import (
 from dbr_service.errors import CodegenError
 from dbr_service.region.model import (
     END,
+    MAX_CASCADE_TARGETS,
     CloneKey,
     EdgeKind,
     NodeKey,
@@ -84,11 +85,6 @@ def nop_bytes(n: int) -> bytes:
     return out
 
 
-#: An indirect jump with more known targets than this is not turned into a compare
-#: cascade (each compare costs every dispatch, and flags must be saved around it);
-#: it stays the original indirect jump, an exit to original code.  Measured on a
-#: 12-way interpreter dispatch: the cascade made the loop 3-4x slower than native.
-MAX_CASCADE_TARGETS = 4
 
 
 @dataclass

@@ -54,6 +54,15 @@ class EdgeKind(str, enum.Enum):
     EXIT = "exit"                 # block -> END (jump back to original code)
 
 
+#: An indirect jump with more known targets than this is not turned into a compare
+#: cascade (each compare costs every dispatch, and flags must be saved around it);
+#: it stays the original indirect jump, an exit to original code.  Measured on a
+#: 12-way interpreter dispatch: the cascade made the loop 3-4x slower than native.
+#: Region selection cuts such a jump's edges to its targets for the same reason
+#: (region/dispatch.py): code generation and selection see the same graph.
+MAX_CASCADE_TARGETS = 4
+
+
 class TermKind(str, enum.Enum):
     """How a basic block ends."""
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 from dbr_service.errors import RegionError
-from dbr_service.region import fallthrough, inline, partition, patchpoints, prune
-from dbr_service.region.model import RegionState, SuperRegion
+from dbr_service.region import dispatch, fallthrough, inline, partition, patchpoints, prune
+from dbr_service.region.model import MAX_CASCADE_TARGETS, RegionState, SuperRegion
 
 
 @dataclass
@@ -42,6 +42,8 @@ class RegionConfig:
     min_region_size: int = 16
     #: Inlining: growth allowed per SR as a ratio of its body bytes (1.0 = double).
     inline_budget: float = 1.0
+    #: Indirect jumps with more known targets than this exit (no compare cascade).
+    max_cascade_targets: int = MAX_CASCADE_TARGETS
     #: Inlining: growth always allowed per SR, in bytes, whatever its size.
     inline_min_budget_bytes: int = 256
     #: Run INLINE-HOT-CALLS (if False, call blocks are still removed: no call
@@ -129,9 +131,13 @@ class RegionPass(Pass):
 
 
 class PartitionPass(RegionPass):
+    """CUT-WIDE-DISPATCH (region/dispatch.py), then PARTITION-CODE: the cut can leave
+    blocks that START no longer reaches, and partitioning connects them again."""
+
     name = "partition-code"
 
     def run_region(self, sr, ctx):
+        dispatch.cut_wide_dispatch(sr, ctx.config.max_cascade_targets, self.counters)
         return partition.partition_code(sr, self.counters)
 
 
@@ -190,7 +196,8 @@ class PruneCodePass(RegionPass):
 
 
 #: Passes run in the order they are registered here (seed 001, fig. 3):
-#: partition first, so every later pass sees one routine-sized, single-component
+#: partition first (after cutting the edges of indirect jumps that code generation
+#: leaves as exits, so every pass sees the graph the code will have), so every later pass sees one routine-sized, single-component
 #: SR whose START reaches everything; fall-through counts next, because the
 #: inliner's hotness test and count scaling need block counts; inlining before
 #: patch-point selection, because the inliner needs whole routines and is not
