@@ -15,20 +15,20 @@ from __future__ import annotations
 # it is used.
 import argparse
 import json
-import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dbr_service.config import ConfigSources, resolve_runtime_dir
-from dbr_service.errors import ConfigError
+from dbr_service.paths import AGENT_SOCKET, resolve_runtime_dir
 from dbr_service.report import format_report, run_report
 
-log = logging.getLogger("dbr.run")
+if TYPE_CHECKING:  # pragma: no cover
+    from dbr_service.config import ConfigSources
 
 EPILOG = """examples:
   dbr run -- ./prog arg1 arg2
@@ -78,7 +78,7 @@ class EmbeddedService:
         sources.overrides = (*sources.overrides, f"runtime_dir={self.tmp}")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            self.listener.bind(os.path.join(self.tmp, "agent.sock"))
+            self.listener.bind(os.path.join(self.tmp, AGENT_SOCKET))
             self.listener.listen(64)
         except OSError:
             self.listener.close()
@@ -138,7 +138,7 @@ def collect_report(client: Any, pid: int, settle_s: float = 2.0) -> list[dict[st
         try:
             entries = client.result("report", {"pids": [pid]}, timeout=1.0)
         except (OSError, TimeoutError) as exc:
-            log.warning("report from the service failed: %s", exc)
+            print(f"dbr run: no report from the service: {exc}", file=sys.stderr)
             return entries
         if all(e.get("close_reason") for e in entries) or time.monotonic() > deadline:
             return entries
@@ -159,16 +159,17 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, subprocess.CalledProcessError) as exc:
         print(f"dbr run: the agent is not available: {exc}", file=sys.stderr)
         return 1
-    sources = ConfigSources(file=args.config, overrides=tuple(args.overrides),
-                            aggressive=args.aggressive)
-    try:
-        sources.load()  # validate -o before anything starts
-    except ConfigError as exc:
-        print(f"dbr run: configuration error: {exc}", file=sys.stderr)
-        return 2
+    sources = None
+    if args.config or args.overrides or args.aggressive or args.embedded:
+        sources = _config_sources(args)   # validated before anything starts
+        if sources is None:
+            return 2
     embedded: EmbeddedService | None = None
     runtime_dir = resolve_runtime_dir()
-    if args.embedded or not _host_answers(runtime_dir):
+    if args.embedded or not _host_listening(runtime_dir):
+        sources = sources or _config_sources(args)
+        if sources is None:
+            return 2
         try:
             embedded = EmbeddedService(sources)
         except OSError as exc:
@@ -185,12 +186,42 @@ def run(args: argparse.Namespace) -> int:
             embedded.stop()
 
 
-def _host_answers(runtime_dir: Path) -> bool:
-    if not (runtime_dir / "control.sock").exists():
-        return False   # (no need to import zmq to know that)
-    from dbr_service.control import ControlClient
+def _config_sources(args: argparse.Namespace) -> ConfigSources | None:
+    """The embedded service's configuration sources, loaded once to check them (None
+    after printing the error)."""
+    from dbr_service.config import ConfigSources
+    from dbr_service.errors import ConfigError
 
-    return ControlClient(runtime_dir).answers(timeout=1.0)
+    sources = ConfigSources(file=args.config, overrides=tuple(args.overrides),
+                            aggressive=args.aggressive)
+    try:
+        sources.load()
+    except ConfigError as exc:
+        print(f"dbr run: configuration error: {exc}", file=sys.stderr)
+        return None
+    return sources
+
+
+def _import_control() -> None:
+    import dbr_service.control  # noqa: F401
+
+
+def _host_listening(runtime_dir: Path) -> bool:
+    """Whether a service listens on the host's agent socket: a connection closed before
+    HELLO, which the service takes as a liveness probe.  (The standard library only: the
+    control socket would need zmq, 15 ms of imports before PROG starts.)"""
+    path = runtime_dir / AGENT_SOCKET
+    if not path.exists():
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def _start_embedded(args: argparse.Namespace, embedded: EmbeddedService,
@@ -225,6 +256,11 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
         print(f"dbr run: cannot run {prog[0]}: {exc}", file=sys.stderr)
         return 127 if isinstance(exc, FileNotFoundError) else 126
     old = {sig: signal.signal(sig, lambda n, _f: proc.send_signal(n)) for sig in FORWARDED}
+    if embedded is None:
+        # The report needs zmq (25 ms of imports): load it while PROG runs.
+        import threading
+
+        threading.Thread(target=_import_control, name="dbr-run-imports", daemon=True).start()
     try:
         if embedded is not None and not args.aggressive:
             # Worker processes started while PROG runs compete with it for the CPUs: a

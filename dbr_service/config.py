@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dbr_service.errors import ConfigError
+from dbr_service.paths import resolve_runtime_dir
 
 DEFAULT_CONFIG_FILE = "/etc/dbr/dbr.toml"
 SAMPLING_SOURCES = ("auto", "perf", "agent-timer")
@@ -157,19 +158,6 @@ AGGRESSIVE: dict[str, Any] = {
     "jumps_from_hot_limit": 6,
 }
 """The ``--aggressive`` preset: hot code is found (and later patched) within a second."""
-
-
-def resolve_runtime_dir(configured: str = "", env: Mapping[str, str] | None = None) -> Path:
-    """Configured value, else $DBR_RUNTIME_DIR, else /run/dbr (root) or $XDG_RUNTIME_DIR/dbr."""
-    env = os.environ if env is None else env
-    if configured:
-        return Path(configured)
-    if env.get("DBR_RUNTIME_DIR"):
-        return Path(env["DBR_RUNTIME_DIR"])
-    if os.geteuid() == 0:
-        return Path("/run/dbr")
-    xdg = env.get("XDG_RUNTIME_DIR") or f"/tmp/dbr-{os.getuid()}"
-    return Path(xdg) / "dbr"
 
 
 def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:

@@ -38,14 +38,11 @@ from dbr_service.config import Config, ConfigSources
 from dbr_service.control import ControlServer, EventBus
 from dbr_service.errors import ConfigError, DbrError, SamplingError
 from dbr_service.notify import Notifier
+from dbr_service.paths import AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET
 from dbr_service.sampling.aggregate import SampleAggregator
 from dbr_service.scheduler import ClientJob, JobResult, Scheduler
 
 log = logging.getLogger("dbr.service")
-
-AGENT_SOCKET = "agent.sock"
-CONTROL_SOCKET = "control.sock"
-EVENTS_SOCKET = "events.sock"
 
 
 class ServiceError(DbrError):

@@ -90,7 +90,8 @@ def test_run_starts_prog_without_importing_the_service():
     probe = ("import sys, dbr_service.cli as c\n"
              "p = c.build_parser('run'); a = p.parse_args(['run', '--', 'true'])\n"
              "import dbr_service.report\n"
-             "heavy = sorted(m for m in ('networkx', 'capstone', 'keystone', 'lief',\n"
+             "heavy = sorted(m for m in ('networkx', 'capstone', 'keystone', 'lief', 'zmq',\n"
+             "               'dbr_service.config', 'logging',\n"
              "               'dbr_service.clients', 'dbr_service.service',\n"
              "               'dbr_service.region.model', 'dbr_service.codegen.emit')\n"
              "               if m in sys.modules)\n"
@@ -120,3 +121,19 @@ def test_embedded_service_failing_to_start_leaves_prog_running(noservice_env, tm
     assert "no-such-group-dbr" in r.stderr
     rep = json.loads(out.read_text())
     assert rep["exit_code"] == 3 and rep["clients"] == []
+
+
+def test_stale_host_socket_means_embedded(tmp_path):
+    """A host runtime dir whose agent.sock nobody listens on (a crashed service) is not
+    taken for a running service: the run goes embedded and PROG is still served."""
+    import socket
+
+    rdir = tmp_path / "rt"
+    rdir.mkdir()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.bind(str(rdir / "agent.sock"))
+    s.close()                                       # the file stays, nobody listens
+    out = tmp_path / "rep.json"
+    r = _run("--report", str(out), "--", "true", env=dict(os.environ, DBR_RUNTIME_DIR=str(rdir)))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["service"] == "embedded"
