@@ -91,6 +91,10 @@ def module_base(maps: list[MapEntry], path: str) -> int:
     return min((m.lo - m.offset for m in maps if m.path == path), default=0)
 
 
+#: Installation attempts of one selected region before it is not tried again.
+INSTALL_ATTEMPTS = 3
+
+
 # --------------------------------------------------------------------------- regions
 class RegionState(str, enum.Enum):
     """Lifecycle of a region in a client (checked where patches change)."""
@@ -514,6 +518,12 @@ class ClientSession:
                 if reg is None:
                     why = next((w for i, w in out.failed if i == sr.id), "not installed")
                     rec.info["install_error"] = why
+                    tries = rec.info["install_failures"] = rec.info.get("install_failures", 0) + 1
+                    if tries >= INSTALL_ATTEMPTS:
+                        # Selected again at every snapshot; a region that failed this often
+                        # (no buffer in reach, sites refused, ...) is not tried again.
+                        self.blocked_regions.add(rid)
+                        rec.info["install_error"] = f"{why} (gave up after {tries} attempts)"
                     continue
                 rec.state = RegionState.INSTALLED
                 rec.sites = reg.patched_sites
