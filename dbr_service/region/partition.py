@@ -18,6 +18,7 @@ from typing import Iterable
 
 import networkx as nx
 
+from dbr_service.region import graphs
 from dbr_service.region.loops import body_graph, is_patchable, node_key, sorted_nodes
 from dbr_service.region.model import END, START, CloneKey, EdgeKind, NodeKey, SuperRegion
 
@@ -63,14 +64,12 @@ def connect_terminals(sr: SuperRegion, prefer: Iterable[NodeKey] = (),
     """
     counters = counters if counters is not None else Counter()
     prefer = set(prefer)
+    succ = sr.g._succ                    # plain adjacency: see region/graphs.py
     while True:
-        body = body_graph(sr)
-        cond = nx.condensation(body)
+        body = set(sr.body_nodes())
+        sources, _ = graphs.condensation_ends(succ, graphs.sccs(succ, body))
         doomed: list[NodeKey] = []
-        for c in cond.nodes:
-            if cond.in_degree(c):
-                continue
-            scc = cond.nodes[c]["members"]
+        for scc in sources:
             if any(sr.g.has_edge(START, n) for n in scc):
                 continue
             cands = [n for n in scc if not isinstance(n, CloneKey)]
@@ -84,12 +83,9 @@ def connect_terminals(sr: SuperRegion, prefer: Iterable[NodeKey] = (),
             break
         sr.g.remove_nodes_from(doomed)
         counters["unenterable-clones-removed"] += len(doomed)
-    body = body_graph(sr)
-    cond = nx.condensation(body)
-    for c in cond.nodes:
-        if cond.out_degree(c):
-            continue
-        scc = cond.nodes[c]["members"]
+    body = set(sr.body_nodes())
+    _, sinks = graphs.condensation_ends(succ, graphs.sccs(succ, body))
+    for scc in sinks:
         if any(sr.g.has_edge(n, END) for n in scc):
             continue
         n = sorted_nodes(scc)[0]

@@ -41,8 +41,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
-import networkx as nx
-
+from dbr_service.region import graphs
 from dbr_service.region.loops import PATCH_LEN, Loop, dfs_preorder, is_patchable, loop_forest
 from dbr_service.region.model import END, START, EdgeKind, NodeKey, SuperRegion, TermKind
 from dbr_service.region.prune import remove_unreachable
@@ -54,31 +53,30 @@ class _Coverage:
     def __init__(self, sr: SuperRegion) -> None:
         self.g = sr.g
         self._cache: dict[frozenset, tuple[set, set]] = {}
+        self._to_cycle: dict[frozenset, set] = {}
 
     def state(self, patches: frozenset) -> tuple[set[NodeKey], set[NodeKey]]:
         """(blocks original code reaches before any patch, blocks on such cycles)."""
         if patches not in self._cache:
+            succ = self.g._succ          # plain adjacency: see region/graphs.py
             reach: set[NodeKey] = set()
-            work = [v for v in self.g.successors(START) if v not in patches and v != END]
+            work = [v for v in succ[START] if v not in patches and v != END]
             reach.update(work)
             while work:
                 u = work.pop()
-                for v in self.g.successors(u):
+                for v in succ[u]:
                     if v != END and v not in patches and v not in reach:
                         reach.add(v)
                         work.append(v)
-            sub = self.g.subgraph(reach)
-            cyc = {n for c in nx.strongly_connected_components(sub)
-                   if len(c) > 1 or sub.has_edge(next(iter(c)), next(iter(c))) for n in c}
-            self._cache[patches] = (reach, cyc)
+            self._cache[patches] = (reach, graphs.cyclic_nodes(succ, reach))
         return self._cache[patches]
 
     def leads_to_cycle(self, b: NodeKey, patches: frozenset) -> bool:
-        reach, cyc = self.state(patches)
-        if b not in reach:
-            return False
-        sub = self.g.subgraph(reach)
-        return b in cyc or any(n in cyc for n in nx.descendants(sub, b))
+        """Whether original code at ``b`` can run into a cycle without meeting a patch."""
+        if patches not in self._to_cycle:
+            reach, cyc = self.state(patches)
+            self._to_cycle[patches] = graphs.reaching(self.g._pred, cyc, reach)
+        return b in self._to_cycle[patches]
 
 
 def choose_patch_blocks(sr: SuperRegion, counters: Counter | None = None) -> list[NodeKey]:
