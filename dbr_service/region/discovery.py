@@ -158,6 +158,46 @@ def _classify(ci) -> Insn:
     return Insn(ci.address, ci.size, kind)
 
 
+#: Instruction bytes -> (kind, target - address, literal - address, absolute literal,
+#: indexed): classification reads only the bytes (ids, operands, prefixes;
+#: codegen/relocate.py ``classify``), a direct target or a ``[rip+d]`` literal is the
+#: address plus what the bytes encode, and most instructions of a program repeat
+#: (``mov rax, [rbp-8]``...), so a hit skips capstone's detailed decoding, which was
+#: two thirds of discovery's time.  Per process (workers are reused across jobs),
+#: emptied when it grows past _KIND_CACHE_MAX entries.
+_Template = tuple  # (InsnKind, int | None, int | None, int | None, bool)
+_TEMPLATES: dict[bytes, _Template] = {}
+_KIND_CACHE_MAX = 200_000
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _template(ins: Insn, rip_relative: bool) -> _Template:
+    a = ins.addr
+    tdelta = None if ins.target is None else ins.target - a
+    if ins.literal is None:
+        return (ins.kind, tdelta, None, None, ins.indexed)
+    if rip_relative:
+        return (ins.kind, tdelta, ins.literal - a, None, ins.indexed)
+    return (ins.kind, tdelta, None, ins.literal, ins.indexed)
+
+
+def _from_template(t: _Template, address: int, size: int) -> Insn:
+    kind, tdelta, ldelta, labs, indexed = t
+    if tdelta is None and ldelta is None and labs is None and not indexed:
+        return Insn(address, size, kind)
+    return Insn(address, size, kind,
+                target=None if tdelta is None else (address + tdelta) & _MASK64,
+                literal=labs if ldelta is None else address + ldelta, indexed=indexed)
+
+
+def _rip_relative(ci) -> bool:
+    """Whether the transfer's memory operand is ``[rip+d]`` (its literal moves with it)."""
+    if not (ci.group(capstone.CS_GRP_JUMP) or ci.group(capstone.CS_GRP_CALL)) or not ci.operands:
+        return False
+    op = ci.operands[0]
+    return op.type == X.X86_OP_MEM and op.mem.base == X.X86_REG_RIP
+
+
 class Decoder:
     """Cached capstone decoding of memory that is executable and read-only."""
 
@@ -166,6 +206,7 @@ class Decoder:
         self.patched = patched
         self.cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
         self.cs.detail = True
+        self.lite = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)  # sizes only
         self.cache: dict[int, Insn | str] = {}
 
     def at(self, addr: int) -> Insn | str:
@@ -189,19 +230,31 @@ class Decoder:
         except MemoryViewError:
             return "unreadable"
         first: Insn | str = "illegal instruction"
-        for ci in self.cs.disasm(buf, addr):
-            if ci.address + MAX_INSN > addr + n and ci.address != addr \
-                    and addr + n - ci.address < MAX_INSN and n == DECODE_CHUNK:
+        for address, size, _mn, _ops in self.lite.disasm_lite(buf, addr):
+            if address + MAX_INSN > addr + n and address != addr \
+                    and addr + n - address < MAX_INSN and n == DECODE_CHUNK:
                 break                  # may be cut short by the chunk: decode it on its own
-            ins: Insn | str = ("byte of an installed patch"
-                               if self._touches_patch(ci.address, ci.size) else _classify(ci))
-            if ci.address == addr:
+            ins: Insn | str = ("byte of an installed patch" if self._touches_patch(address, size)
+                               else self._classify_at(buf, address - addr, address, size))
+            if address == addr:
                 first = ins
             else:
-                self.cache.setdefault(ci.address, ins)
+                self.cache.setdefault(address, ins)
             if isinstance(ins, str) or ins.kind.transfers:
                 break
         return first
+
+    def _classify_at(self, buf: bytes, off: int, address: int, size: int) -> Insn:
+        code = buf[off:off + size]
+        t = _TEMPLATES.get(code)
+        if t is not None:
+            return _from_template(t, address, size)
+        ci = next(self.cs.disasm(code, address, 1))
+        ins = _classify(ci)
+        if len(_TEMPLATES) >= _KIND_CACHE_MAX:
+            _TEMPLATES.clear()
+        _TEMPLATES[code] = _template(ins, _rip_relative(ci))
+        return ins
 
     def _touches_patch(self, addr: int, size: int) -> bool:
         if self.mem.first_excluded(addr, size) is not None:
