@@ -251,7 +251,11 @@ class ClientSession:
         except (AgentError, ProtocolError, OSError) as exc:
             self.close_reason = f"refused: {exc}"
             self._finish()
-            svc.session_refused(self, str(exc))
+            # A peer that hung up before the handshake ended exited or exec'd meanwhile
+            # (every short command a shell script runs under dbr), or was a probe.
+            gone = isinstance(exc.__cause__, (BrokenPipeError, ConnectionResetError)) \
+                or "closed the session" in str(exc)
+            svc.session_refused(self, str(exc), peer_gone=gone)
             return
         self.state = SessionState.CONNECTED
         svc.session_started(self)

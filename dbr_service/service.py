@@ -364,13 +364,18 @@ class Service:
         if self.stopping:
             s.stop("service shutting down")
 
-    def session_refused(self, s: ClientSession, why: str) -> None:
+    def session_refused(self, s: ClientSession, why: str, peer_gone: bool = False) -> None:
         with self.lock:
             self.pending.pop(s.session_id, None)
-        # A connection closed before HELLO is a liveness probe (a second service, dbr run).
-        level = logging.INFO if "closed the session" in why else logging.WARNING
-        log.log(level, "agent connection from pid %d uid %d refused: %s", s.pid, s.uid, why)
-        self.events.publish("client-refused", pid=s.pid, uid=s.uid, reason=why)
+        if peer_gone:
+            # Routine: a liveness probe (a second service, dbr run) or a process that
+            # exited or exec'd during the handshake (a shell script's every command).
+            log.debug("agent connection from pid %d left during the handshake: %s", s.pid, why)
+            self.events.publish("client-refused", pid=s.pid, uid=s.uid, reason=why,
+                                peer_gone=True)
+            return
+        log.warning("agent connection from pid %d uid %d refused: %s", s.pid, s.uid, why)
+        self.events.publish("client-refused", pid=s.pid, uid=s.uid, reason=why, peer_gone=False)
 
     def session_ended(self, s: ClientSession, leftover: list | None = None) -> None:
         """Session thread: the client left; ``leftover`` are samples of its open window."""

@@ -137,3 +137,12 @@ def test_stale_host_socket_means_embedded(tmp_path):
     r = _run("--report", str(out), "--", "true", env=dict(os.environ, DBR_RUNTIME_DIR=str(rdir)))
     assert r.returncode == 0, r.stderr
     assert json.loads(out.read_text())["service"] == "embedded"
+
+
+def test_short_commands_of_a_script_are_not_warned_about(noservice_env):
+    """A shell script's commands exit (or exec) while the service answers their HELLO:
+    routine, not a refusal worth a warning per command (it was one line per command)."""
+    r = _run("--embedded", "--", "sh", "-c",
+             "for i in $(seq 40); do /bin/true; done; exec /bin/true", env=noservice_env)
+    assert r.returncode == 0, r.stderr
+    assert "WARNING" not in r.stderr and "refused" not in r.stderr, r.stderr
