@@ -2,8 +2,10 @@
 generated (seeded) by the test: gzip, xz, zstd, bzip2, sqlite3, perl, python3.
 
 Every output must equal the native run's byte for byte.  A program missing from the
-machine is skipped with its name.  How many got patched is asserted loosely (the
-runs are 0.5-2 s: short for a sampling system) and printed; bench/ measures it.
+machine is skipped with its name.  Each run lasts 1.3-3 s natively: long enough for
+the first region-selection job (0.3-1.7 s on these profiles) to finish and patch
+while the program still runs.  How many got patched is asserted (most of them) and
+printed; bench/ measures the rest.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ SELECT sum(t1.a) FROM t t1 JOIN t t2 ON t1.b = t2.b WHERE t1.a % 97 = 0;
 """
 
 PERL = r"""my %h; my $n = 0;
-while (<STDIN>) { for my $w (split) { $h{$w}++; $n++ } }
+while (<>) { for my $w (split) { $h{$w}++; $n++ } }
 my @top = (sort { $h{$b} <=> $h{$a} || $a cmp $b } keys %h)[0..9];
 print "$n\n", join("\n", map { "$_ $h{$_}" } @top), "\n";
 """
@@ -43,11 +45,11 @@ print(sum(c.values()), c.most_common(5), fib(30))
 # name -> (argv with {in}/{sql}/{pl}/{py} placeholders, stdin file key or None)
 PROGRAMS = {
     "gzip": (["gzip", "-9", "-c", "{in16}", "{in16}", "{in16}"], None),
-    "bzip2": (["bzip2", "-9", "-c", "{in4}"], None),
+    "bzip2": (["bzip2", "-9", "-c", "{in16}"], None),
     "xz": (["xz", "-6", "-T1", "-c", "{in2}"], None),
     "zstd": (["zstd", "-19", "-T1", "-c", "{in2}"], None),
     "sqlite3": (["sqlite3", ":memory:"], "sql"),
-    "perl": (["perl", "{pl}"], "in16"),
+    "perl": (["perl", "{pl}", "{in16}", "{in16}", "{in16}", "{in16}"], None),
     "python3": ([sys.executable, "-S", "{py}"], "in4"),
 }
 
@@ -104,12 +106,12 @@ def test_real_program_output_identical(name, inputs, tmp_path):
 
 
 def test_real_programs_got_patched():
-    """Runs after the others (file order).  A regression guard, not issue 5's "most":
-    4 of 7 are typically patched in these 1-2 s runs (gzip, xz, zstd, perl; bzip2
-    sometimes); sqlite3's and python3's flat profiles take longer to select than the
-    runs last.  The closing notes and bench/ carry the measured figures."""
+    """Runs after the others (file order): issue 5's "patches installed in most of
+    them".  5 of 7 are patched in these runs (gzip, xz, zstd, bzip2, perl); sqlite3's
+    and python3's flat profiles give no region that passes selection in 2 s, and one
+    of the five may finish before its first job on a loaded machine."""
     if len(RESULTS) < 4:
         pytest.skip(f"only {len(RESULTS)} real programs ran")
     patched = [n for n, p in RESULTS.items() if p > 0]
     print(f"patched: {patched} of {sorted(RESULTS)}")
-    assert len(patched) >= 3, RESULTS
+    assert len(patched) > len(RESULTS) / 2, RESULTS
