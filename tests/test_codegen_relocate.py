@@ -53,6 +53,13 @@ class Case:
     fixed: Callable[[random.Random, int, int], dict] = lambda rng, o, i: {}
     poke: Callable[[random.Random, int, int], dict[int, bytes]] = lambda rng, o, i: {}
     extra_states: int = 0
+    #: Relocated as at a SysV ABI call boundary (a PLT stub's jump): the status flags,
+    #: r10 and r11 are dead there and not compared; everything else is.
+    abi_entry: bool = False
+
+
+#: What an ``abi_entry`` relocation may clobber (codegen/relocate.py ``_cascade_abi``).
+ABI_DEAD = ("r10", "r11")
 
 
 # -- the instruction catalogue ---------------------------------------------------------------
@@ -201,6 +208,15 @@ def _indirect_cases() -> list[Case]:
             out.append(Case(f"{op} {name}", make, Kind.IJMP if op == "jmp" else Kind.ICALL,
                             mapped=(lambda o: set()) if "rsp" in name else mapped, ijmp_targets=targets, fixed=fixed,
                             poke=poke or (lambda rng, o, i: {}), extra_states=5))
+    # A PLT stub's jump at a call boundary: ``[bnd] jmp [rip+got]``, targets below and
+    # above 2**31 (imm32 compare and the r10 form), in and out of the buffer.
+    for pre in (b"", b"\xf2"):            # keystone has no bnd: the prefix by hand
+        out.append(Case(f"abi {'bnd ' if pre else ''}jmp [rip]",
+                        lambda o, pre=pre: pre + asm_rip("jmp qword ptr [rip + {D}]",
+                                                         o + len(pre), slot(o)),
+                        Kind.IJMP, mapped=mapped, ijmp_targets=targets,
+                        poke=lambda rng, o, i: {slot(o): struct.pack("<Q", choose(rng, o, i))},
+                        extra_states=5, abi_entry=True))
     return out
 
 
@@ -230,7 +246,10 @@ def run_case(case: Case, orig: int, delta: int, seed: int) -> int:
         return stub + (t - orig + WIN) if t in mapped else None
 
     rel = R.relocate_insn(code, orig, new, target_map=tmap, ret_target=case.ret_target(orig),
-                          ijmp_targets=case.ijmp_targets(orig))
+                          ijmp_targets=case.ijmp_targets(orig), abi_entry=case.abi_entry)
+    if case.abi_entry and mapped:      # the fast form: no flag save, no stack traffic
+        assert not any(i.mnemonic in ("pushfq", "popfq", "push", "pop", "lea")
+                       for i in CS.disasm(rel.code, new))
     assert rel.kind is case.kind
     assert all(i.mnemonic != "call" for i in CS.disasm(rel.code, new))
     m = _machine(orig, new)
@@ -258,6 +277,10 @@ def run_case(case: Case, orig: int, delta: int, seed: int) -> int:
             assert rip_b not in mapped, f"{case.name}: exited to mapped target {rip_b:#x}"
         ctx = f"{case.name} orig={orig:#x} new={new:#x} state={i}"
         assert rip_b == rip_a, f"{ctx}: exit {rip_b:#x} != {rip_a:#x}"
+        if case.abi_entry:
+            for r in ABI_DEAD:
+                a.regs.pop(r), b.regs.pop(r)
+            b.rflags = a.rflags
         assert b.regs == a.regs, f"{ctx}: {_diff(a.regs, b.regs)}"
         assert b.rflags == a.rflags, f"{ctx}: flags {b.rflags:#x} != {a.rflags:#x}"
         assert b.xmm == a.xmm, ctx
@@ -418,6 +441,27 @@ def test_golden_cascade_jmp_rax() -> None:
         ("ffe0", "jmp rax"),
     ], 0x2000)
     assert rel.dynamic_exits == [38]
+
+
+def test_golden_cascade_abi_plt_jump() -> None:
+    # original at 0x1000: f2 ff 25 fa 0f 00 00   bnd jmp [rip+0xffa] (the GOT slot 0x2001);
+    # targets 0x1100 -> 0x9100 (imm32 compare) and 0x7f0000001000 -> 0x9200 (via r10)
+    rel = R.relocate_insn(bytes.fromhex("f2ff25fa0f0000"), 0x1000, 0x3000,
+                          ijmp_targets=[0x1100, 0x7F0000001000], abi_entry=True,
+                          target_map={0x1100: 0x9100, 0x7F0000001000: 0x9200}.get)
+    _golden(rel.code, [
+        ("4c8b1dfaefffff", "mov r11, qword ptr [rip - 0x1006]"),
+        ("4981fb00110000", "cmp r11, 0x1100"),
+        ("0f84ec600000", "je 0x9100"),
+        ("49ba00100000007f0000", "movabs r10, 0x7f0000001000"),
+        ("4d39d3", "cmp r11, r10"),
+        ("0f84d9610000", "je 0x9200"),
+        ("41ffe3", "jmp r11"),
+    ], 0x3000)
+    assert rel.dynamic_exits == [len(rel.code) - 3]
+    # the GOT slot is read at its original address, once; bnd is not carried onto the mov
+    mov = next(CS.disasm(rel.code, 0x3000))
+    assert mov.address + mov.size + mov.disp == 0x2001
 
 
 def test_golden_rip_cmp_imm_after_disp() -> None:

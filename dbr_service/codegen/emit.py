@@ -69,6 +69,9 @@ from dbr_service.region.model import (
     fmt_node,
 )
 
+#: ``endbr64``: the only instruction allowed before a PLT stub's jump.
+ENDBR64 = bytes.fromhex("f30f1efa")
+
 #: Recommended multi-byte NOPs (Intel SDM vol. 2B, NOP), by length.
 _NOPS = {1: "90", 2: "6690", 3: "0f1f00", 4: "0f1f4000", 5: "0f1f440000",
          6: "660f1f440000", 7: "0f1f8000000000", 8: "0f1f840000000000",
@@ -183,7 +186,8 @@ class _BlockEmitter:
             self._ret(bb, key, last_addr, last_size, nxt)
         elif term is TermKind.IJMP:
             targets = bb.targets if len(bb.targets) <= MAX_CASCADE_TARGETS else ()
-            self._reloc(bb, last_addr, last_size, flow, ijmp=targets)
+            self._reloc(bb, last_addr, last_size, flow, ijmp=targets,
+                        abi_entry=self._plt_entry(key, bb))
         elif term is not TermKind.HALT:
             raise CodegenError(f"unknown terminator {term!r}")
         return self._pieces
@@ -197,13 +201,32 @@ class _BlockEmitter:
         off = addr - bb.start
         return self.reloc.decode(bb.data[off:off + 15], addr)
 
+    def _plt_entry(self, key: NodeKey, bb) -> bool:
+        """Whether ``key`` is a PLT stub inlined at a call: a clone entered only by call
+        edges, made of ``[endbr64;] [bnd] jmp [rip+d]``.  Its jump runs at the callee's
+        entry under the SysV ABI (the call went through the PLT, so the caller assumed
+        nothing of the callee), where flags, r10 and r11 are dead."""
+        if not isinstance(key, CloneKey) or not key.path:
+            return False
+        ins = self.sr.g.in_edges(key, data=True)
+        if not ins or any(d.get("kind") != EdgeKind.CALL for _, _, d in ins):
+            return False
+        *head, (la, ln) = bb.insns
+        off = la - bb.start
+        jmp = bb.data[off:off + ln]
+        if jmp.startswith(b"\xf2"):
+            jmp = jmp[1:]
+        return (len(jmp) == 6 and jmp[:2] == b"\xff\x25"
+                and all(bb.data[a - bb.start:a - bb.start + n] == ENDBR64 for a, n in head))
+
     def _reloc(self, bb, a: int, n: int, succ: dict[int, NodeKey], *, ijmp=(),
-               ret_target: int | None = None) -> None:
+               ret_target: int | None = None, abi_entry: bool = False) -> None:
         off = a - bb.start
         try:
             r: Relocated = self.reloc.relocate_insn(
                 bb.data[off:off + n], a, self._at, target_map=self.tmap(succ),
-                ret_target=ret_target, ijmp_targets=ijmp, exit_map=self.exit_to)
+                ret_target=ret_target, ijmp_targets=ijmp, exit_map=self.exit_to,
+                abi_entry=abi_entry)
         except CannotRelocate as e:
             raise CodegenError(f"{self.sr.id}: block {fmt_node(bb.start)}: {e}") from e
         self._add(_Piece(r.code, a, r.fixups, r.dynamic_exits))

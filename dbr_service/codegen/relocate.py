@@ -23,7 +23,11 @@ Classes and what they become (``Kind``):
 * ``IJMP``    indirect jmp: without in-buffer targets it stays the same indirect jmp (a
   RIP-relative operand is re-displaced); with in-buffer targets it becomes a compare
   cascade that preserves every register, the flags and the red zone (see
-  :meth:`Relocator._cascade`), then the original indirect jmp as exit.
+  :meth:`Relocator._cascade`), then the original indirect jmp as exit.  At a call
+  boundary of the SysV ABI (``abi_entry``: the jump of a PLT stub entered by a call,
+  where the status flags, ``r10`` and ``r11`` carry nothing a callee may read) the
+  cascade is ``mov r11, [M]; cmp; je`` per case, then ``jmp r11``
+  (:meth:`Relocator._cascade_abi`): no flag save, no stack traffic.
 
 Refused (``can_relocate`` stops before them, ``relocate_insn`` raises
 :class:`CannotRelocate`): undecodable bytes, far ``jmp``/``call``/``ret``, ``iret``,
@@ -110,7 +114,6 @@ _REG64 = {X.X86_REG_RAX: 0, X.X86_REG_RCX: 1, X.X86_REG_RDX: 2, X.X86_REG_RBX: 3
           X.X86_REG_RSP: 4, X.X86_REG_RBP: 5, X.X86_REG_RSI: 6, X.X86_REG_RDI: 7,
           X.X86_REG_R8: 8, X.X86_REG_R9: 9, X.X86_REG_R10: 10, X.X86_REG_R11: 11,
           X.X86_REG_R12: 12, X.X86_REG_R13: 13, X.X86_REG_R14: 14, X.X86_REG_R15: 15}
-_LEGACY_PREFIXES = {0xF0, 0xF2, 0xF3, 0x2E, 0x36, 0x3E, 0x26, 0x64, 0x65, 0x66, 0x67}
 
 LEA_RSP_MINUS_128 = bytes.fromhex("488d642480")          # lea rsp, [rsp - 0x80]
 LEA_RSP_PLUS_128 = bytes.fromhex("488da42480000000")     # lea rsp, [rsp + 0x80]
@@ -277,7 +280,8 @@ class Relocator:
                       target_map: TargetMap = lambda _t: None,
                       ret_target: int | None = None,
                       ijmp_targets: Sequence[int] = (),
-                      exit_map: ExitMap | None = None) -> Relocated:
+                      exit_map: ExitMap | None = None,
+                      abi_entry: bool = False) -> Relocated:
         """Relocate the instruction at the start of ``insn_bytes`` from ``old_addr`` to
         ``new_addr``.
 
@@ -287,7 +291,9 @@ class Relocator:
         targets of an indirect jmp/call (those mapped in-buffer get a compare case).
         ``exit_map(orig)`` is where a branch exiting to ``orig`` jumps (default: ``orig``
         itself; the emitter maps targets beyond rel32 reach to far-exit stubs).  The
-        fixup of such an exit keeps ``orig`` as its original target.
+        fixup of such an exit keeps ``orig`` as its original target.  ``abi_entry`` says
+        the instruction is an indirect ``jmp`` at a function's entry under the SysV ABI
+        (status flags, ``r10`` and ``r11`` dead): its cascade may clobber them.
         """
         insn = self.decode(insn_bytes, old_addr)
         kind = self.classify(insn)
@@ -317,7 +323,8 @@ class Relocator:
             return self._direct(ret_adjust(imm), ret_target, new_addr, target_map, kind,
                                 exit_map)
         push = push_return(insn.address + insn.size) if kind is Kind.ICALL else b""
-        r = self._indirect(insn, b, new_addr + len(push), target_map, ijmp_targets)
+        r = self._indirect(insn, b, new_addr + len(push), target_map, ijmp_targets,
+                           abi_entry and kind is Kind.IJMP)
         return _shift(r, push, kind)
 
     def _direct(self, head: bytes, t: int, new_addr: int, target_map: TargetMap,
@@ -351,13 +358,15 @@ class Relocator:
 
     # ---- indirect jumps -----------------------------------------------------------------
     def _indirect(self, insn, b: bytes, new_addr: int, target_map: TargetMap,
-                  ijmp_targets: Sequence[int]) -> Relocated:
+                  ijmp_targets: Sequence[int], abi_entry: bool = False) -> Relocated:
         op = insn.operands[0]
         cases = []
         for t in dict.fromkeys(ijmp_targets):
             dst = target_map(t)
             if dst is not None:
                 cases.append((t, dst))
+        if cases and abi_entry and op.type == X.X86_OP_MEM and not self._uses_rsp(op):
+            return self._cascade_abi(insn, b, new_addr, cases)
         if cases and not self._uses_rsp(op):
             return self._cascade(insn, b, new_addr, cases)
         return self._ijmp_exit(insn, b, new_addr, 0)
@@ -378,7 +387,9 @@ class Relocator:
         """``mov reg, <the jmp/call memory operand>`` (same prefixes, ModRM tail)."""
         m = insn.modrm_offset
         pre = b[:m - 1]
-        legacy = bytes(x for x in pre if x in _LEGACY_PREFIXES)
+        # Only the prefixes that shape the memory operand (fs/gs, address size) carry
+        # over: bnd (F2, MPX-era PLTs), rep or a branch hint on a mov is reserved.
+        legacy = bytes(x for x in pre if x in (0x64, 0x65, 0x67))
         rex = pre[-1] if pre and 0x40 <= pre[-1] <= 0x4F else 0x40
         rex = 0x48 | (rex & 0x3) | ((reg >> 3) << 2)
         modrm = (b[m] & 0xC7) | ((reg & 7) << 3)
@@ -445,6 +456,42 @@ class Relocator:
         tail = self._ijmp_exit(insn, b, new_addr + len(out), len(out))
         return Relocated(bytes(out) + tail.code, Kind.IJMP, fixups + tail.fixups,
                          tail.dynamic_exits)
+
+
+    def _cascade_abi(self, insn, b: bytes, new_addr: int, cases) -> Relocated:
+        """Compare cascade for ``jmp [M]`` at a SysV ABI function entry (a PLT stub
+        entered by a call), where the status flags, ``r10`` and ``r11`` are dead: the ABI
+        gives flags no role at a call and makes r10 (static chain, unused by calls to
+        other modules) and r11 scratch, so no callee may read them::
+
+            mov r11, [M]
+          per case (T -> D):
+            cmp r11, imm32              ; when T < 2**31, else:
+              mov r10, T; cmp r11, r10
+            je D
+            jmp r11                     ; unknown target: exit to it
+
+        ``M`` is read once, like the original; every other register, the stack and the
+        red zone are untouched.  (The general :meth:`_cascade` saves the flags with
+        pushfq/popfq, which made a hot loop with three inlined PLT calls 1.7x slower.)
+        """
+        out = bytearray()
+        fixups: list[Fixup] = []
+        code, fx = self._load_target(insn, b, 11, new_addr, 0)
+        if fx:
+            fixups.append(fx)
+        out += code
+        for t, dst in cases:
+            if t < (1 << 31):
+                out += _cmp_reg_imm32(11, t)
+            else:
+                out += _mov_imm64(10, t) + _cmp_reg_reg(11, 10)
+            at = len(out)
+            out += jcc_rel32(0x4, new_addr + at, dst)          # je
+            fixups.append(Fixup(at, at + 2, dst, t, False))
+        exit_at = len(out)
+        out += b"\x41\xff\xe3"                                  # jmp r11
+        return Relocated(bytes(out), Kind.IJMP, fixups, [exit_at])
 
 
 def _dest(t: int, target_map: TargetMap, exit_map: ExitMap | None = None) -> tuple[int, bool]:
