@@ -97,6 +97,18 @@ def test_thread_inside_quarantined_code_blocks_reuse(client_conn):
     chunk = inst.reserve(32, reach=[sites[0]])
     inst.install(chunk, stub_gen(chunk.addr, [sites[0]]))
     inst.uninstall(1)
+    # The client's threads really ran through the stub.  Before the fake censuses below
+    # end in the int3 fill, real ones must show them gone (as the service requires): a
+    # thread still inside when the fill lands dies of SIGTRAP (it did, once in ~30 runs).
+    lo, hi, clean_real = chunk.addr, chunk.addr + chunk.size, 0
+    for _ in range(100):
+        pcs = conn.census(200)
+        ok = not any(e.state == P.CENSUS_NO_REPLY or e.state == P.CENSUS_OK and lo <= e.pc < hi
+                     for e in pcs)
+        clean_real = clean_real + 1 if ok else 0
+        if clean_real >= 2:
+            break
+    assert clean_real >= 2, "threads never left the removed stub"
     fake_inside = [P.CensusEntry(tid=1, state=P.CENSUS_OK, pc=chunk.addr + 3)]
     no_reply = [P.CensusEntry(tid=1, state=P.CENSUS_NO_REPLY, pc=0)]
     clean = [P.CensusEntry(tid=1, state=P.CENSUS_OK, pc=sites[0])]
