@@ -45,19 +45,27 @@ def native_output(exe, args) -> str:
 CASES = [
     ("calls.c", "-O2", ["600"], True),
     ("calls.c", "-O0", ["450"], True),
+    ("interp.c", "-O2", ["120"], True),
     ("interp.c", "-O2", ["120"], False),
     ("threads.c", "-O2", ["1500", "2"], True),
 ]
 
 
 @pytest.mark.parametrize("src, opt, args, takes_over", CASES,
-                         ids=[f"{c[0]}{c[1]}" for c in CASES])
-def test_live_optimize(src, opt, args, takes_over):
+                         ids=[f"{c[0]}{c[1]}{'' if c[3] else '-untranslated'}"
+                              for c in CASES])
+def test_live_optimize(src, opt, args, takes_over, monkeypatch):
     """``takes_over``: the region holds the hot loop (>= 90% of samples land in it and
-    the evaluator keeps it).  The interpreter's 12-way dispatch is left to original
-    code (no cascades beyond 4 targets): selection does not pick its loop, and a
-    region forced on it bounces in and out every iteration and the evaluator must
-    judge it not effective."""
+    the evaluator keeps it); for the interpreter that takes the translation of its
+    12-way jump-table dispatch (codegen/dispatch.py).  ``-untranslated``: with that
+    translation off, the dispatch is left to original code (no cascades beyond 4
+    targets): selection does not pick its loop, and a region forced on it bounces in
+    and out every iteration and the evaluator must judge it not effective."""
+    if not takes_over:
+        import dbr_service.codegen.emit as emit_mod
+        import dbr_service.region.dispatch as dispatch_mod
+        monkeypatch.setattr(emit_mod, "region_dispatch_plan", lambda sr, k: None)
+        monkeypatch.setattr(dispatch_mod, "region_dispatch_plan", lambda sr, k: None)
     exe = compile_c([E2E + src], flags=[opt, "-s"], out_name=f"{src}{opt}")
     expected = native_output(exe, args)
     svc = FakeService()

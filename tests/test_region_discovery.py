@@ -920,6 +920,16 @@ def test_jump_table_with_base_hoisted_out_of_the_loop(tmp_path):
     assert len(ijmps) == 1
     assert len(set(ijmps[0].targets)) >= 8 and not ijmps[0].unknown_target
     assert all(run.value <= t - base < run.value + run.size for t in ijmps[0].targets)
+    # the table base rides along, and code generation can translate the dispatch
+    # (the jmp has a block of its own; the add before it ends its only predecessor)
+    from dbr_service.codegen.dispatch import region_dispatch_plan
+    rodata = next(s for s in elf.sections if s.name == ".rodata")
+    assert ijmps[0].table_base is not None
+    assert rodata.virtual_address <= ijmps[0].table_base - base < \
+        rodata.virtual_address + rodata.size
+    plan = region_dispatch_plan(sr, ijmps[0].start)
+    assert plan is not None and plan.split and plan.base == ijmps[0].table_base
+    assert set(plan.targets) == set(ijmps[0].targets)
     # Without evidence (no sampled case block) the guess is not believed.
     head = {a: n for a, n in samples.items()
             if ijmps[0].start - 32 <= a <= ijmps[0].start and a not in ijmps[0].targets}

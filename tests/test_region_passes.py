@@ -835,6 +835,34 @@ def _dispatch_loop(n_targets: int) -> SuperRegion:
     return b.sr
 
 
+def test_translated_dispatch_keeps_its_loop() -> None:
+    """A PC-relative table dispatch (``add rdx, r8; jmp rdx`` with a known table base)
+    is translated by code generation, so its edges stay whatever its width; the same
+    block without a table base is cut."""
+    from dataclasses import replace
+
+    from dbr_service.region.model import MAX_CASCADE_TARGETS
+
+    cfg = RegionConfig(hot_threshold=10, min_region_size=8, min_loop_trip_count=2)
+    n = MAX_CASCADE_TARGETS + 8
+
+    def loop(table_base):
+        sr = _dispatch_loop(n)
+        bb = sr.block(0x108)
+        sr.add_block(replace(bb, size=5, insns=[(0x108, 3), (0x10B, 2)],
+                             data=bytes.fromhex("4c01c2ffe2"),      # add rdx, r8; jmp rdx
+                             table_base=table_base), 0x108)
+        return sr
+
+    res = run_pipeline(loop(0x1000), None, cfg)
+    assert res.counters["partition-code"]["translated-dispatches"] == 1
+    assert "wide-dispatches" not in res.counters["partition-code"]
+    assert len(res.regions) == 1 and not res.failures
+    assert res.regions[0].info["loops"]
+    cut = run_pipeline(loop(None), None, cfg)
+    assert cut.counters["partition-code"]["wide-dispatches"] == 1 and cut.regions == []
+
+
 def test_wide_dispatch_is_cut_and_its_loop_not_selected() -> None:
     from dbr_service.region.model import MAX_CASCADE_TARGETS
 

@@ -18,7 +18,9 @@ else exits with ``jmp rel32`` to the original address:
   block, or an exit to the original continuation).  ``ret`` elsewhere is copied: it
   returns to an original address (a dynamic exit).
 * indirect ``jmp``/``call``: compare cascade over in-region targets, then the original
-  indirect jmp as a dynamic exit.
+  indirect jmp as a dynamic exit.  A PC-relative jump-table dispatch (``add R, B; jmp
+  R`` with a known table base) is translated instead: checked table look-ups, no
+  cascade (:mod:`~dbr_service.codegen.dispatch`); its tables are data after the code.
 * HALT (hlt/ud2/int3): copied, nothing follows.
 
 Far exits: an exit whose original target lies beyond rel32 reach of the code (a region
@@ -44,6 +46,13 @@ from dataclasses import dataclass, field
 
 import capstone
 
+from dbr_service.codegen.dispatch import (
+    DispatchCode,
+    DispatchPlan,
+    dispatch_data,
+    encode_dispatch,
+    region_dispatch_plan,
+)
 from dbr_service.codegen.layout import ALIGN, Layout, compute_layout
 from dbr_service.codegen.relocate import (
     CannotRelocate,
@@ -144,8 +153,13 @@ class _BlockEmitter:
 
     def __init__(self, sr: SuperRegion, reloc: Relocator,
                  addr_of: Callable[[NodeKey], int],
-                 exit_to: Callable[[int], int] = lambda t: t) -> None:
+                 exit_to: Callable[[int], int] = lambda t: t,
+                 tables: dict[NodeKey, int] | None = None) -> None:
         self.sr, self.reloc, self.addr_of, self.exit_to = sr, reloc, addr_of, exit_to
+        #: Data address of each translated dispatch's tables (None: sizing pass).
+        self.tables = tables
+        #: Translated dispatches met: block -> (plan, code address, its parts).
+        self.dispatches: dict[NodeKey, tuple[DispatchPlan, int, DispatchCode]] = {}
 
     def succ(self, key: NodeKey, kinds: set[EdgeKind]) -> dict[int, NodeKey]:
         out = {}
@@ -162,8 +176,9 @@ class _BlockEmitter:
         flow = self.succ(key, {EdgeKind.FLOW, EdgeKind.FALLTHROUGH})
         self._at, self._pieces = at, []
         term = bb.term
+        plan = region_dispatch_plan(self.sr, key) if term is TermKind.IJMP else None
         body = bb.insns if term in (TermKind.FALLTHROUGH, TermKind.STOP, TermKind.HALT) \
-            else bb.insns[:-1]
+            else bb.insns[:-2] if plan is not None and not plan.split else bb.insns[:-1]
         for a, n in body:
             self._reloc(bb, a, n, flow)
         last_addr, last_size = bb.insns[-1]
@@ -184,6 +199,8 @@ class _BlockEmitter:
             self._reloc(bb, last_addr, last_size, calls, ijmp=bb.targets)
         elif term is TermKind.RET:
             self._ret(bb, key, last_addr, last_size, nxt)
+        elif plan is not None:
+            self._dispatch(key, plan, flow)
         elif term is TermKind.IJMP:
             targets = bb.targets if len(bb.targets) <= MAX_CASCADE_TARGETS else ()
             self._reloc(bb, last_addr, last_size, flow, ijmp=targets,
@@ -230,6 +247,30 @@ class _BlockEmitter:
         except CannotRelocate as e:
             raise CodegenError(f"{self.sr.id}: block {fmt_node(bb.start)}: {e}") from e
         self._add(_Piece(r.code, a, r.fixups, r.dynamic_exits))
+
+    def _dispatch(self, key: NodeKey, plan: DispatchPlan, flow: dict[int, NodeKey]) -> None:
+        """The translated ``add R, B; jmp R`` (see codegen/dispatch.py): checks and the
+        table jump, the miss path, then a stub per target (``add R, B``, then the jump
+        to the target's copy or an exit to the target)."""
+        sizing = self.tables is None
+        at = self._at
+        data = at if sizing else self.tables[key]
+        try:
+            dc = encode_dispatch(plan, at, data, check=not sizing)
+        except CannotRelocate as e:
+            raise CodegenError(f"{self.sr.id}: dispatch at {plan.jmp_addr:#x}: {e}") from e
+        self.dispatches[key] = (plan, at, dc)
+        c = dc.code
+        # the add of a split plan is the previous block's: everything here is the jump's
+        add = plan.jmp_addr if plan.split else plan.add_addr
+        self._add(_Piece(c[:dc.table_jmp], add))
+        self._add(_Piece(c[dc.table_jmp:dc.miss_at], plan.jmp_addr))
+        self._add(_Piece(c[dc.miss_at:dc.exit_at], add))
+        self._add(_Piece(c[dc.exit_at:plan.head_size], plan.jmp_addr, dynamic=[0]))
+        for t in plan.targets:
+            assert self._at == at + dc.stubs[t]
+            self._add(_Piece(plan.add, add))
+            self._jump(t, flow, plan.jmp_addr)
 
     def _jump(self, t: int, succ: dict[int, NodeKey], orig: int) -> None:
         v = succ.get(t)
@@ -338,8 +379,16 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
     bound = blocks_end + far_exit_bound(len(targets))
     far = sorted(t for t in targets if not _near(t, base, bound)) if far_exits else []
     stub = {t: blocks_end + i * FAR_STUB for i, t in enumerate(far)}
+    # dispatch tables go after the far-exit stubs and their table, 8-aligned
+    data_at = blocks_end + len(far) * FAR_STUB
+    data_at += (-data_at) % FAR_SLOT + len(far) * FAR_SLOT
+    tables = {}
+    for k in lay.order:
+        if k in sizing.dispatches:
+            tables[k] = data_at
+            data_at += sizing.dispatches[k][0].data_size
     # pass 2: encode
-    em = _BlockEmitter(sr, reloc, block_addr.__getitem__, lambda t: stub.get(t, t))
+    em = _BlockEmitter(sr, reloc, block_addr.__getitem__, lambda t: stub.get(t, t), tables)
     out = bytearray()
     gen = GeneratedCode(b"", base, {}, [], [], block_addr=block_addr, layout=list(lay.order))
     for k in lay.order:
@@ -360,6 +409,8 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
             raise CodegenError(f"{sr.id}: block {fmt_node(k)} changed size between passes")
     if far:
         _far_stubs(gen, out, far, stub)
+    if tables:
+        _dispatch_tables(gen, out, em.dispatches, tables)
     gen.code = bytes(out)
     for v, _c in sr.entry_edges():
         if isinstance(v, CloneKey):
@@ -385,6 +436,21 @@ def _far_stubs(gen: GeneratedCode, out: bytearray, far: list[int], stub: dict[in
     out += b"\xcc" * (table - (base + len(out)))
     for t in far:
         out += struct.pack("<Q", t)
+
+
+def _dispatch_tables(gen: GeneratedCode, out: bytearray,
+                     dispatches: dict[NodeKey, tuple[DispatchPlan, int, DispatchCode]],
+                     tables: dict[NodeKey, int]) -> None:
+    """Append each translated dispatch's data at the address pass 2 encoded for it."""
+    if gen.data_start is None:
+        gen.data_start = len(out)
+    for k, at in sorted(tables.items(), key=lambda kv: kv[1]):
+        plan, code_at, dc = dispatches[k]
+        if gen.base + len(out) > at:
+            raise CodegenError(f"dispatch data at {at:#x} overlaps code")
+        out += b"\xcc" * (at - (gen.base + len(out)))
+        out += dispatch_data(plan, code_at, dc)
+        gen.data_refs.append(plan.base)        # the table jump's disp32 is from the base
 
 
 def check_generated(gen: GeneratedCode, reloc: Relocator | None = None) -> None:

@@ -322,6 +322,8 @@ class Block:
     fallthrough: int | None = None
     #: An indirect transfer may go somewhere not in ``targets``.
     unknown_target: bool = False
+    #: Base of the PC-relative jump table the last instruction dispatches through.
+    table_base: int | None = None
     #: Jumps-from-hot; "infinite" until SET-JUMPS-FROM-HOT gives it a value.
     jfh: int = 1 << 30
     #: On the work list (False also marks a stale work-list slot after a split).
@@ -662,11 +664,11 @@ class HotCodeDiscovery:
         head_entry = self.map.boundary[b.start]
         k = next(i for i, ins in enumerate(b.insns) if ins.addr == at)
         tail = Block(b.insns[k:], b.term, b.targets, b.fallthrough, b.unknown_target,
-                     jfh=b.jfh, indirect_tried=b.indirect_tried)
+                     table_base=b.table_base, jfh=b.jfh, indirect_tried=b.indirect_tried)
         tail.samples, tail.first_sampled = 0.0, None
         b.insns = b.insns[:k]
-        b.term, b.targets, b.fallthrough, b.unknown_target = (
-            TermKind.FALLTHROUGH, [], at, False)
+        b.term, b.targets, b.fallthrough, b.unknown_target, b.table_base = (
+            TermKind.FALLTHROUGH, [], at, False, None)
         tail.succs, b.succs = b.succs, []
         for cfe in tail.succs:
             cfe.src = tail
@@ -816,6 +818,8 @@ class HotCodeDiscovery:
                 if not res.targets:
                     continue
             new = [t for t in res.targets if t not in b.targets]
+            if res.rel_base is not None and b.table_base is None:
+                b.table_base = res.rel_base
             if res.how.startswith("table"):
                 self.stats.jump_tables += 1
             self.stats.indirect_resolved += 1
@@ -990,7 +994,8 @@ class HotCodeDiscovery:
         return BasicBlock(
             start=b.start, size=b.end - b.start, insns=[(i.addr, i.size) for i in b.insns],
             data=self._bytes(b), term=b.term, targets=list(b.targets),
-            fallthrough=b.fallthrough, unknown_target=b.unknown_target, samples=b.samples,
+            fallthrough=b.fallthrough, unknown_target=b.unknown_target,
+            table_base=b.table_base, samples=b.samples,
             jfh=b.jfh, known_exec=b.known_exec, unpatchable=bool(b.unpatchable_why),
             unpatchable_why=b.unpatchable_why, module=self.mem.module_of(b.start))
 

@@ -10,12 +10,17 @@ replacement code at the dispatch and came back through a patch site.  Measured o
 the bench's 12-way interpreter: the program ran 12-25% slower than native while the
 region was installed.  After the cut such a loop is no loop at all and prune drops
 the region; loops inside one case still make regions of their own.
+
+A PC-relative jump-table dispatch that code generation translates
+(:func:`~dbr_service.codegen.dispatch.region_dispatch_plan`: checked table look-ups, no
+cascade) keeps its edges whatever its width: it stays in replacement code.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+from dbr_service.codegen.dispatch import region_dispatch_plan
 from dbr_service.region.model import END, EdgeKind, SuperRegion, TermKind
 
 
@@ -25,6 +30,9 @@ def cut_wide_dispatch(sr: SuperRegion, max_targets: int, counters: Counter) -> N
     predecessor: PARTITION-CODE, which runs right after, gives it an entry edge."""
     for k, bb in list(sr.blocks()):
         if bb.term is not TermKind.IJMP or len(bb.targets) <= max_targets:
+            continue
+        if region_dispatch_plan(sr, k) is not None:
+            counters["translated-dispatches"] += 1
             continue
         counters["wide-dispatches"] += 1
         for _, v, d in list(sr.g.out_edges(k, data=True)):

@@ -18,7 +18,7 @@ index bound comes only from the guarding compare-and-branch on the path.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import capstone
 from capstone import x86 as X
@@ -63,6 +63,8 @@ class IndirectTargets:
     #: True when a register the path never set was given a guessed value (a hoisted
     #: table base): the caller wants evidence (sampled targets) before believing it.
     guessed: bool = False
+    #: PC-relative table: the address its (sign-extended) entries are added to.
+    rel_base: int | None = None
 
 
 # ---- expressions -------------------------------------------------------------
@@ -311,7 +313,8 @@ def infer_targets(path: Sequence[PathStep], mem: MemoryView,
                                                          for e, n in st.guards], mem)
             if guess is not None and guess.how.startswith("table"):
                 return IndirectTargets(guess.targets, guess.how, guess.table, guess.entries,
-                                       guess.complete, guessed=True)
+                                       guess.complete, guessed=True,
+                                       rel_base=guess.rel_base)
     return None
 
 
@@ -424,7 +427,8 @@ def _match_rel(base: int, addr: tuple, guards, mem: MemoryView) -> IndirectTarge
             v -= 1 << 32
         return (base + v) & 0xFFFFFFFFFFFFFFFF
 
-    return _read_table(table, n, 4, rel, "table-rel", mem)
+    res = _read_table(table, n, 4, rel, "table-rel", mem)
+    return None if res is None else replace(res, rel_base=base)
 
 
 def _read_table(table: int, n: int, width: int, conv, how: str,

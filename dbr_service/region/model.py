@@ -109,6 +109,10 @@ class BasicBlock:
     fallthrough: int | None = None
     #: True when an indirect transfer may also go somewhere not in ``targets``.
     unknown_target: bool = False
+    #: Base address a PC-relative jump table's entries are added to (``add R, B``), when
+    #: jump-table inference found one: code generation may translate the dispatch
+    #: (codegen/dispatch.py).
+    table_base: int | None = None
     #: Samples whose IP lies in this block.
     samples: float = 0.0
     #: Estimated number of times the block executed (filled by count passes).
