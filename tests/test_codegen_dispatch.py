@@ -132,8 +132,9 @@ def test_dispatch_differential(r: str, b: str, op: int, notrack: bool, lone: boo
     copied = {t: COPIES + (t - ORIG) for t in targets if rng.random() < 0.6}
     dests = {t: copied.get(t, t) for t in targets}
     data = NEW + 0x800
-    code = link(plan, NEW, encode_dispatch(plan, NEW, data), dests)
-    blob = dispatch_data(plan, NEW, encode_dispatch(plan, NEW, data))
+    dc = encode_dispatch(plan, NEW, data)
+    code = link(plan, NEW, dc, dests)
+    blob = dispatch_data(plan, NEW + dc.miss_at, {t: NEW + o for t, o in dc.stubs.items()})
     assert all(i.mnemonic not in ("call", "push", "pop", "pushfq", "popfq")
                for i in CS.disasm(code, NEW))
     m = Machine([(ORIG - 0x1000, WIN + 0x1000), (NEW, 0x800 + len(blob)),
@@ -261,7 +262,7 @@ def test_displacement_out_of_reach() -> None:
     # the sizing pass does not check, and sizes never depend on addresses
     far = encode_dispatch(plan, NEW, BASE + (3 << 30), check=False)
     assert len(far.code) == len(encode_dispatch(plan, NEW, NEW + 0x100).code) \
-        == plan.code_size
+        == plan.code_size(len(plan.targets))
 
 
 def test_golden_rax_rdx() -> None:
@@ -286,7 +287,7 @@ def test_golden_rax_rdx() -> None:
         "add rax, rdx",                            # stub of G + 0x30
         f"jmp {0x1000 + dc.stubs[G + 0x30] + 8:#x}",
     ]
-    blob = dispatch_data(plan, 0x1000, dc)
+    blob = dispatch_data(plan, 0x1000 + dc.miss_at, {t: 0x1000 + o for t, o in dc.stubs.items()})
     slots = struct.unpack_from(f"<{1 + 0x21}Q", blob, 0)
     assert slots[0] == G and len(blob) == 8 * (1 + 0x21)
     assert slots[1] == 0x1000 + dc.stubs[G + 0x10] and slots[-1] == 0x1000 + dc.stubs[G + 0x30]

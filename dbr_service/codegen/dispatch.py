@@ -53,6 +53,7 @@ within 2 GiB of the table base.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dbr_service.codegen.relocate import CannotRelocate, jcc_rel32
@@ -122,9 +123,8 @@ class DispatchPlan:
         return len(self.sub) + _CHECK_LEN + len(_jmp_table(self.r, self.b, 0)) \
             + len(self.add) + len(self.jmp)
 
-    @property
-    def code_size(self) -> int:
-        return self.head_size + STUB_LEN * len(self.targets)
+    def code_size(self, stubs: int) -> int:
+        return self.head_size + STUB_LEN * stubs
 
 
 def _parse_add(raw: bytes) -> tuple[int, int] | None:
@@ -251,11 +251,14 @@ class DispatchCode:
     stubs: dict[int, int]
 
 
-def encode_dispatch(plan: DispatchPlan, at: int, data: int, check: bool = True) \
+def encode_dispatch(plan: DispatchPlan, at: int, data: int,
+                    stub_targets: Sequence[int] | None = None, check: bool = True) \
         -> DispatchCode:
-    """The translated ``add R, B; jmp R`` placed at ``at``, its data at ``data``.
-    ``check=False`` (sizing pass): displacements are not range-checked.  Stub jumps are
-    ``E9 00000000`` placeholders: the caller encodes them to each target's destination."""
+    """The translated ``add R, B; jmp R`` placed at ``at``, its data at ``data``, with a
+    stub for each of ``stub_targets`` (default: every target; a target left out must
+    get its ``add R, B`` elsewhere, at the start of its copy).  ``check=False`` (sizing
+    pass): displacements are not range-checked.  Stub jumps are ``E9 00000000``
+    placeholders: the caller encodes them to each target's destination."""
     r, b = plan.r, plan.b
     out = bytearray(plan.sub)
     jumps = []                                            # offsets of jcc rel32 to miss
@@ -280,20 +283,20 @@ def encode_dispatch(plan: DispatchPlan, at: int, data: int, check: bool = True) 
     out += plan.jmp
     assert len(out) == plan.head_size
     stubs = {}
-    for t in plan.targets:
+    for t in plan.targets if stub_targets is None else stub_targets:
         stubs[t] = len(out)
         out += plan.add + b"\xe9\0\0\0\0"
-    assert len(out) == plan.code_size
+    assert len(out) == plan.code_size(len(stubs))
     return DispatchCode(bytes(out), table_jmp, miss, exit_at, stubs)
 
 
-def dispatch_data(plan: DispatchPlan, at: int, dc: DispatchCode) -> bytes:
-    """The ``BASE`` slot and the slot table of ``dc`` (code placed at ``at``): each
-    entry's offset names its target's stub, every other offset the miss path."""
+def dispatch_data(plan: DispatchPlan, miss: int, slots: dict[int, int]) -> bytes:
+    """The ``BASE`` slot and the slot table: the offset of each target in ``slots``
+    names the address given there (its stub, or its copy starting with ``add R, B``),
+    every other offset ``miss``."""
     out = bytearray(plan.data_size)
     struct.pack_into("<Q", out, 0, plan.base)
-    miss = at + dc.miss_at
     struct.pack_into(f"<{plan.span}Q", out, 8, *([miss] * plan.span))
-    for t, off in dc.stubs.items():
-        struct.pack_into("<Q", out, 8 + 8 * (t - plan.base - plan.omin), at + off)
+    for t, a in slots.items():
+        struct.pack_into("<Q", out, 8 + 8 * (t - plan.base - plan.omin), a)
     return bytes(out)

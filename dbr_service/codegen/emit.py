@@ -42,12 +42,11 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import capstone
 
 from dbr_service.codegen.dispatch import (
-    DispatchCode,
     DispatchPlan,
     dispatch_data,
     encode_dispatch,
@@ -148,18 +147,53 @@ class _Piece:
     dynamic: list[int] = field(default_factory=list)
 
 
+class _Dispatches:
+    """The region's translated dispatches (codegen/dispatch.py), and two ways to save
+    instructions around them:
+
+    * ``fused``: a dispatch whose only way in is the fall-through from the block ending
+      in its ``add R, B`` takes that add over (that block's copy leaves it out, the
+      dispatch needs no ``sub R, B``);
+    * ``prefixed``: a target block whose only way in is the dispatch starts its copy
+      with the dispatch's ``add R, B``, and the dispatch's slot names that copy (no
+      stub, one jump less per dispatch)."""
+
+    def __init__(self, sr: SuperRegion) -> None:
+        self.plan: dict[NodeKey, DispatchPlan] = {}
+        self.fused: dict[NodeKey, NodeKey] = {}        # block giving up its add -> dispatch
+        self.prefixed: dict[NodeKey, NodeKey] = {}     # target block -> its dispatch
+        for k, bb in sr.blocks():
+            p = region_dispatch_plan(sr, k) if bb.term is TermKind.IJMP else None
+            if p is not None:
+                self.plan[k] = p
+        for k, p in list(self.plan.items()):
+            ins = list(sr.g.in_edges(k))
+            if p.split and len(ins) == 1 and ins[0][0] not in self.plan:
+                self.fused[ins[0][0]] = k
+                self.plan[k] = replace(p, split=False)
+        for k, p in self.plan.items():
+            for _, v, d in sr.g.out_edges(k, data=True):
+                if v == END or d.get("kind") not in (EdgeKind.FLOW, EdgeKind.FALLTHROUGH):
+                    continue
+                if sr.g.in_degree(v) == 1 and v not in self.plan and v not in self.fused \
+                        and sr.block(v).start in p.targets:
+                    self.prefixed[v] = k
+
+
 class _BlockEmitter:
     """Emits one block's pieces given the addresses of all blocks."""
 
     def __init__(self, sr: SuperRegion, reloc: Relocator,
                  addr_of: Callable[[NodeKey], int],
                  exit_to: Callable[[int], int] = lambda t: t,
-                 tables: dict[NodeKey, int] | None = None) -> None:
+                 tables: dict[NodeKey, int] | None = None,
+                 plans: _Dispatches | None = None) -> None:
         self.sr, self.reloc, self.addr_of, self.exit_to = sr, reloc, addr_of, exit_to
         #: Data address of each translated dispatch's tables (None: sizing pass).
         self.tables = tables
-        #: Translated dispatches met: block -> (plan, code address, its parts).
-        self.dispatches: dict[NodeKey, tuple[DispatchPlan, int, DispatchCode]] = {}
+        self.plans = plans or _Dispatches(sr)
+        #: Translated dispatches met: block -> (plan, miss address, slot of each target).
+        self.dispatches: dict[NodeKey, tuple[DispatchPlan, int, dict[int, int]]] = {}
 
     def succ(self, key: NodeKey, kinds: set[EdgeKind]) -> dict[int, NodeKey]:
         out = {}
@@ -176,9 +210,15 @@ class _BlockEmitter:
         flow = self.succ(key, {EdgeKind.FLOW, EdgeKind.FALLTHROUGH})
         self._at, self._pieces = at, []
         term = bb.term
-        plan = region_dispatch_plan(self.sr, key) if term is TermKind.IJMP else None
+        plan = self.plans.plan.get(key)
         body = bb.insns if term in (TermKind.FALLTHROUGH, TermKind.STOP, TermKind.HALT) \
             else bb.insns[:-2] if plan is not None and not plan.split else bb.insns[:-1]
+        if key in self.plans.fused:
+            body = body[:-1]                    # its add is done by the dispatch after it
+        if key in self.plans.prefixed:          # the one dispatch into it: its add first
+            j = self.plans.prefixed[key]
+            jp = self.plans.plan[j]
+            self._add(_Piece(jp.add, jp.jmp_addr))
         for a, n in body:
             self._reloc(bb, a, n, flow)
         last_addr, last_size = bb.insns[-1]
@@ -255,11 +295,15 @@ class _BlockEmitter:
         sizing = self.tables is None
         at = self._at
         data = at if sizing else self.tables[key]
+        direct = {t: v for t, v in flow.items() if self.plans.prefixed.get(v) == key}
         try:
-            dc = encode_dispatch(plan, at, data, check=not sizing)
+            dc = encode_dispatch(plan, at, data, [t for t in plan.targets if t not in direct],
+                                 check=not sizing)
         except CannotRelocate as e:
             raise CodegenError(f"{self.sr.id}: dispatch at {plan.jmp_addr:#x}: {e}") from e
-        self.dispatches[key] = (plan, at, dc)
+        slots = {t: at + off for t, off in dc.stubs.items()}
+        slots.update((t, self.addr_of(v)) for t, v in direct.items())
+        self.dispatches[key] = (plan, at + dc.miss_at, slots)
         c = dc.code
         # the add of a split plan is the previous block's: everything here is the jump's
         add = plan.jmp_addr if plan.split else plan.add_addr
@@ -267,7 +311,7 @@ class _BlockEmitter:
         self._add(_Piece(c[dc.table_jmp:dc.miss_at], plan.jmp_addr))
         self._add(_Piece(c[dc.miss_at:dc.exit_at], add))
         self._add(_Piece(c[dc.exit_at:plan.head_size], plan.jmp_addr, dynamic=[0]))
-        for t in plan.targets:
+        for t in dc.stubs:
             assert self._at == at + dc.stubs[t]
             self._add(_Piece(plan.add, add))
             self._jump(t, flow, plan.jmp_addr)
@@ -363,7 +407,8 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
     lay = layout or compute_layout(sr)
     nxt = lay.next_of()
     # pass 1: sizes (independent of addresses) and the static exit targets
-    sizing = _BlockEmitter(sr, reloc, lambda _k: base, lambda _t: base)
+    plans = _Dispatches(sr)
+    sizing = _BlockEmitter(sr, reloc, lambda _k: base, lambda _t: base, plans=plans)
     sizes, targets = {}, set()
     for k in lay.order:
         pieces = sizing.emit(k, base, nxt[k])
@@ -388,7 +433,8 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
             tables[k] = data_at
             data_at += sizing.dispatches[k][0].data_size
     # pass 2: encode
-    em = _BlockEmitter(sr, reloc, block_addr.__getitem__, lambda t: stub.get(t, t), tables)
+    em = _BlockEmitter(sr, reloc, block_addr.__getitem__, lambda t: stub.get(t, t), tables,
+                       plans)
     out = bytearray()
     gen = GeneratedCode(b"", base, {}, [], [], block_addr=block_addr, layout=list(lay.order))
     for k in lay.order:
@@ -439,17 +485,17 @@ def _far_stubs(gen: GeneratedCode, out: bytearray, far: list[int], stub: dict[in
 
 
 def _dispatch_tables(gen: GeneratedCode, out: bytearray,
-                     dispatches: dict[NodeKey, tuple[DispatchPlan, int, DispatchCode]],
+                     dispatches: dict[NodeKey, tuple[DispatchPlan, int, dict[int, int]]],
                      tables: dict[NodeKey, int]) -> None:
     """Append each translated dispatch's data at the address pass 2 encoded for it."""
     if gen.data_start is None:
         gen.data_start = len(out)
     for k, at in sorted(tables.items(), key=lambda kv: kv[1]):
-        plan, code_at, dc = dispatches[k]
+        plan, miss, slots = dispatches[k]
         if gen.base + len(out) > at:
             raise CodegenError(f"dispatch data at {at:#x} overlaps code")
         out += b"\xcc" * (at - (gen.base + len(out)))
-        out += dispatch_data(plan, code_at, dc)
+        out += dispatch_data(plan, miss, slots)
         gen.data_refs.append(plan.base)        # the table jump's disp32 is from the base
 
 
