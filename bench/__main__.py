@@ -20,6 +20,7 @@ BENCHMARKS = [
     ("agent_overhead", "bench.agent_overhead"),      # issue 2: the agent, never patched
     ("sampling_overhead", "bench.sampling_overhead"),  # issue 3: what sampling costs
     ("compare", "bench.compare"),     # issue 6: dbr vs native, PGO, perf, valgrind
+    ("codegen_rate", "bench.codegen_rate"),  # issue 5: replacement-code bytes per second
     ("scaling", "bench.scaling"),     # issue 6: 1..64 clients under one service
 ]
 
