@@ -25,10 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 
 from bench import suite
-from bench.common import RESULTS, code_version, machine, write_results
+from bench.common import code_version, machine, write_results
 
 #: Sampling window per workload (the suite's programs run 0.3-1.5 s natively here;
 #: 0.1-0.4 s on --quick inputs).
@@ -37,29 +36,13 @@ PASSES = 5
 QUICK = ("interp", "xlib", "gzip", "bzip2")
 
 
-def _sample(pid: int, seconds: float) -> Counter:
-    from dbr_service.sampling.perf import PerfSource
-
-    src = PerfSource(sample_period_us=250)
-    src.open(pid)
-    src.enable()
-    counts: Counter = Counter()
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        time.sleep(0.02)
-        src.refresh_threads()
-        counts.update(s.ip for s in src.read())
-    counts.update(s.ip for s in src.read())
-    src.close()
-    return counts
-
-
 def measure(w: suite.Workload, ctx: suite.Ctx, passes: int) -> dict:
     from dbr_service.codegen.emit import emit_region
     from dbr_service.config import Config
     from dbr_service.optimize import PROVISIONAL_ALIGN
     from dbr_service.region.memview import LiveMemoryView
     from dbr_service.region.pipeline import select_regions
+    from dbr_service.sampling.perf import sample_ips
     from dbr_service.scheduler import region_config
 
     prep = w.prepare(ctx)
@@ -69,7 +52,7 @@ def measure(w: suite.Workload, ctx: suite.Ctx, passes: int) -> dict:
         p = subprocess.Popen(prep.argv, cwd=d, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
         try:
-            hot = _sample(p.pid, QUICK_WINDOW_S if ctx.quick else WINDOW_S)
+            hot = sample_ips(p.pid, QUICK_WINDOW_S if ctx.quick else WINDOW_S, 250, 0.02)
             os.kill(p.pid, signal.SIGSTOP)         # selection reads its memory meanwhile
             if p.poll() is not None or not hot:
                 return {"status": "ended before it was sampled"}

@@ -15,7 +15,7 @@ from dbr_service.install import InstallState, Installer
 from dbr_service.optimize import EvalPolicy, Evaluator, install_regions
 from dbr_service.region.memview import LiveMemoryView
 from dbr_service.region.pipeline import RegionConfig, select_regions
-from dbr_service.sampling.perf import PerfSource
+from dbr_service.sampling.perf import sample_ips
 from harness import FakeService, compile_c, read_mem
 
 E2E = "../e2e_progs/"
@@ -23,18 +23,7 @@ SERVICE_REACH = {"jumps_from_hot_limit": Config().jumps_from_hot_limit}
 
 
 def sample(pid: int, seconds: float) -> Counter:
-    src = PerfSource(sample_period_us=500)
-    src.open(pid)
-    src.enable()
-    counts: Counter = Counter()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        src.refresh_threads()
-        counts.update(s.ip for s in src.read())
-    counts.update(s.ip for s in src.read())
-    src.close()
-    return counts
+    return sample_ips(pid, seconds, sample_period_us=500)
 
 
 def native_output(exe, args) -> str:

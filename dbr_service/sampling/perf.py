@@ -32,6 +32,7 @@ import fcntl
 import mmap
 import os
 import struct
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -576,3 +577,27 @@ def probe_event(spec: PerfEventSpec, sample_type: int = PERF_SAMPLE_IP | PERF_SA
         return False, f"perf {spec.name}: {explain_errno(e.errno)}"
     os.close(fd)
     return True, f"perf {spec.name}: sampling event opens"
+
+
+def sample_ips(pid: int, seconds: float, sample_period_us: int = 1000,
+               poll_s: float = 0.05) -> "Counter":
+    """Sample every thread of ``pid`` (incl. threads it starts meanwhile) with cpu-clock
+    for ``seconds``: how many samples hit each instruction address.  For tools and
+    benchmarks that want a profile without a service (the service samples through
+    its own loop)."""
+    from collections import Counter
+
+    src = PerfSource(sample_period_us=sample_period_us)
+    src.open(pid)
+    src.enable()
+    counts: Counter = Counter()
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(poll_s)
+            src.refresh_threads()
+            counts.update(s.ip for s in src.read())
+        counts.update(s.ip for s in src.read())
+    finally:
+        src.close()
+    return counts
