@@ -745,6 +745,27 @@ def test_analyze_command(builds, tmp_path, capsys):
     assert "cannot read samples" in capsys.readouterr().err
 
 
+def test_analyze_uses_the_service_settings():
+    """`dbr analyze` selects with what the service would use on as many samples (it
+    used the pipeline's own defaults: half the service's discovery reach, a quarter of
+    its loop trip count), and -o still overrides a key."""
+    from dbr_service.config import Config
+    from dbr_service.region import pipeline
+    from dbr_service.region.analyze import _load_config
+    from dbr_service.scheduler import region_config
+
+    cfg, want = _load_config([], pipeline, 1000), region_config(Config(), 1000)
+    for key in ("jumps_from_hot_limit", "hot_threshold", "min_loop_trip_count",
+                "min_region_size", "inline_budget"):
+        assert getattr(cfg, key) == getattr(want, key), key
+    assert cfg.jumps_from_hot_limit == Config().jumps_from_hot_limit
+    assert cfg.keep_stages
+    assert _load_config(["jumps_from_hot_limit=3"], pipeline, 1000).jumps_from_hot_limit == 3
+    from dbr_service.errors import ConfigError
+    with pytest.raises(ConfigError, match="unknown configuration key"):
+        _load_config(["no_such_key=1"], pipeline, 1000)
+
+
 # ---------------------------------------------------------------------------
 # End to end: discovery, then the rest of the pipeline (run_pipeline)
 # ---------------------------------------------------------------------------

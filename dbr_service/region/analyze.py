@@ -3,7 +3,10 @@
 Runs hot-code discovery (seed 001, fig. 10) on BINARY loaded at its link
 address (PIE: at --base, default 0), then the rest of the region-selection
 pipeline when it is available, prints the super-regions it selects and writes
-one DOT file per pass (and SVG with graphviz's `dot`).
+one DOT file per pass (and SVG with graphviz's `dot`).  Settings are the
+service's defaults (`dbr_service/config.py`, as its scheduler turns them into
+pipeline settings for that many samples), so the regions are those the service
+would select from the same samples; `-o KEY=VALUE` changes one.
 
 Samples file: one sample per line, `ADDR [COUNT]` (hex with 0x, or decimal;
 COUNT defaults to 1, repeated addresses add up); a branch sample is
@@ -126,7 +129,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class _DiscoveryOnlyConfig:
     """Settings used when the pipeline module is not available."""
 
-    jumps_from_hot_limit: int = 2
+    jumps_from_hot_limit: int = 4
+
+
+def _service_reach() -> int:
+    from dbr_service.config import Config
+    return Config().jumps_from_hot_limit
 
 
 def _coerce(key: str, current: object, raw: str) -> object:
@@ -144,9 +152,17 @@ def _coerce(key: str, current: object, raw: str) -> object:
     return raw if raw else None
 
 
-def _load_config(options: list[str], pipe) -> object:
-    """The pipeline's RegionConfig (or discovery-only settings) with -o applied."""
-    cfg = pipe.RegionConfig() if pipe is not None else _DiscoveryOnlyConfig()
+def _load_config(options: list[str], pipe, total_samples: float = 0.0) -> object:
+    """The RegionConfig the service would use on ``total_samples`` samples (its default
+    configuration: discovery reach, trip count, region size, inlining budget, hot
+    threshold as that fraction of the samples), or discovery-only settings, with -o
+    applied."""
+    if pipe is not None:
+        from dbr_service.config import Config
+        from dbr_service.scheduler import region_config
+        cfg = region_config(Config(), int(total_samples))
+    else:
+        cfg = _DiscoveryOnlyConfig(jumps_from_hot_limit=_service_reach())
     if hasattr(cfg, "keep_stages"):
         cfg.keep_stages = True
     for text in options:
@@ -212,11 +228,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     pipe = _pipeline()
-    cfg = _load_config(args.options, pipe)
+    _load_config(args.options, pipe)            # bad -o keys fail before any work
     mem = ElfMemoryView(args.binary, base=args.base, libs=args.lib)
     samples = _read_samples(args.samples)
     if not samples.ips:
         raise SamplesError(f"{args.samples}: no samples")
+    cfg = _load_config(args.options, pipe, sum(samples.ips.values()))
     first = hot_code_discovery(samples.ips, mem,
                                jumps_from_hot_limit=cfg.jumps_from_hot_limit,
                                branch_samples=samples.branches or None)
