@@ -514,14 +514,20 @@ def test_emit_random_regions(p: Program, seed: int) -> None:
     _check_static(gen, b)
     w = World(b, orig + delta, gen.size)
     for i in range(4):
-        st = w.state(rng)
-        w.load(None)
-        a, _, _ = w.run(st, b.entry)
-        w.load(gen, patch=True)
-        r, _, landings = w.run(st, b.entry)
-        _compare(a, r, f"{p.name} seed={seed} run={i}")
+        _patched_run_matches(w, gen, w.state(rng), f"{p.name} seed={seed} run={i}")
         assert w.buffer_steps > 0
-        assert all(x in b.boundaries or x == SENTINEL for x in landings)
+
+
+def _patched_run_matches(w: World, gen: GeneratedCode, st, ctx: str) -> list[int]:
+    """Run the original, then the patched original from the same state: same final
+    state, every exit on an original instruction boundary; the exits' landings."""
+    w.load(None)
+    a, _, _ = w.run(st, w.b.entry)
+    w.load(gen, patch=True)
+    r, _, landings = w.run(st, w.b.entry)
+    _compare(a, r, ctx)
+    assert all(x in w.b.boundaries or x == SENTINEL for x in landings), ctx
+    return landings
 
 
 def _check_static(gen: GeneratedCode, b: Built) -> None:
@@ -693,12 +699,6 @@ def test_dispatch_with_far_exit_stubs(p: Program, monkeypatch) -> None:
     rng = random.Random(name)
     exits = 0
     for i in range(RUNS):
-        st = w.state(rng)
-        w.load(None)
-        a, _, _ = w.run(st, b.entry)
-        w.load(gen, patch=True)
-        r, _, landings = w.run(st, b.entry)
-        _compare(a, r, f"{name} run={i}")
-        assert all(x in b.boundaries or x == SENTINEL for x in landings)
+        landings = _patched_run_matches(w, gen, w.state(rng), f"{name} run={i}")
         exits += any(x != SENTINEL for x in landings)
     assert exits > 0
