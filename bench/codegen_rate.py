@@ -39,7 +39,7 @@ QUICK = ("interp", "xlib", "gzip", "bzip2")
 def measure(w: suite.Workload, ctx: suite.Ctx, passes: int) -> dict:
     from dbr_service.codegen.emit import emit_region
     from dbr_service.config import Config
-    from dbr_service.optimize import PROVISIONAL_ALIGN
+    from dbr_service.optimize import provisional_base
     from dbr_service.region.memview import LiveMemoryView
     from dbr_service.region.pipeline import select_regions
     from dbr_service.sampling.perf import sample_ips
@@ -68,8 +68,7 @@ def measure(w: suite.Workload, ctx: suite.Ctx, passes: int) -> dict:
     if not regions:
         return {"status": "no region selected", "samples": sum(hot.values()),
                 "select_s": round(select_s, 3)}
-    bases = [(min(sr.entry_points()) // PROVISIONAL_ALIGN) * PROVISIONAL_ALIGN
-             for sr in regions]
+    bases = [provisional_base(sr) for sr in regions]
     code = [emit_region(sr, b) for sr, b in zip(regions, bases)]     # warm-up, and sizes
     nbytes = sum(g.size for g in code)
     ninsns = sum(len(bb.insns) for sr in regions for _, bb in sr.blocks())

@@ -32,6 +32,12 @@ def region_extent(sr: SuperRegion) -> tuple[list[tuple[int, int]], list[int]]:
     return ranges, reach
 
 
+def provisional_base(sr: SuperRegion) -> int:
+    """Where ``sr`` is emitted to learn its size: at its lowest patch site, aligned
+    (the patch sites must be in reach of the code in any case)."""
+    return (min(sr.entry_points()) // PROVISIONAL_ALIGN) * PROVISIONAL_ALIGN
+
+
 def placement(installer: Installer, sr: SuperRegion) -> tuple[int, list[int]]:
     """Bytes to reserve for ``sr`` and the addresses its code buffer must reach.
 
@@ -49,7 +55,7 @@ def placement(installer: Installer, sr: SuperRegion) -> tuple[int, list[int]]:
         raise CodegenError(f"{sr.id}: no entry points")
     # Emitted near the patch sites (which must be in reach in any case) to learn the size,
     # the data operands and the exit targets.
-    provisional = emit_region(sr, (min(entries) // PROVISIONAL_ALIGN) * PROVISIONAL_ALIGN)
+    provisional = emit_region(sr, provisional_base(sr))
     full = reach + provisional.data_refs
     if installer.space.span_fits(provisional.size, full):
         return provisional.size, full

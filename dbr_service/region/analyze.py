@@ -129,12 +129,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class _DiscoveryOnlyConfig:
     """Settings used when the pipeline module is not available."""
 
-    jumps_from_hot_limit: int = 4
+    jumps_from_hot_limit: int = field(default_factory=lambda: _service_defaults()
+                                      .jumps_from_hot_limit)
 
 
-def _service_reach() -> int:
+def _service_defaults():
     from dbr_service.config import Config
-    return Config().jumps_from_hot_limit
+    return Config()
 
 
 def _coerce(key: str, current: object, raw: str) -> object:
@@ -158,11 +159,10 @@ def _load_config(options: list[str], pipe, total_samples: float = 0.0) -> object
     threshold as that fraction of the samples), or discovery-only settings, with -o
     applied."""
     if pipe is not None:
-        from dbr_service.config import Config
         from dbr_service.scheduler import region_config
-        cfg = region_config(Config(), int(total_samples))
+        cfg = region_config(_service_defaults(), int(total_samples))
     else:
-        cfg = _DiscoveryOnlyConfig(jumps_from_hot_limit=_service_reach())
+        cfg = _DiscoveryOnlyConfig()
     if hasattr(cfg, "keep_stages"):
         cfg.keep_stages = True
     for text in options:

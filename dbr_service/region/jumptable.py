@@ -312,9 +312,7 @@ def infer_targets(path: Sequence[PathStep], mem: MemoryView,
             guess = _match(_subst(target, name, value), [(_subst(e, name, value), n)
                                                          for e, n in st.guards], mem)
             if guess is not None and guess.how.startswith("table"):
-                return IndirectTargets(guess.targets, guess.how, guess.table, guess.entries,
-                                       guess.complete, guessed=True,
-                                       rel_base=guess.rel_base)
+                return replace(guess, guessed=True)
     return None
 
 

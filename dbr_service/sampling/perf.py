@@ -33,6 +33,7 @@ import mmap
 import os
 import struct
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -580,13 +581,11 @@ def probe_event(spec: PerfEventSpec, sample_type: int = PERF_SAMPLE_IP | PERF_SA
 
 
 def sample_ips(pid: int, seconds: float, sample_period_us: int = 1000,
-               poll_s: float = 0.05) -> "Counter":
+               poll_s: float = 0.05) -> Counter:
     """Sample every thread of ``pid`` (incl. threads it starts meanwhile) with cpu-clock
     for ``seconds``: how many samples hit each instruction address.  For tools and
     benchmarks that want a profile without a service (the service samples through
     its own loop)."""
-    from collections import Counter
-
     src = PerfSource(sample_period_us=sample_period_us)
     src.open(pid)
     src.enable()
