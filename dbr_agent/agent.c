@@ -296,6 +296,7 @@ static uint32_t fixed_size(uint32_t type)
     case DBR_MSG_PATCH:
     case DBR_MSG_UNPATCH:          return sizeof(struct dbr_patch_batch);
     case DBR_MSG_PC_CENSUS_REQ:    return sizeof(struct dbr_census_req);
+    case DBR_MSG_TRANSFER:         return sizeof(struct dbr_transfer);
     case DBR_MSG_SAMPLER_START:    return sizeof(struct dbr_sampler_start);
     case DBR_MSG_SAMPLER_STOP:     return sizeof(struct dbr_ack);
     case DBR_MSG_BYE:              return sizeof(struct dbr_bye);
@@ -414,6 +415,16 @@ static int validate(size_t n, int state)
         }
         return DBR_OK;
     }
+    if (h->type == DBR_MSG_TRANSFER) {
+        const struct dbr_transfer *t = (const struct dbr_transfer *)g_rx;
+
+        if (n < fixed || t->n > DBR_MAX_TRANSFER ||
+            n != fixed + (size_t)t->n * sizeof(struct dbr_transfer_point)) {
+            send_error(DBR_E_PROTO, h->seq, "bad TRANSFER length");
+            return DBR_E_PROTO;
+        }
+        return DBR_OK;
+    }
     if (n != fixed) {
         send_error(DBR_E_PROTO, h->seq, "bad message length for its type");
         return DBR_E_PROTO;
@@ -516,6 +527,18 @@ static int handle(size_t n)
             c.req_id = r->req_id;
             rc = dbr_send(&c, DBR_MSG_PC_CENSUS, sizeof c, -1, 0);
         }
+        break;
+    }
+    case DBR_MSG_TRANSFER: {
+        const struct dbr_transfer *t = (const void *)g_rx;
+        struct dbr_transfer_result rep;
+
+        memset(&rep, 0, sizeof rep);
+        rep.req_id = t->req_id;
+        pthread_mutex_lock(&g_agent_mu);
+        rep.result = dbr_transfer_run(t->region_id, t->points, t->n, t->timeout_ms, &rep);
+        pthread_mutex_unlock(&g_agent_mu);
+        rc = dbr_send(&rep, DBR_MSG_TRANSFER_RESULT, sizeof rep, -1, 0);
         break;
     }
     case DBR_MSG_SAMPLER_START: {

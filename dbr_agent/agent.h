@@ -173,12 +173,17 @@ extern unsigned g_n_regions;
 int dbr_region_set(const struct dbr_region *r);
 int dbr_region_forget(uint32_t id);
 int dbr_region_exits_intersect(uint64_t lo, uint64_t hi);
+int dbr_region_code(uint32_t id, uint64_t *lo, uint64_t *hi); /* DBR_OK or DBR_E_UNKNOWN */
 void dbr_regions_clear(void);
 
 /* ---- census.c ---- */
 void dbr_census_init(void);
 /* run one census; sends its PC_CENSUS replies */
 int dbr_census_run(uint32_t req_id, uint32_t timeout_ms);
+/* TRANSFER (g_agent_mu held): checks, signals every thread, fills res->threads,
+ * moved, no_reply; returns the result code */
+int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
+                     uint32_t timeout_ms, struct dbr_transfer_result *res);
 
 /* ---- sampler.c ---- */
 void dbr_sampler_init(void);

@@ -1,5 +1,6 @@
 /*
- * census.c — PC census: every thread reports its interrupted PC.
+ * census.c — PC census: every thread reports its interrupted PC; and TRANSFER:
+ * threads stopped at a listed original PC continue in replacement code.
  *
  * The agent thread queues the census signal to each thread with
  * rt_tgsigqueueinfo (the tgkill of a signal with a payload): si_code SI_QUEUE,
@@ -10,6 +11,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <ucontext.h>
 #include <unistd.h>
@@ -17,6 +19,10 @@
 #include "agent.h"
 
 #define CENSUS_COOKIE  0x0DBC3A5
+/* TRANSFER signals carry (TRANSFER_MAGIC << 32) | generation in si_value */
+#define TRANSFER_MAGIC 0x7AF5u
+#define TRANSFER_WAIT_MAX_MS 1000u
+#define TRANSFER_SETTLE_MS 500u
 #define CENSUS_WAIT_MAX_MS 1000u
 #define CENSUS_WAIT_DEFAULT_MS 200u
 
@@ -30,15 +36,70 @@ static struct slot g_slots[DBR_CENSUS_SLOTS];
 static unsigned g_nslots;
 static uint32_t g_gen;
 
+/* ---- TRANSFER state ----
+ * The table is written by the agent thread only while no handler can read it:
+ * g_tp_gen is 0 (no transfer open) and g_tp_active is 0 (no handler between its
+ * generation check and its last read).  A handler counts itself active, then
+ * compares the generation its signal carries with g_tp_gen; a late delivery of
+ * an earlier transfer sees a different generation and touches nothing. */
+static struct dbr_transfer_point g_tp[DBR_MAX_TRANSFER];
+static uint32_t g_tp_n;
+static uint32_t g_tp_gen;       /* generation of the open transfer, 0: none */
+static uint32_t g_tp_counter;   /* last generation used */
+static int g_tp_active;         /* handlers inside the critical part */
+static struct slot g_tslots[DBR_CENSUS_SLOTS];   /* pc: 1 if moved */
+static unsigned g_tn;
+
+static void transfer_handler(ucontext_t *uc, uint32_t gen)
+{
+    unsigned lo, hi, i, n;
+    uint64_t pc, moved = 0;
+    pid_t tid;
+
+    __atomic_add_fetch(&g_tp_active, 1, __ATOMIC_SEQ_CST);
+    if (gen != 0 && gen == __atomic_load_n(&g_tp_gen, __ATOMIC_SEQ_CST)) {
+        pc = (uint64_t)uc->uc_mcontext.gregs[REG_RIP];
+        lo = 0;
+        hi = g_tp_n;
+        while (lo < hi) {           /* binary search: g_tp is sorted by orig */
+            unsigned mid = lo + (hi - lo) / 2;
+            if (g_tp[mid].orig < pc)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo < g_tp_n && g_tp[lo].orig == pc) {
+            uc->uc_mcontext.gregs[REG_RIP] = (greg_t)g_tp[lo].repl;
+            moved = 1;
+        }
+        tid = dbr_gettid();
+        n = g_tn;
+        for (i = 0; i < n; i++) {
+            if (g_tslots[i].tid != tid)
+                continue;
+            __atomic_store_n(&g_tslots[i].pc, moved, __ATOMIC_RELAXED);
+            __atomic_store_n(&g_tslots[i].done_gen, gen, __ATOMIC_RELEASE);
+            break;
+        }
+    }
+    __atomic_sub_fetch(&g_tp_active, 1, __ATOMIC_SEQ_CST);
+}
+
 static void census_handler(int sig, siginfo_t *si, void *ucv)
 {
     ucontext_t *uc = ucv;
     unsigned i, n;
     uint32_t gen;
     pid_t tid;
+    uint64_t cookie = (uint64_t)(uintptr_t)si->si_value.sival_ptr;
 
-    if (si->si_code != SI_QUEUE || si->si_pid != getpid() || si->si_value.sival_int != CENSUS_COOKIE) {
+    if (si->si_code != SI_QUEUE || si->si_pid != getpid() ||
+        (cookie != CENSUS_COOKIE && (cookie >> 32) != TRANSFER_MAGIC)) {
         dbr_signal_chain(sig, si, ucv);
+        return;
+    }
+    if ((cookie >> 32) == TRANSFER_MAGIC) {
+        transfer_handler(uc, (uint32_t)cookie);
         return;
     }
     gen = __atomic_load_n(&g_gen, __ATOMIC_ACQUIRE);
@@ -58,7 +119,7 @@ void dbr_census_init(void)
     dbr_signal_install(g_cfg.census_sig, census_handler, SA_SIGINFO | SA_RESTART | SA_ONSTACK);
 }
 
-static int queue_signal(pid_t tid)
+static int queue_signal_value(pid_t tid, uint64_t value)
 {
     siginfo_t si;
 
@@ -67,8 +128,13 @@ static int queue_signal(pid_t tid)
     si.si_code = SI_QUEUE;
     si.si_pid = getpid();
     si.si_uid = getuid();
-    si.si_value.sival_int = CENSUS_COOKIE;
+    si.si_value.sival_ptr = (void *)(uintptr_t)value;
     return (int)syscall(SYS_rt_tgsigqueueinfo, getpid(), tid, g_cfg.census_sig, &si);
+}
+
+static int queue_signal(pid_t tid)
+{
+    return queue_signal_value(tid, CENSUS_COOKIE);
 }
 
 int dbr_census_run(uint32_t req_id, uint32_t timeout_ms)
@@ -163,4 +229,125 @@ out:
     free(state);
     free(msg);
     return rc;
+}
+
+static int wait_handlers_idle(unsigned ms)
+{
+    uint64_t deadline = dbr_now_ms() + ms;
+
+    while (__atomic_load_n(&g_tp_active, __ATOMIC_SEQ_CST) != 0) {
+        if (dbr_now_ms() >= deadline)
+            return DBR_E_BUSY;
+        dbr_sleep_ms(1);
+    }
+    return DBR_OK;
+}
+
+/* The checks of a TRANSFER (see dbr_protocol.h); g_agent_mu held. */
+static int transfer_check(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n)
+{
+    struct dbr_maps maps;
+    uint64_t lo, hi;
+    uint32_t i;
+    int rc = DBR_OK;
+
+    if (dbr_region_code(region_id, &lo, &hi) != DBR_OK)
+        return DBR_E_UNKNOWN;
+    if (n == 0 || n > DBR_MAX_TRANSFER)
+        return DBR_E_INVAL;
+    for (i = 1; i < n; i++)
+        if (p[i].orig <= p[i - 1].orig)
+            return DBR_E_INVAL;
+    for (i = 0; i < n; i++)
+        if (p[i].repl < lo || p[i].repl >= hi || !dbr_buffer_containing(p[i].repl, 1))
+            return DBR_E_TARGET;
+    if (dbr_maps_read(&maps) != DBR_OK)
+        return DBR_E_NOMEM;
+    for (i = 0; i < n && rc == DBR_OK; i++) {
+        const struct dbr_map_ent *m = dbr_maps_find(&maps, p[i].orig);
+
+        if (!m || !(m->prot & PROT_EXEC))
+            rc = DBR_E_NOT_EXEC;
+        else if (m->special || (p[i].orig >= g_agent_lo && p[i].orig < g_agent_hi) ||
+                 dbr_buffers_intersect(p[i].orig, p[i].orig + 1))
+            rc = DBR_E_FORBIDDEN;
+    }
+    dbr_maps_free(&maps);
+    return rc;
+}
+
+int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
+                     uint32_t timeout_ms, struct dbr_transfer_result *res)
+{
+    pid_t *tids = NULL;
+    uint8_t *waiting = NULL;
+    int nt, i, pending, rc;
+    uint32_t gen;
+    uint64_t deadline;
+
+    rc = transfer_check(region_id, p, n);
+    if (rc != DBR_OK)
+        return rc;
+    /* a handler of an earlier transfer that passed its check may still read g_tp */
+    if (wait_handlers_idle(TRANSFER_SETTLE_MS) != DBR_OK)
+        return DBR_E_BUSY;
+    tids = calloc(DBR_CENSUS_SLOTS, sizeof *tids);
+    waiting = calloc(DBR_CENSUS_SLOTS, 1);
+    if (!tids || !waiting) {
+        free(tids);
+        free(waiting);
+        return DBR_E_NOMEM;
+    }
+    memcpy(g_tp, p, n * sizeof *p);
+    g_tp_n = n;
+    nt = dbr_list_threads(tids, DBR_CENSUS_SLOTS);
+    if (nt > (int)DBR_CENSUS_SLOTS)
+        nt = DBR_CENSUS_SLOTS;
+    for (i = 0; i < nt; i++) {
+        g_tslots[i].tid = tids[i];
+        g_tslots[i].pc = 0;
+        __atomic_store_n(&g_tslots[i].done_gen, 0, __ATOMIC_RELAXED);
+    }
+    g_tn = (unsigned)nt;
+    gen = ++g_tp_counter;
+    if (gen == 0)
+        gen = ++g_tp_counter;
+    __atomic_store_n(&g_tp_gen, gen, __ATOMIC_SEQ_CST);    /* open: handlers may read */
+
+    pending = 0;
+    for (i = 0; i < nt; i++) {
+        if (tids[i] == g_agent_tid || tids[i] == dbr_gettid())
+            continue;
+        if (queue_signal_value(tids[i], ((uint64_t)TRANSFER_MAGIC << 32) | gen) == 0) {
+            waiting[i] = 1;
+            pending++;
+            res->threads++;
+        }
+    }
+    if (timeout_ms == 0)
+        timeout_ms = CENSUS_WAIT_DEFAULT_MS;
+    if (timeout_ms > TRANSFER_WAIT_MAX_MS)
+        timeout_ms = TRANSFER_WAIT_MAX_MS;
+    deadline = dbr_now_ms() + timeout_ms;
+    while (pending > 0 && dbr_now_ms() < deadline) {
+        dbr_sleep_ms(1);
+        pending = 0;
+        for (i = 0; i < nt; i++)
+            if (waiting[i] && __atomic_load_n(&g_tslots[i].done_gen, __ATOMIC_ACQUIRE) != gen)
+                pending++;
+    }
+    __atomic_store_n(&g_tp_gen, 0, __ATOMIC_SEQ_CST);      /* closed: late signals do nothing */
+    /* handlers that passed the check finish before the table is reused (next call) */
+    (void)wait_handlers_idle(TRANSFER_SETTLE_MS);
+    for (i = 0; i < nt; i++) {
+        if (!waiting[i])
+            continue;
+        if (__atomic_load_n(&g_tslots[i].done_gen, __ATOMIC_ACQUIRE) == gen)
+            res->moved += (uint32_t)__atomic_load_n(&g_tslots[i].pc, __ATOMIC_RELAXED);
+        else
+            res->no_reply++;
+    }
+    free(tids);
+    free(waiting);
+    return DBR_OK;
 }

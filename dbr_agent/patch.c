@@ -185,6 +185,17 @@ static const struct region_ent *region_find(uint32_t id)
     return NULL;
 }
 
+int dbr_region_code(uint32_t id, uint64_t *lo, uint64_t *hi)
+{
+    const struct region_ent *e = region_find(id);
+
+    if (!e)
+        return DBR_E_UNKNOWN;
+    *lo = e->code_lo;
+    *hi = e->code_hi;
+    return DBR_OK;
+}
+
 /* ---------------- writing ---------------- */
 
 struct op {

@@ -37,6 +37,7 @@ _REPLY_OF: dict[P.MsgType, tuple[P.MsgType, str]] = {
     P.MsgType.PC_CENSUS_REQ: (P.MsgType.PC_CENSUS, "req_id"),
     P.MsgType.SAMPLER_START: (P.MsgType.SAMPLER_RING, "req_id"),
     P.MsgType.SAMPLER_STOP: (P.MsgType.ACK, "req_id"),
+    P.MsgType.TRANSFER: (P.MsgType.TRANSFER_RESULT, "req_id"),
 }
 
 
@@ -312,6 +313,20 @@ class AgentConnection:
             rec = nxt
             entries.extend(rec.msg.items)
         return entries
+
+    def transfer(self, region_id: int, points: dict[int, int] | list[tuple[int, int]],
+                 timeout_ms: int = 100) -> P.TransferResult:
+        """TRANSFER: threads stopped at an original address of ``points`` continue at
+        its replacement address (codegen's transfer map of an announced region)."""
+        pts = sorted(dict(points).items())
+        if not 0 < len(pts) <= P.MAX_TRANSFER:
+            raise AgentError(f"a transfer holds 1..{P.MAX_TRANSFER} points, not {len(pts)}")
+        items = [P.TransferPoint(orig=o, repl=r) for o, r in pts]
+        rec = self.request(P.MsgType.TRANSFER,
+                           P.Transfer(req_id=self.next_id(), region_id=region_id,
+                                      timeout_ms=timeout_ms),
+                           items=items, timeout=timeout_ms / 1000 + 3.0)
+        return rec.msg.body
 
     def sampler_start(self, period_us: int, ring_entries: int,
                       timeout: float = 2.0) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 Every struct of the header appears here as a ``ctypes.LittleEndianStructure`` with
 the same field names, in the same order.  Variable-length messages (PATCH,
-UNPATCH, PATCH_RESULT, PC_CENSUS) are their fixed part followed by ``n`` array
+UNPATCH, PATCH_RESULT, PC_CENSUS, TRANSFER) are their fixed part followed by ``n`` array
 entries; :func:`pack_array_msg` and :func:`unpack_array_msg` handle them.
 """
 
@@ -24,6 +24,7 @@ MSG_MAX = 65536
 MAX_SITES = 512
 MAX_CENSUS = 1024
 MAX_EXITS = 32
+MAX_TRANSFER = 2048
 EXE_MAX = 256
 BUILD_ID_MAX = 32
 ERRMSG_MAX = 120
@@ -52,9 +53,11 @@ class MsgType(enum.IntEnum):
     SAMPLER_STOP = 19
     BYE = 20
     ERROR = 21
+    TRANSFER = 22
+    TRANSFER_RESULT = 23
 
 
-MSG_TYPE_MAX = 21
+MSG_TYPE_MAX = 23
 
 
 class Result(enum.IntEnum):
@@ -213,6 +216,20 @@ class Census(_S):
     _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("n", u32), ("flags", u32), ("n_total", u32)]
 
 
+class TransferPoint(_S):
+    _fields_ = [("orig", u64), ("repl", u64)]
+
+
+class Transfer(_S):
+    _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("region_id", u32), ("n", u32),
+                ("timeout_ms", u32)]
+
+
+class TransferResult(_S):
+    _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("result", i32), ("threads", u32),
+                ("moved", u32), ("no_reply", u32), ("reserved", u32)]
+
+
 class SamplerStart(_S):
     _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("period_us", u32), ("ring_entries", u32),
                 ("reserved", u32)]
@@ -250,6 +267,8 @@ C_STRUCTS: dict[str, type[_S]] = {
     "dbr_patch_batch": PatchBatch, "dbr_site_result": SiteResult,
     "dbr_patch_result": PatchResult, "dbr_census_req": CensusReq,
     "dbr_census_entry": CensusEntry, "dbr_census": Census,
+    "dbr_transfer_point": TransferPoint, "dbr_transfer": Transfer,
+    "dbr_transfer_result": TransferResult,
     "dbr_sampler_start": SamplerStart, "dbr_sampler_ring": SamplerRing,
     "dbr_bye": Bye, "dbr_error": Error, "dbr_ring_header": RingHeader,
     "dbr_ring_entry": RingEntry,
@@ -259,7 +278,8 @@ C_STRUCTS: dict[str, type[_S]] = {
 C_CONSTANTS: dict[str, int] = {
     "DBR_PROTO_MAGIC": PROTO_MAGIC, "DBR_PROTO_VERSION": PROTO_VERSION,
     "DBR_MSG_MAX": MSG_MAX, "DBR_MAX_SITES": MAX_SITES, "DBR_MAX_CENSUS": MAX_CENSUS,
-    "DBR_MAX_EXITS": MAX_EXITS, "DBR_EXE_MAX": EXE_MAX, "DBR_BUILD_ID_MAX": BUILD_ID_MAX,
+    "DBR_MAX_EXITS": MAX_EXITS, "DBR_MAX_TRANSFER": MAX_TRANSFER, "DBR_EXE_MAX": EXE_MAX,
+    "DBR_BUILD_ID_MAX": BUILD_ID_MAX,
     "DBR_ERRMSG_MAX": ERRMSG_MAX, "DBR_PATCH_LEN": PATCH_LEN, "DBR_MSG_TYPE_MAX": MSG_TYPE_MAX,
     "DBR_HELLO_FORKED": HELLO_FORKED, "DBR_HELLO_SYNC_CORE": HELLO_SYNC_CORE,
     "DBR_HELLO_INHERITED": HELLO_INHERITED, "DBR_DISCONNECT_KEEP": DISCONNECT_KEEP,
@@ -284,12 +304,14 @@ MSG_CLASS: dict[MsgType, type[_S]] = {
     MsgType.PC_CENSUS_REQ: CensusReq, MsgType.PC_CENSUS: Census,
     MsgType.SAMPLER_START: SamplerStart, MsgType.SAMPLER_RING: SamplerRing,
     MsgType.SAMPLER_STOP: Ack, MsgType.BYE: Bye, MsgType.ERROR: Error,
+    MsgType.TRANSFER: Transfer, MsgType.TRANSFER_RESULT: TransferResult,
 }
 
 # Array element class of the variable-length messages.
 MSG_ARRAY: dict[MsgType, type[_S]] = {
     MsgType.PATCH: PatchSite, MsgType.UNPATCH: PatchSite,
     MsgType.PATCH_RESULT: SiteResult, MsgType.PC_CENSUS: CensusEntry,
+    MsgType.TRANSFER: TransferPoint,
 }
 
 T = TypeVar("T", bound=_S)

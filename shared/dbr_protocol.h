@@ -34,6 +34,7 @@
 #define DBR_MAX_SITES      512u   /* sites in one PATCH/UNPATCH batch */
 #define DBR_MAX_CENSUS     1024u  /* thread entries in one PC_CENSUS message */
 #define DBR_MAX_EXITS      32u    /* exit ranges in one REGION message */
+#define DBR_MAX_TRANSFER   2048u  /* points in one TRANSFER message */
 #define DBR_EXE_MAX        256u   /* bytes of exe path in HELLO (NUL padded) */
 #define DBR_BUILD_ID_MAX   32u
 #define DBR_ERRMSG_MAX     120u
@@ -62,7 +63,9 @@ enum dbr_msg_type {
     DBR_MSG_SAMPLER_STOP     = 19, /* S: stop the agent-timer sampler; reply ACK */
     DBR_MSG_BYE              = 20, /* A or S: orderly end of session */
     DBR_MSG_ERROR            = 21, /* A or S: protocol error report */
-    DBR_MSG_TYPE_MAX         = 21
+    DBR_MSG_TRANSFER         = 22, /* S: move threads stopped at listed original PCs into a region */
+    DBR_MSG_TRANSFER_RESULT  = 23, /* A: what TRANSFER did */
+    DBR_MSG_TYPE_MAX         = 23
 };
 
 /* Result codes: 0 is success, errors are negative. */
@@ -277,6 +280,43 @@ struct dbr_census {
     uint32_t flags;      /* DBR_CENSUS_MORE */
     uint32_t n_total;    /* threads in the whole census */
     struct dbr_census_entry entries[]; /* n entries */
+};
+
+/*
+ * TRANSFER: every thread (but the agent's) is sent the census signal; a thread
+ * whose interrupted PC equals some points[i].orig continues at points[i].repl
+ * (the handler rewrites the PC in its signal frame; nothing else changes).
+ * The service promises that the replacement code at repl, entered with the
+ * state the original has at orig, does what the original does (codegen's
+ * transfer map).  The agent checks: region_id announced by REGION, points
+ * sorted by orig without duplicates, every repl inside that region's code
+ * range and inside one of its code buffers, every orig in executable memory
+ * outside the agent and the code buffers.  First failure wins: UNKNOWN,
+ * INVAL, TARGET, NOT_EXEC, FORBIDDEN, BUSY (a late handler of the previous
+ * transfer still running).  One TRANSFER_RESULT answers.
+ */
+struct dbr_transfer_point {
+    uint64_t orig;       /* original instruction address */
+    uint64_t repl;       /* where a thread stopped at orig continues */
+};
+
+struct dbr_transfer {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    uint32_t region_id;
+    uint32_t n;          /* points that follow */
+    uint32_t timeout_ms; /* bound on waiting for threads to answer */
+    struct dbr_transfer_point points[]; /* n entries, ascending orig */
+};
+
+struct dbr_transfer_result {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    int32_t  result;     /* enum dbr_result */
+    uint32_t threads;    /* threads signalled */
+    uint32_t moved;      /* threads moved into the region's code */
+    uint32_t no_reply;   /* threads that did not answer within the bound */
+    uint32_t reserved;
 };
 
 struct dbr_sampler_start {

@@ -416,7 +416,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 SERVICE_TYPES = [P.MsgType.CODE_BUFFER_REQ, P.MsgType.CODE_BUFFER_FREE, P.MsgType.REGION,
                  P.MsgType.REGION_FORGET, P.MsgType.PATCH, P.MsgType.UNPATCH,
-                 P.MsgType.PC_CENSUS_REQ, P.MsgType.SAMPLER_STOP, P.MsgType.ACK]
+                 P.MsgType.PC_CENSUS_REQ, P.MsgType.SAMPLER_STOP, P.MsgType.ACK,
+                 P.MsgType.TRANSFER]
 
 
 @st.composite

@@ -124,6 +124,11 @@ class GeneratedCode:
     data_start: int | None = None
     #: Addresses reached by RIP-relative data operands (disp32: must stay in reach).
     data_refs: list[int] = field(default_factory=list)
+    #: Transfer points: original instruction address -> replacement address where a
+    #: thread stopped at that original address can continue with unchanged state
+    #: (the start of that instruction's own, complete translation in a block that is
+    #: not an inlined clone).  The agent's TRANSFER moves threads by this map.
+    transfers: dict[int, int] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -145,6 +150,9 @@ class _Piece:
     orig: int
     fixups: list[Fixup] = field(default_factory=list)
     dynamic: list[int] = field(default_factory=list)
+    #: The piece is the whole translation of the instruction at ``orig`` and starts
+    #: with the state the original has before it (a transfer point, unless in a clone).
+    whole: bool = False
 
 
 class _Dispatches:
@@ -286,7 +294,7 @@ class _BlockEmitter:
                 abi_entry=abi_entry)
         except CannotRelocate as e:
             raise CodegenError(f"{self.sr.id}: block {fmt_node(bb.start)}: {e}") from e
-        self._add(_Piece(r.code, a, r.fixups, r.dynamic_exits))
+        self._add(_Piece(r.code, a, r.fixups, r.dynamic_exits, whole=True))
 
     def _dispatch(self, key: NodeKey, plan: DispatchPlan, flow: dict[int, NodeKey]) -> None:
         """The translated ``add R, B; jmp R`` (see codegen/dispatch.py): checks and the
@@ -348,13 +356,13 @@ class _BlockEmitter:
         v = flow.get(t)
         dst = self.exit_to(t) if v is None else self.addr_of(v)
         code = self._encode(lambda: jcc_rel32(cc, self._at, dst))
-        self._add(_Piece(code, a, [Fixup(0, 2, dst, t, v is None)]))
+        self._add(_Piece(code, a, [Fixup(0, 2, dst, t, v is None)], whole=True))
         self._goto(ft, flow, nxt, a)
 
     def _call(self, bb, key, a: int, n: int, nxt) -> None:
         callee = self._insn(bb, a).operands[0].imm
         calls = self.succ(key, {EdgeKind.CALL})
-        self._add(_Piece(push_return(a + n), a))
+        self._add(_Piece(push_return(a + n), a, whole=True))
         self._goto(callee, calls, nxt, a)
 
     def _ret(self, bb, key, a: int, n: int, nxt) -> None:
@@ -437,14 +445,20 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
                        plans)
     out = bytearray()
     gen = GeneratedCode(b"", base, {}, [], [], block_addr=block_addr, layout=list(lay.order))
+    ambiguous: set[int] = set()
     for k in lay.order:
         if pads[k]:
             gen.addr_map.append((base + len(out), base + len(out) + pads[k], sr.block(k).start))
             out += nop_bytes(pads[k])
         assert base + len(out) == block_addr[k]
         pieces = em.emit(k, block_addr[k], nxt[k])
+        clone = sr.block(k).is_clone
         for p in pieces:
             at = base + len(out)
+            if p.whole and not clone:
+                if p.orig in gen.transfers:
+                    ambiguous.add(p.orig)
+                gen.transfers.setdefault(p.orig, at)
             if p.code:
                 gen.addr_map.append((at, at + len(p.code), p.orig))
             gen.exits += [(at + f.insn_off, f.orig_target) for f in p.fixups if f.exit]
@@ -453,6 +467,8 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
             out += p.code
         if base + len(out) != block_addr[k] + sizes[k]:
             raise CodegenError(f"{sr.id}: block {fmt_node(k)} changed size between passes")
+    for a in ambiguous:                 # copied twice: no one place to continue at
+        del gen.transfers[a]
     if far:
         _far_stubs(gen, out, far, stub)
     if tables:

@@ -1,0 +1,129 @@
+"""TRANSFER: the agent moves threads stopped at listed original PCs into replacement
+code (shared/dbr_protocol.h), and refuses requests that could send a thread anywhere
+else.  ``spin`` threads loop in three instructions; the replacement copy returns 2
+instead of 1, so each thread's result says whether it was moved."""
+
+from __future__ import annotations
+
+import pytest
+
+from dbr_service import protocol as P
+from dbr_service.agentconn import AgentConnection
+from harness import FakeService, assemble, compile_c
+
+#: The copy of ``spin``'s loop: same instructions and offsets, returns 2.
+COPY = "loop: mov rax, qword ptr [rdi]; test rax, rax; je loop; mov eax, 2; ret"
+OFFSETS = (0, 3, 6)           # the loop's instructions (spin.c)
+
+
+@pytest.fixture
+def svc():
+    s = FakeService()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def spin_exe():
+    return compile_c(["spin.c"])
+
+
+def start(svc: FakeService, exe, threads: int):
+    client = svc.spawn([exe, str(threads)])
+    spin = int(client.out.expect("spin").split()[1], 16)
+    client.out.expect("ready")
+    conn = svc.accept(pid=client.pid)
+    buf = conn.code_buffer(near=spin, size=4096)
+    code = assemble(COPY, buf.base)
+    assert len(code) == 14
+    buf.write(buf.base, code)
+    return client, conn, spin, buf
+
+
+def announce(conn: AgentConnection, region_id: int, lo: int, hi: int) -> None:
+    assert conn.region(region_id, lo, hi, []) == P.Result.OK
+
+
+def results(client) -> list[int]:
+    rc, rest = client.finish()
+    assert rc == 0, (rc, client.err.lines)
+    line = next(x for x in rest if x.startswith("results"))
+    return [int(v) for v in line.split()[1:]]
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_spinning_threads_are_moved(svc, spin_exe, threads):
+    client, conn, spin, buf = start(svc, spin_exe, threads)
+    announce(conn, 7, buf.base, buf.base + 64)
+    points = {spin + o: buf.base + o for o in OFFSETS}
+    moved = 0
+    for _ in range(20):     # a thread may still be starting (not yet in the loop)
+        res = conn.transfer(7, points, timeout_ms=500)
+        assert res.result == P.Result.OK
+        # every thread but the agent's is signalled: the spinners and main (in read())
+        assert res.threads == threads + 1 and res.no_reply == 0
+        moved += res.moved
+        if moved == threads:
+            break
+    # a moved thread is in the copy: never moved twice
+    assert moved == threads
+    # a census sees them in the copy, main elsewhere
+    pcs = [e.pc for e in conn.census(500) if e.state == P.CENSUS_OK]
+    assert sum(buf.base <= pc < buf.base + 8 for pc in pcs) == threads
+    assert results(client) == [2] * threads
+
+
+def test_threads_elsewhere_are_left_alone(svc, spin_exe):
+    """Points that no thread is stopped at move nobody (the loop's return path)."""
+    client, conn, spin, buf = start(svc, spin_exe, 3)
+    announce(conn, 3, buf.base, buf.base + 64)
+    res = conn.transfer(3, {spin + 8: buf.base + 8}, timeout_ms=500)
+    assert res.result == P.Result.OK and res.moved == 0 and res.threads == 4
+    assert results(client) == [1, 1, 1]
+
+
+def test_bad_transfers_are_refused_and_move_nobody(svc, spin_exe):
+    client, conn, spin, buf = start(svc, spin_exe, 2)
+    announce(conn, 5, buf.base, buf.base + 64)
+    good = {spin + o: buf.base + o for o in OFFSETS}
+    stack = next(int(line.split("-")[0], 16)
+                 for line in open(f"/proc/{client.pid}/maps").read().splitlines()
+                 if line.endswith("[stack]"))
+    cases = {
+        "unknown region": (9, good, P.Result.E_UNKNOWN),
+        "repl outside the region's code": (5, {spin: buf.base + 64}, P.Result.E_TARGET),
+        "repl outside every buffer": (5, {spin: spin + 3}, P.Result.E_TARGET),
+        "orig inside a code buffer": (5, {buf.base + 32: buf.base}, P.Result.E_FORBIDDEN),
+        "orig not executable": (5, {stack: buf.base}, P.Result.E_NOT_EXEC),
+    }
+    for what, (rid, points, want) in cases.items():
+        res = conn.transfer(rid, points, timeout_ms=200)
+        assert res.result == want, (what, res.result)
+        assert res.moved == 0 and res.threads == 0, what
+    # unsorted points: built by hand (conn.transfer sorts)
+    items = [P.TransferPoint(orig=spin + 3, repl=buf.base + 3),
+             P.TransferPoint(orig=spin, repl=buf.base)]
+    rec = conn.request(P.MsgType.TRANSFER, P.Transfer(req_id=conn.next_id(), region_id=5,
+                                                      timeout_ms=200), items=items)
+    assert rec.msg.body.result == P.Result.E_INVAL and rec.msg.body.moved == 0
+    # a forgotten region cannot be transferred into
+    assert conn.region_forget(5) == P.Result.OK
+    assert conn.transfer(5, good).result == P.Result.E_UNKNOWN
+    assert results(client) == [1, 1]
+
+
+def test_malformed_transfer_length_closes_the_session(svc, spin_exe):
+    client, conn, spin, buf = start(svc, spin_exe, 1)
+    body = P.Transfer(req_id=1, region_id=1, n=3, timeout_ms=10)
+    body.hdr = P.make_hdr(P.MsgType.TRANSFER, 32 + 16, 99)  # says 3 points, carries 1
+    conn.sock.send(bytes(body) + bytes(P.TransferPoint(orig=spin, repl=buf.base)))
+    seen = []
+    for _ in range(20):                 # thread notices may come first
+        m = conn.recv(3.0)
+        if m is None:
+            break
+        seen.append(m.type)
+        if m.type is P.MsgType.ERROR:
+            break
+    assert P.MsgType.ERROR in seen
+    assert results(client) == [1]       # nobody moved, the program unharmed
