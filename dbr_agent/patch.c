@@ -25,6 +25,8 @@ unsigned g_n_installed;
 struct region_ent {
     uint32_t id;             /* 0: free */
     uint32_t n_exits;
+    uint32_t stale;          /* code it depends on was unmapped/reprotected: no TRANSFER */
+    uint32_t reserved;
     uint64_t code_lo, code_hi;
     struct dbr_range exits[DBR_MAX_EXITS];
 };
@@ -127,6 +129,7 @@ int dbr_region_set(const struct dbr_region *r)
     if (!e)
         return DBR_E_LIMIT;
     e->id = r->region_id;
+    e->stale = 0;
     e->code_lo = r->code_lo;
     e->code_hi = r->code_hi;
     e->n_exits = r->n_exits;
@@ -189,7 +192,7 @@ int dbr_region_code(uint32_t id, uint64_t *lo, uint64_t *hi)
 {
     const struct region_ent *e = region_find(id);
 
-    if (!e)
+    if (!e || e->stale)
         return DBR_E_UNKNOWN;
     *lo = e->code_lo;
     *hi = e->code_hi;
@@ -589,7 +592,17 @@ out:
 
 int dbr_unpatch_affected(uint64_t lo, uint64_t hi, int with_exits)
 {
-    return unpatch_selected(lo, hi, with_exits, 0);
+    int n = unpatch_selected(lo, hi, with_exits, 0);
+    unsigned i;
+
+    /* whatever the service said: no thread is moved into a region whose original
+     * code or exit targets were in the range (it may hold other code next) */
+    pthread_mutex_lock(&g_agent_mu);
+    for (i = 0; i < DBR_REGION_TABLE_MAX; i++)
+        if (g_regions[i].id && region_exits_hit(&g_regions[i], lo, hi))
+            g_regions[i].stale = 1;
+    pthread_mutex_unlock(&g_agent_mu);
+    return n;
 }
 
 int dbr_unpatch_all(void)

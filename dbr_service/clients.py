@@ -177,6 +177,8 @@ class ClientSession:
         self.region_status = "no job run yet"
         self.patches_installed = 0
         self.patches_removed = 0
+        #: Regions that went live (patched, or entered by a thread moved in).
+        self.regions_went_live = 0
         self.first_patch_mono: float | None = None
         self.samples_after_first_patch = 0
         self.samples_in_replacement = 0
@@ -484,7 +486,8 @@ class ClientSession:
             cfg = self.service.config
             variant = {"int3": P.Variant.INT3, "self-branch": P.Variant.SELF_BRANCH,
                        "single": P.Variant.SINGLE}[cfg.patch_variant]
-            self.installer = Installer(self.conn, self._read_original, variant=variant)
+            self.installer = Installer(self.conn, self._read_original, variant=variant,
+                                       transfer=cfg.transfer)
             self.evaluator = Evaluator(self.installer)
         return self.installer
 
@@ -533,9 +536,11 @@ class ClientSession:
                 rec.sites = reg.patched_sites
                 rec.code_bytes = reg.gen.size
                 rec.info.update(install_id=reg.region_id, code_at=hex(reg.chunk.addr),
-                                sites=len(reg.patched_sites))
+                                sites=len(reg.patched_sites), transferred=reg.transferred,
+                                transfer_only=not reg.sites)
                 reg.name = rid
                 n += 1
+                self.regions_went_live += 1
                 self.patches_installed += len(reg.patched_sites)
                 if self.first_patch_mono is None:
                     self.first_patch_mono = time.monotonic()
@@ -587,17 +592,20 @@ class ClientSession:
     def split_window(self, samples: list, window_start: float
                      ) -> tuple[collections.Counter[int], int]:
         """Control thread: raw IPs of one window, and how many landed in replacement
-        code.  IPs outside it feed the next region selection.  Only windows that began
+        code (or in a code buffer: code of a region removed since).  IPs outside both
+        feed the next region selection.  Only windows that began
         after the first patch count towards the after-first-patch figures (a window
         straddling it would count samples taken before any replacement code existed)."""
         raw: collections.Counter[int] = collections.Counter(smp.ip for smp in samples)
         if raw:
             self.mark("first_samples")
         live = self.live_code
+        # a region removed after the window was taken leaves its IPs in a buffer
+        bufs = () if self.installer is None else self.installer.buffer_ranges
         in_repl = 0
         outside: collections.Counter[int] = collections.Counter()
         for ip, n in raw.items():
-            if any(lo <= ip < hi for lo, hi, _ in live):
+            if any(lo <= ip < hi for lo, hi, _ in live) or any(lo <= ip < hi for lo, hi in bufs):
                 in_repl += n
             else:
                 outside[ip] = n
@@ -620,7 +628,16 @@ class ClientSession:
         """Session thread: judge installed regions on one window; reclaim code space."""
         if self.evaluator is None or self.installer is None:
             return
-        self.evaluator.snapshot(raw)
+        # Threads seen in the original code of a live region (entered it by a path
+        # without a patch, or it has none) are moved in, and the region's judgement
+        # starts over (a bounded number of times) before the verdicts.
+        for h in self.evaluator.snapshot(raw):
+            if h.in_original and h.region.state is InstallState.INSTALLED and \
+                    self.installer.transfer(h.region):
+                self.evaluator.restart(h.region.region_id)
+                rec = self._record_of(h.region.region_id)
+                if rec is not None:
+                    rec.info["transferred"] = h.region.transferred
         for reg, why in self.evaluator.apply():
             rec = self._record_of(reg.region_id)
             if rec is not None:

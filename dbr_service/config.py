@@ -89,6 +89,10 @@ class Config:
         "hot spots remembered per client", min=1, max=100_000))
     patching: bool = field(default=True, metadata=_doc(
         "install replacement code (false: sample and select regions only)"))
+    transfer: bool = field(default=True, metadata=_doc(
+        "move threads found in the original code of a newly installed region into its "
+        "replacement code (agent TRANSFER), and install regions whose loops have no "
+        "patch point (entered by transfer only)"))
     patch_variant: str = field(default="int3", metadata=_doc(
         "int3 | self-branch | single: the agent's cross-modifying-code protocol "
         "(DESIGN.md invariant 5); single is opt-in only", choices=PATCH_VARIANTS))

@@ -39,13 +39,15 @@ class Generated(Protocol):
     entries: dict[int, int]                    # original patch site -> replacement address
     addr_map: list[tuple[int, int, int]]       # (repl_start, repl_end, original address)
     exits: list[tuple[int, int]]               # (replacement address, original target)
+    transfers: dict[int, int]                  # original instruction -> replacement address
 
 
 class InstallState(str, enum.Enum):
     """Lifecycle of one installed region (mirrors region.model.RegionState)."""
 
     WRITTEN = "written"          # bytes in the buffer, no site patched yet
-    INSTALLED = "installed"      # at least one entry site patched
+    INSTALLED = "installed"      # at least one entry site patched, or (a region without
+                                 # patch sites) at least one thread moved in
     REMOVED = "removed"          # every site restored; code space quarantined
     FAILED = "failed"            # nothing patched (agent refused every site)
 
@@ -74,6 +76,8 @@ class InstalledRegion:
     why_removed: str = ""
     #: Original code ranges the region copies (its blocks), for evaluation.
     orig_ranges: list[tuple[int, int]] = field(default_factory=list)
+    #: Threads the agent moved from original code into this region (TRANSFER).
+    transferred: int = 0
 
     @property
     def patched_sites(self) -> list[P.PatchSite]:
@@ -177,8 +181,12 @@ class Installer:
 
     def __init__(self, conn: AgentConnection, read_original: Callable[[int, int], bytes], *,
                  variant: int = P.Variant.INT3, space: CodeSpace | None = None,
-                 on_event: Callable[[str, dict], None] | None = None) -> None:
+                 on_event: Callable[[str, dict], None] | None = None,
+                 transfer: bool = True) -> None:
         self.conn = conn
+        #: Move threads found in a new region's original code into it (TRANSFER).
+        self.transfer_enabled = transfer
+        self.threads_transferred = 0
         self.read_original = read_original
         self.variant = variant
         self.space = space or CodeSpace(conn)
@@ -191,10 +199,16 @@ class Installer:
         #: Installed regions' code as (lo, hi, region), replaced whole on every change so
         #: other threads (sample attribution) read it without a lock.
         self.live: tuple[tuple[int, int, InstalledRegion], ...] = ()
+        #: Every code buffer of the client as (lo, hi), same rules as ``live``: removed
+        #: regions' code stays in them (a thread may still run it), and an IP there is
+        #: never original code.
+        self.buffer_ranges: tuple[tuple[int, int], ...] = ()
 
     def _refresh_live(self) -> None:
         self.live = tuple((*r.code_range(), r) for r in self.regions.values()
                           if r.state is InstallState.INSTALLED)
+        self.buffer_ranges = tuple((b.base, b.base + b.size)
+                                   for b in list(getattr(self.conn, "buffers", {}).values()))
 
     # ---- install ---------------------------------------------------------
     def reserve(self, size: int, reach: Sequence[int]) -> Chunk:
@@ -238,10 +252,13 @@ class Installer:
         self.regions[region_id] = reg
         reg.results = {s.site: r for s, r in zip(reg.sites, results)}
         ok = sum(1 for r in results if r == P.Result.OK)
-        if ok == 0:
+        moved = self.transfer(reg) if ok or not reg.sites else 0
+        if ok == 0 and moved == 0:
             reg.state = InstallState.FAILED
             self._retire(reg, "agent refused every site: " +
-                         ", ".join(sorted({result_name(r) for r in results})))
+                         ", ".join(sorted({result_name(r) for r in results}))
+                         if reg.sites else "no patch site, and no thread was in its "
+                         "original code to move in")
             return reg
         reg.state = InstallState.INSTALLED
         self._refresh_live()
@@ -250,6 +267,32 @@ class Installer:
         self.patches_installed += ok
         self.on_event("patch-installed", {"region": reg.name, "sites": ok})
         return reg
+
+    def transfer(self, reg: InstalledRegion, timeout_ms: int = 100) -> int:
+        """TRANSFER: threads stopped in ``reg``'s original code at a point of its
+        transfer map continue in its replacement code.  Returns threads moved; a
+        refusal or a lost reply moves nobody and is only reported (the patches, if
+        any, bring threads in anyway)."""
+        points = sorted(getattr(reg.gen, "transfers", {}).items())
+        if not self.transfer_enabled or not points or \
+                reg.state not in (InstallState.WRITTEN, InstallState.INSTALLED):
+            return 0
+        moved = 0
+        for k in range(0, len(points), P.MAX_TRANSFER):
+            try:
+                res = self.conn.transfer(reg.region_id, points[k:k + P.MAX_TRANSFER],
+                                         timeout_ms=timeout_ms)
+            except AgentError as exc:
+                self.on_event("transfer-failed", {"region": reg.name, "why": str(exc)})
+                break
+            if res.result != P.Result.OK:
+                self.on_event("transfer-failed", {"region": reg.name,
+                                                  "why": result_name(res.result)})
+                break
+            moved += res.moved
+        reg.transferred += moved
+        self.threads_transferred += moved
+        return moved
 
     # ---- removal ---------------------------------------------------------
     def uninstall(self, region_id: int, why: str = "") -> InstalledRegion:

@@ -34,8 +34,10 @@ def region_extent(sr: SuperRegion) -> tuple[list[tuple[int, int]], list[int]]:
 
 def provisional_base(sr: SuperRegion) -> int:
     """Where ``sr`` is emitted to learn its size: at its lowest patch site, aligned
-    (the patch sites must be in reach of the code in any case)."""
-    return (min(sr.entry_points()) // PROVISIONAL_ALIGN) * PROVISIONAL_ALIGN
+    (the patch sites must be in reach of the code in any case); a transfer-only SR:
+    at its lowest block."""
+    points = sr.entry_points() or [bb.start for _, bb in sr.blocks()]
+    return (min(points) // PROVISIONAL_ALIGN) * PROVISIONAL_ALIGN
 
 
 def placement(installer: Installer, sr: SuperRegion) -> tuple[int, list[int]]:
@@ -51,7 +53,7 @@ def placement(installer: Installer, sr: SuperRegion) -> tuple[int, list[int]]:
     if not ranges:
         raise CodegenError(f"{sr.id}: no blocks")
     entries = sr.entry_points()
-    if not entries:
+    if not entries and not sr.transfer_only:
         raise CodegenError(f"{sr.id}: no entry points")
     # Emitted near the patch sites (which must be in reach in any case) to learn the size,
     # the data operands and the exit targets.
@@ -63,9 +65,35 @@ def placement(installer: Installer, sr: SuperRegion) -> tuple[int, list[int]]:
     return provisional.size + far_exit_bound(len(targets)), entries + provisional.data_refs
 
 
+def check_original(installer: Installer, sr: SuperRegion) -> None:
+    """Raise CodegenError unless the client's code still holds the bytes the region
+    was built from (the agent checks only the patch sites' bytes; threads moved in by
+    TRANSFER rely on every copied instruction, and a transfer-only region has no site).
+    Bytes under our own installed patches are not compared (another region's patch
+    may have gone in since; the region copies the original instruction there)."""
+    ours = [(s.site, s.site + 5) for r in installer.regions.values()
+            if r.state is InstallState.INSTALLED for s in r.patched_sites]
+    for _, bb in sr.blocks():
+        if bb.is_clone or not bb.data:
+            continue
+        try:
+            now = installer.read_original(bb.start, len(bb.data))
+        except OSError as exc:
+            raise CodegenError(f"{sr.id}: cannot read {bb.start:#x}: {exc}") from exc
+        if now == bytes(bb.data):
+            continue
+        diff = [bb.start + i for i, (a, b) in enumerate(zip(now, bytes(bb.data))) if a != b]
+        if len(now) != len(bb.data) or \
+                any(not any(lo <= a < hi for lo, hi in ours) for a in diff):
+            raise CodegenError(f"{sr.id}: original code at {bb.start:#x} changed since "
+                               "the region was selected")
+
+
 def install_region(installer: Installer, sr: SuperRegion) -> InstalledRegion:
     """Emit ``sr`` into space reachable from everything it must reach and patch its
-    entries."""
+    entries (and move threads in, see :meth:`Installer.transfer`)."""
+    if installer.transfer_enabled or sr.transfer_only:
+        check_original(installer, sr)
     ranges, _ = region_extent(sr)
     size, reach = placement(installer, sr)
     chunk = installer.reserve(size, reach)
@@ -153,6 +181,11 @@ class EvalPolicy:
     #: a 12-way interpreter loop with ~45% of its samples left in original code).
     ineffective_share: float = 0.3
     min_samples: int = 50
+    #: Times a region's judgement restarts from zero because threads found in its
+    #: original code were moved in (TRANSFER): its original code was hot since it
+    #: was entered outside any patch, not because it bounces.  Bounded, so a region
+    #: that does bounce is still judged.
+    max_restarts: int = 3
 
 
 @dataclass
@@ -160,6 +193,7 @@ class _Track:
     cold_run: int = 0
     in_replacement: int = 0
     in_original: int = 0
+    restarts: int = 0
 
 
 class Evaluator:
@@ -189,6 +223,16 @@ class Evaluator:
             t.in_original += h.in_original
             t.cold_run = t.cold_run + 1 if h.total < self.policy.cold_samples else 0
         return list(health.values())
+
+    def restart(self, region_id: int) -> bool:
+        """Forget the samples counted so far for a region (threads in its original code
+        were just moved in); False once ``max_restarts`` is used up."""
+        t = self.tracks.get(region_id)
+        if t is None or t.restarts >= self.policy.max_restarts:
+            return False
+        t.in_replacement = t.in_original = 0
+        t.restarts += 1
+        return True
 
     def verdicts(self, now: float | None = None) -> list[tuple[InstalledRegion, str]]:
         """Regions to take out, with why ("cold" or "not effective")."""

@@ -28,6 +28,8 @@ def client_report(s: ClientSession) -> dict[str, Any]:
         "time_to_first_patch_s": ttfp,
         "patches_installed": s.patches_installed,
         "patches_removed": s.patches_removed,
+        "regions_went_live": s.regions_went_live,
+        "threads_transferred": 0 if s.installer is None else s.installer.threads_transferred,
         "regions": [r.to_json() for r in s.regions.values()],
         "sampling_source": s.source_name,
         "snapshots": s.snapshots,
@@ -46,6 +48,8 @@ def run_report(program: list[str], exit_code: int, wall_s: float,
         "samples": sum(c["samples"] for c in clients),
         "samples_in_replacement": sum(c["samples_in_replacement"] for c in clients),
         "patches_installed": sum(c["patches_installed"] for c in clients),
+        "regions_went_live": sum(c.get("regions_went_live", 0) for c in clients),
+        "threads_transferred": sum(c.get("threads_transferred", 0) for c in clients),
         "regions_installed": sum(1 for c in clients for r in c["regions"]
                                  if r["state"] == INSTALLED),
     }

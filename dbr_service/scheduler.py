@@ -137,7 +137,8 @@ def region_config(cfg: Any, total_samples: int) -> Any:
     return RegionConfig(jumps_from_hot_limit=cfg.jumps_from_hot_limit,
                         hot_threshold=max(1.0, cfg.hot_threshold * total_samples),
                         min_loop_trip_count=cfg.min_loop_trip_count,
-                        min_region_size=cfg.min_region_size, inline_budget=cfg.inline_budget)
+                        min_region_size=cfg.min_region_size, inline_budget=cfg.inline_budget,
+                        transfer_only=cfg.transfer)
 
 
 def select_client_regions(job: ClientJob, cfg: Any
@@ -173,6 +174,7 @@ def describe_region(sr: Any) -> dict[str, Any]:
     modules = [bb.module for _, bb in blocks if getattr(bb, "module", None)]
     return {"id": sr.id, "module": modules[0] if modules else "",
             "entries": sorted(int(n) for n, _ in sr.entry_edges() if isinstance(n, int)),
+            "transfer_only": sr.transfer_only,
             "blocks": len(blocks), "code_bytes": sum(bb.size for _, bb in blocks),
             "dot": sr.to_dot(sr.id)}
 

@@ -127,3 +127,102 @@ def test_malformed_transfer_length_closes_the_session(svc, spin_exe):
             break
     assert P.MsgType.ERROR in seen
     assert results(client) == [1]       # nobody moved, the program unharmed
+
+
+# ---- the service side: Installer, evaluation, the original-code check ---------------
+
+from dataclasses import dataclass, field  # noqa: E402
+
+from dbr_service.errors import CodegenError  # noqa: E402
+from dbr_service.install import CodeSpace, InstallState, Installer  # noqa: E402
+from dbr_service.optimize import EvalPolicy, Evaluator, check_original  # noqa: E402
+from harness import read_mem  # noqa: E402
+
+
+@dataclass
+class TransferGen:
+    """A region without patch sites whose code is the copy of ``spin``'s loop."""
+
+    code: bytes
+    base: int
+    entries: dict[int, int] = field(default_factory=dict)
+    addr_map: list[tuple[int, int, int]] = field(default_factory=list)
+    exits: list[tuple[int, int]] = field(default_factory=list)
+    transfers: dict[int, int] = field(default_factory=dict)
+
+
+def transfer_only_region(svc, exe, threads: int, *, offsets=OFFSETS, transfer=True):
+    client = svc.spawn([exe, str(threads)])
+    spin = int(client.out.expect("spin").split()[1], 16)
+    client.out.expect("ready")
+    conn = svc.accept(pid=client.pid)
+    inst = Installer(conn, lambda a, n: read_mem(client.pid, a, n),
+                     space=CodeSpace(conn, buffer_size=65536), transfer=transfer)
+    chunk = inst.reserve(64, reach=[spin])
+    gen = TransferGen(assemble(COPY, chunk.addr), chunk.addr,
+                      addr_map=[(chunk.addr, chunk.addr + 14, spin)],
+                      transfers={spin + o: chunk.addr + o for o in offsets})
+    return client, inst, chunk, gen, spin
+
+
+def test_installer_transfer_only_region_goes_live_by_moving_threads(svc, spin_exe):
+    client, inst, chunk, gen, _ = transfer_only_region(svc, spin_exe, 2)
+    reg = inst.install(chunk, gen, name="t")
+    assert reg.state is InstallState.INSTALLED and inst.patches_installed == 0
+    assert 1 <= reg.transferred <= 2 and inst.threads_transferred == reg.transferred
+    for _ in range(20):                       # a thread still starting: moved later
+        if reg.transferred == 2:
+            break
+        inst.transfer(reg)
+    assert reg.transferred == 2 and inst.first_patch_at is not None
+    assert results(client) == [2, 2]
+
+
+def test_installer_transfer_only_region_fails_when_nobody_is_inside(svc, spin_exe):
+    client, inst, chunk, gen, _ = transfer_only_region(svc, spin_exe, 2, offsets=(8,))
+    reg = inst.install(chunk, gen)
+    assert reg.state is InstallState.FAILED and "no thread" in reg.why_removed
+    assert inst.space.quarantine                  # its space awaits reuse
+    assert results(client) == [1, 1]
+
+
+def test_installer_with_transfer_disabled_moves_nobody(svc, spin_exe):
+    client, inst, chunk, gen, _ = transfer_only_region(svc, spin_exe, 2, transfer=False)
+    reg = inst.install(chunk, gen)
+    assert reg.state is InstallState.FAILED and inst.threads_transferred == 0
+    assert results(client) == [1, 1]
+
+
+def test_evaluator_restarts_are_bounded():
+    class Reg:
+        region_id, state, installed_at = 1, InstallState.INSTALLED, 0.0
+        orig_ranges = [(0x1000, 0x1100)]
+
+        def contains_code(self, ip):
+            return 0x9000 <= ip < 0x9100
+
+    class Inst:
+        regions = {1: Reg()}
+
+    ev = Evaluator(Inst(), EvalPolicy(grace_s=0, min_samples=10, max_restarts=2))
+    for k in range(4):
+        ev.snapshot({0x1010: 40, 0x9010: 10})       # 80% in original code
+        restarted = ev.restart(1)
+        assert restarted == (k < 2)
+        verdicts = ev.verdicts(now=10.0)
+        assert bool(verdicts) == (k >= 2), k        # judged once restarts are used up
+
+
+def test_check_original_refuses_changed_code(svc, spin_exe):
+    from region_graphs import Builder, T
+
+    client, inst, chunk, gen, spin = transfer_only_region(svc, spin_exe, 1)
+    b = Builder()
+    b.block(spin, (3, 3, 2), T.JCC, targets=[spin], ft=spin + 8)
+    bb = b.sr.block(spin)
+    bb.data = read_mem(client.pid, spin, 8)
+    check_original(inst, b.sr)                               # unchanged: fine
+    bb.data = bytes([bb.data[0] ^ 1]) + bb.data[1:]
+    with pytest.raises(CodegenError, match="changed since"):
+        check_original(inst, b.sr)
+    assert results(client) == [1]

@@ -2,11 +2,12 @@
 
 Each program's output must equal its native run's, byte for byte, whatever dbr
 did.  Where dbr can optimize the program, at least one region must be installed
-and most samples after the first patch must land in replacement code.  Issue 5
-asks for 90% on loop-dominated programs; the tests guard 80% because a loaded
-2-core machine moves the figure by several points; bench/ reports the measured
-share.  Programs dbr cannot patch yet are marked xfail(strict) with the reason,
-so the day they work the test says so.
+and, for the loop-dominated ones at -O2, at least 90% of the samples after the
+first patch must land in replacement code (issue 5; measured 99-100% on this
+2-core machine).  A region goes live by a patch or, where no patch point runs
+again (a loop run once per call), by the agent moving the thread in (TRANSFER).
+Programs dbr cannot optimize would be marked xfail(strict) with the reason, so
+the day they work the test says so.
 """
 
 from __future__ import annotations
@@ -33,10 +34,6 @@ class Case:
     link_lib: bool = False                # link the first lib (PLT calls into it)
     lib_arg: bool = False                 # pass the first lib's path as argv[1]
     loop_share: bool = True               # assert the replacement-code share (at -O2)
-    #: Known gap, per optimization level: why dbr installs no region there yet.  The
-    #: test still checks correctness in full, then reports the missing region as an
-    #: expected failure (visible in every summary) instead of passing.
-    patch_gap: dict[str, str] = field(default_factory=dict)
     xfail: dict[str, str] = field(default_factory=dict)
 
 
@@ -49,14 +46,12 @@ CASES = [
     Case("interp", "interp.c", {"-O2": ["50"], "-O0": ["15"]}),
     Case("throw", "throw.cpp", {"-O2": ["150000"], "-O0": ["60000"]}, loop_share=False),
     Case("plt", "plt.c", {"-O2": ["500"], "-O0": ["200"]}, libs=["libplt.c"], link_lib=True),
-    Case("workers", "workers.c", {"-O2": ["600"], "-O0": ["200"]}, loop_share=False,
-         patch_gap={"-O2": "the hot loop has no instruction of 5 bytes or more and its "
-                           "pre-header is rarely sampled (no patch point); what is checked "
-                           "is forked children running inherited code correctly"}),
+    # at -O2 the hot loops of these two have no instruction of 5 bytes or more and run
+    # once per call (a worker's only call, once per dlopen): no patch point ever runs
+    # again, so their regions are transfer-only (threads moved in by the agent)
+    Case("workers", "workers.c", {"-O2": ["600"], "-O0": ["200"]}, loop_share=False),
     Case("dlhot", "dlhot.c", {"-O2": ["1000"], "-O0": ["300"]}, libs=["libdlhot.c"],
-         lib_arg=True, loop_share=False,
-         patch_gap={"-O2": "the library's loop has no 5-byte instruction and runs once per "
-                           "dlopen (no patch point); what is checked is dlclose of hot code"}),
+         lib_arg=True, loop_share=False),
 ]
 
 
@@ -95,16 +90,16 @@ def test_program_under_dbr(case: Case, opt: str, tmp_path):
     mine = [c for c in rep["clients"] if c["exe"] == str(exe)]
     assert mine, rep["clients"]
     installed = sum(c["patches_installed"] for c in mine)
-    if not installed and opt in case.patch_gap:
-        pytest.xfail(case.patch_gap[opt])
-    assert installed >= 1, [(c["region_status"], c["regions"]) for c in mine]
+    moved = sum(c["threads_transferred"] for c in mine)
+    assert sum(c["regions_went_live"] for c in mine) >= 1, \
+        [(c["region_status"], c["regions"]) for c in mine]
     for c in mine:
         assert c["samples_in_replacement"] <= c["samples_after_first_patch"] <= c["samples"]
     after = sum(c["samples_after_first_patch"] for c in mine)
     inside = sum(c["samples_in_replacement"] for c in mine)
-    print(f"{case.name}{opt}: {installed} patches, {inside}/{after} samples after the "
-          f"first patch in replacement code")
+    print(f"{case.name}{opt}: {installed} patches, {moved} threads moved in, {inside}/{after} "
+          f"samples after the first patch in replacement code")
     # -O0 shares vary run to run (0.6-0.97 seen: which region lands first) and are not
     # asserted; bench/ reports them.
     if case.loop_share and opt == "-O2":
-        assert after > 0 and inside / after >= 0.8, (inside, after)
+        assert after > 0 and inside / after >= 0.9, (inside, after)

@@ -617,6 +617,28 @@ def test_patch_no_patchable_block_drops_region():
     assert not select_patch_points(b.sr)
 
 
+def test_patch_no_patchable_block_transfer_only_keeps_the_region():
+    """With ``transfer_only`` the SR stays, entry edges untouched and no patch point:
+    threads reach it only by TRANSFER; PRUNE-CODE judges its loop as usual."""
+    b = single_loop(pre_unpatchable=True, hdr_unpatchable=True)
+    for k in (0x30, 0x40):
+        b.sr.block(k).unpatchable = True
+    before = sorted((v, c) for v, c in b.sr.entry_edges())
+    c = Counter()
+    assert select_patch_points(b.sr, c, transfer_only=True)
+    sr = b.sr
+    sr.verify()
+    check_entry_invariant(sr)                     # nothing to check: no patch site
+    assert sr.transfer_only and sr.entry_points() == [] and sr.info["patch_points"] == []
+    assert sorted((v, c) for v, c in sr.entry_edges()) == before
+    assert c["transfer-only"] == 1 and c["dropped-unpatchable"] == 0
+    [kept] = prune_code(sr, hot_threshold=1, min_loop_trip_count=4, min_region_size=5)
+    assert kept.transfer_only and kept.entry_points() == []
+    # a patchable SR is never made transfer-only
+    b2 = single_loop()
+    assert select_patch_points(b2.sr, transfer_only=True) and not b2.sr.transfer_only
+
+
 # ---- PRUNE-CODE -------------------------------------------------------------------------
 def test_prune_removes_exactly_the_cold_tails():
     b = single_loop()

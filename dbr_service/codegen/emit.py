@@ -474,7 +474,7 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
     if tables:
         _dispatch_tables(gen, out, em.dispatches, tables)
     gen.code = bytes(out)
-    for v, _c in sr.entry_edges():
+    for v, _c in ([] if sr.transfer_only else sr.entry_edges()):
         if isinstance(v, CloneKey):
             raise CodegenError(f"{sr.id}: entry edge into clone {fmt_node(v)}")
         gen.entries[sr.block(v).start] = block_addr[v]

@@ -227,8 +227,16 @@ class SuperRegion:
             if u != START and v != END:
                 yield u, v, d
 
+    @property
+    def transfer_only(self) -> bool:
+        """No patch points: entered only by threads the agent moves in (TRANSFER)."""
+        return bool(self.info.get("transfer_only"))
+
     def entry_points(self) -> list[int]:
-        """Original addresses of the patch points (targets of entry edges)."""
+        """Original addresses of the patch points (targets of entry edges; none for a
+        transfer-only SR, whose entry edges say where threads are expected)."""
+        if self.transfer_only:
+            return []
         return sorted(self.block(v).start for v, _ in self.entry_edges())
 
     # ---- checks and views ----------------------------------------------

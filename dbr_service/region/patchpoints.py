@@ -169,12 +169,23 @@ def _entry_inflow(sr: SuperRegion, P: list[NodeKey]) -> dict[NodeKey, float]:
             for p in P}
 
 
-def select_patch_points(sr: SuperRegion, counters: Counter | None = None) -> bool:
+def select_patch_points(sr: SuperRegion, counters: Counter | None = None, *,
+                        transfer_only: bool = False) -> bool:
     """PATCH-POINT-SELECTION on one SR.  Returns False when the SR has no
-    patchable block at all (the caller drops it)."""
+    patchable block at all (the caller drops it) -- unless ``transfer_only``: then
+    the SR is kept with its entry edges as they are, marked
+    ``info["transfer_only"]`` and without patch points; threads enter it only when
+    the agent moves them there from its original code (a loop that runs once, long:
+    a worker's only call, a dlopened library's loop with no 5-byte instruction)."""
     counters = counters if counters is not None else Counter()
     P = choose_patch_blocks(sr, counters)
     if not P:
+        if transfer_only and sr.entry_edges():
+            counters["transfer-only"] += 1
+            sr.info["transfer_only"] = True
+            sr.info["patch_points"] = []
+            sr.info["loops"] = loop_forest(sr)
+            return True
         counters["dropped-unpatchable"] += 1
         return False
     inflow = _entry_inflow(sr, P)
@@ -193,7 +204,7 @@ def select_patch_points(sr: SuperRegion, counters: Counter | None = None) -> boo
 
 def check_entry_invariant(sr: SuperRegion) -> None:
     """Raise AssertionError unless every entry target is a valid patch site."""
-    for v, _ in sr.entry_edges():
+    for v, _ in ([] if sr.transfer_only else sr.entry_edges()):
         bb = sr.block(v)
         assert not bb.is_clone and not bb.unpatchable and bb.known_exec, (sr.id, v)
         assert bb.insns[0][1] >= PATCH_LEN, (sr.id, v, bb.insns[0])

@@ -46,6 +46,9 @@ class RegionConfig:
     max_cascade_targets: int = MAX_CASCADE_TARGETS
     #: Inlining: growth always allowed per SR, in bytes, whatever its size.
     inline_min_budget_bytes: int = 256
+    #: Keep an SR that has no patchable block as *transfer-only*: no patch points,
+    #: entered only by moving threads found in its original code (agent TRANSFER).
+    transfer_only: bool = False
     #: Run INLINE-HOT-CALLS (if False, call blocks are still removed: no call
     #: may run in replacement code).
     inline: bool = True
@@ -182,7 +185,8 @@ class PatchPointSelectionPass(RegionPass):
     name = "patch-point-selection"
 
     def run_region(self, sr, ctx):
-        return [sr] if patchpoints.select_patch_points(sr, self.counters) else []
+        return [sr] if patchpoints.select_patch_points(
+            sr, self.counters, transfer_only=ctx.config.transfer_only) else []
 
 
 class PruneCodePass(RegionPass):

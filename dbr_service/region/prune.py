@@ -66,7 +66,7 @@ def prune_code(sr: SuperRegion, *, hot_threshold: float, min_loop_trip_count: fl
             continue
         forest = loop_forest(part)
         part.info["loops"] = forest
-        part.info["patch_points"] = part.entry_points()
+        part.info["patch_points"] = part.entry_points()     # [] when transfer-only
         if not part.entry_edges():
             counters["dropped-no-patch-point"] += 1
         elif body_bytes(part) < min_region_size:
