@@ -318,6 +318,11 @@ int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uin
     for (i = 0; i < nt; i++) {
         if (tids[i] == g_agent_tid || tids[i] == dbr_gettid())
             continue;
+        /* Only running threads can be in the middle of a loop; a sleeping one sits
+         * in a system call, and the signal would cut short an unrestartable sleep
+         * (nanosleep, epoll_wait) for nothing. */
+        if (dbr_thread_state(tids[i]) != 'R')
+            continue;
         if (queue_signal_value(tids[i], ((uint64_t)TRANSFER_MAGIC << 32) | gen) == 0) {
             waiting[i] = 1;
             pending++;

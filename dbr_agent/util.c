@@ -256,6 +256,26 @@ int dbr_list_threads(pid_t *tids, int max)
     return n;
 }
 
+char dbr_thread_state(pid_t tid)
+{
+    char path[64], buf[512];
+    const char *p;
+    ssize_t n;
+    int fd;
+
+    snprintf(path, sizeof path, "/proc/self/task/%d/stat", (int)tid);
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return '?';
+    n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return '?';
+    buf[n] = 0;
+    p = strrchr(buf, ')');       /* comm may hold spaces and parentheses */
+    return p && p[1] == ' ' && p[2] ? p[2] : '?';
+}
+
 int dbr_count_threads(void)
 {
     return dbr_list_threads(NULL, 0);

@@ -283,7 +283,7 @@ struct dbr_census {
 };
 
 /*
- * TRANSFER: every thread (but the agent's) is sent the census signal; a thread
+ * TRANSFER: every running thread (but the agent's) is sent the census signal; a thread
  * whose interrupted PC equals some points[i].orig continues at points[i].repl
  * (the handler rewrites the PC in its signal frame; nothing else changes).
  * The service promises that the replacement code at repl, entered with the
@@ -313,7 +313,7 @@ struct dbr_transfer_result {
     struct dbr_msg_hdr hdr;
     uint32_t req_id;
     int32_t  result;     /* enum dbr_result */
-    uint32_t threads;    /* threads signalled */
+    uint32_t threads;    /* threads signalled (those running) */
     uint32_t moved;      /* threads moved into the region's code */
     uint32_t no_reply;   /* threads that did not answer within the bound */
     uint32_t reserved;
