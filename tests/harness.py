@@ -23,6 +23,8 @@ from typing import Iterable
 
 import keystone
 
+import pytest
+
 import dbr_agent
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, CodeBufferHandle, jmp_rel32, listen, make_site
@@ -264,3 +266,12 @@ def terminate(pid: int) -> None:
 __all__ = ["FakeService", "Client", "compile_c", "assemble", "read_mem", "exit_stub",
            "parse_sites", "patch_sites", "jmp_rel32", "make_site", "SITE_INSN", "SITE_LEN",
            "terminate"]
+
+
+@pytest.fixture(name="svc")
+def fake_service_fixture():
+    """A FakeService for one test, closed (its clients killed) afterwards; import it
+    into a test module to have the ``svc`` fixture there."""
+    s = FakeService()
+    yield s
+    s.close()

@@ -18,16 +18,9 @@ import pytest
 from dbr_service import protocol as P
 from dbr_service.agentconn import jmp_rel32, make_site
 from harness import (SITE_INSN, SITE_LEN, FakeService, assemble, compile_c, exit_stub,
-                     parse_sites, patch_sites, read_mem)
+                     fake_service_fixture, parse_sites, patch_sites, read_mem)  # noqa: F401
 
 STORM_CYCLES = int(os.environ.get("DBR_STORM_CYCLES", "10000"))
-
-
-@pytest.fixture
-def svc():
-    s = FakeService()
-    yield s
-    s.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,11 @@ import pytest
 
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection
-from harness import FakeService, assemble, compile_c
+from harness import FakeService, assemble, compile_c, fake_service_fixture  # noqa: F401
 
 #: The copy of ``spin``'s loop: same instructions and offsets, returns 2.
 COPY = "loop: mov rax, qword ptr [rdi]; test rax, rax; je loop; mov eax, 2; ret"
 OFFSETS = (0, 3, 6)           # the loop's instructions (spin.c)
-
-
-@pytest.fixture
-def svc():
-    s = FakeService()
-    yield s
-    s.close()
 
 
 @pytest.fixture(scope="module")
