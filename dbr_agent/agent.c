@@ -405,22 +405,16 @@ static int validate(size_t n, int state)
         send_error(DBR_E_PROTO, h->seq, "duplicate HELLO_ACK");
         return DBR_E_PROTO;
     }
-    if (h->type == DBR_MSG_PATCH || h->type == DBR_MSG_UNPATCH) {
-        const struct dbr_patch_batch *b = (const struct dbr_patch_batch *)g_rx;
+    if (h->type == DBR_MSG_PATCH || h->type == DBR_MSG_UNPATCH || h->type == DBR_MSG_TRANSFER) {
+        /* fixed part, then `count` entries (PATCH/UNPATCH: sites; TRANSFER: points) */
+        int xfer = h->type == DBR_MSG_TRANSFER;
+        uint32_t count = xfer ? ((const struct dbr_transfer *)g_rx)->n
+                              : ((const struct dbr_patch_batch *)g_rx)->n;
+        size_t elem = xfer ? sizeof(struct dbr_transfer_point) : sizeof(struct dbr_patch_site);
 
-        if (n < fixed || b->n > DBR_MAX_SITES ||
-            n != fixed + (size_t)b->n * sizeof(struct dbr_patch_site)) {
-            send_error(DBR_E_PROTO, h->seq, "bad PATCH/UNPATCH length");
-            return DBR_E_PROTO;
-        }
-        return DBR_OK;
-    }
-    if (h->type == DBR_MSG_TRANSFER) {
-        const struct dbr_transfer *t = (const struct dbr_transfer *)g_rx;
-
-        if (n < fixed || t->n > DBR_MAX_TRANSFER ||
-            n != fixed + (size_t)t->n * sizeof(struct dbr_transfer_point)) {
-            send_error(DBR_E_PROTO, h->seq, "bad TRANSFER length");
+        if (n < fixed || count > (xfer ? DBR_MAX_TRANSFER : DBR_MAX_SITES) ||
+            n != fixed + (size_t)count * elem) {
+            send_error(DBR_E_PROTO, h->seq, xfer ? "bad TRANSFER length" : "bad PATCH/UNPATCH length");
             return DBR_E_PROTO;
         }
         return DBR_OK;
