@@ -73,20 +73,29 @@ def check_original(installer: Installer, sr: SuperRegion) -> None:
     may have gone in since; the region copies the original instruction there)."""
     ours = [(s.site, s.site + 5) for r in installer.regions.values()
             if r.state is InstallState.INSTALLED for s in r.patched_sites]
+    want: dict[int, int] = {}                      # address -> byte the region copied
     for _, bb in sr.blocks():
-        if bb.is_clone or not bb.data:
-            continue
+        if not bb.is_clone:
+            want.update(zip(range(bb.start, bb.start + len(bb.data)), bytes(bb.data)))
+    # one read per run of nearby blocks (a /proc/PID/mem read each)
+    runs: list[list[int]] = []
+    for a in sorted(want):
+        if runs and a - runs[-1][1] <= 64:
+            runs[-1][1] = a + 1
+        else:
+            runs.append([a, a + 1])
+    for lo, hi in runs:
         try:
-            now = installer.read_original(bb.start, len(bb.data))
+            now = installer.read_original(lo, hi - lo)
         except OSError as exc:
-            raise CodegenError(f"{sr.id}: cannot read {bb.start:#x}: {exc}") from exc
-        if now == bytes(bb.data):
-            continue
-        diff = [bb.start + i for i, (a, b) in enumerate(zip(now, bytes(bb.data))) if a != b]
-        if len(now) != len(bb.data) or \
-                any(not any(lo <= a < hi for lo, hi in ours) for a in diff):
-            raise CodegenError(f"{sr.id}: original code at {bb.start:#x} changed since "
-                               "the region was selected")
+            raise CodegenError(f"{sr.id}: cannot read {lo:#x}: {exc}") from exc
+        for i, byte in enumerate(now):
+            a = lo + i
+            if a in want and want[a] != byte and not any(s <= a < e for s, e in ours):
+                raise CodegenError(f"{sr.id}: original code at {a:#x} changed since "
+                                   "the region was selected")
+        if len(now) != hi - lo:
+            raise CodegenError(f"{sr.id}: original code at {lo:#x} is no longer readable")
 
 
 def install_region(installer: Installer, sr: SuperRegion) -> InstalledRegion:

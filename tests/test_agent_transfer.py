@@ -218,6 +218,17 @@ def test_check_original_refuses_changed_code(svc, spin_exe):
     bb.data = bytes([bb.data[0] ^ 1]) + bb.data[1:]
     with pytest.raises(CodegenError, match="changed since"):
         check_original(inst, b.sr)
+
+    class Patched:                  # a live region of ours with a patch over that byte
+        state = InstallState.INSTALLED
+        patched_sites = [P.PatchSite(site=spin - 2)]
+
+    inst.regions[99] = Patched()
+    check_original(inst, b.sr)      # our own patch bytes are not the program's change
+    bb.data = bb.data[:6] + bytes([bb.data[6] ^ 1]) + bb.data[7:]
+    with pytest.raises(CodegenError, match="changed since"):
+        check_original(inst, b.sr)  # ... but a byte past the patch is
+    del inst.regions[99]
     assert results(client) == [1]
 
 
