@@ -186,6 +186,10 @@ def _indirect_cases() -> list[Case]:
     forms = [
         ("rax", lambda o: "rax", lambda rng, o, i: {"rax": choose(rng, o, i)}, None),
         ("r11", lambda o: "r11", lambda rng, o, i: {"r11": choose(rng, o, i)}, None),
+        # rcx is the cascade's own register (jrcxz): copied first / kept through a load
+        ("rcx", lambda o: "rcx", lambda rng, o, i: {"rcx": choose(rng, o, i)}, None),
+        ("[rcx+8]", lambda o: "qword ptr [rcx + 8]", lambda rng, o, i: {"rcx": slot(o) - 8},
+         lambda rng, o, i: {slot(o): struct.pack("<Q", choose(rng, o, i))}),
         ("[rip]", "rip", lambda rng, o, i: {}, lambda rng, o, i: {slot(o): struct.pack("<Q", choose(rng, o, i))}),
         ("[rbx+8]", lambda o: "qword ptr [rbx + 8]", lambda rng, o, i: {"rbx": slot(o) - 8},
          lambda rng, o, i: {slot(o): struct.pack("<Q", choose(rng, o, i))}),
@@ -208,6 +212,11 @@ def _indirect_cases() -> list[Case]:
             out.append(Case(f"{op} {name}", make, Kind.IJMP if op == "jmp" else Kind.ICALL,
                             mapped=(lambda o: set()) if "rsp" in name else mapped, ijmp_targets=targets, fixed=fixed,
                             poke=poke or (lambda rng, o, i: {}), extra_states=5))
+    # Many targets: the jrcxz cascade's rel8 runs out, the flag-saving one is used.
+    many = lambda o: [o + 0x100 + 0x40 * k for k in range(16)]
+    out.append(Case("jmp r9 (16 targets)", lambda o: asm("jmp r9", o), Kind.IJMP,
+                    mapped=lambda o: set(many(o)[:-1]), ijmp_targets=many,
+                    fixed=lambda rng, o, i: {"r9": many(o)[i % 16]}, extra_states=15))
     # A PLT stub's jump at a call boundary: ``[bnd] jmp [rip+got]``, targets below and
     # above 2**31 (imm32 compare and the r10 form), in and out of the buffer.
     for pre in (b"", b"\xf2"):            # keystone has no bnd: the prefix by hand
@@ -430,17 +439,23 @@ def test_golden_cascade_jmp_rax() -> None:
                           target_map=lambda t: t + 0x8000 if t == 0x1100 else None)
     _golden(rel.code, [
         ("488d642480", "lea rsp, [rsp - 0x80]"),
-        ("9c", "pushfq"),
-        ("4881f800110000", "cmp rax, 0x1100"),
-        ("750e", "jne 0x201d"),
-        ("9d", "popfq"),
-        ("488da42480000000", "lea rsp, [rsp + 0x80]"),
-        ("e9e3700000", "jmp 0x9100"),
-        ("9d", "popfq"),
+        ("51", "push rcx"),
+        ("48b900efffffffffffff", "movabs rcx, 0xffffffffffffef00"),
+        ("488d0c01", "lea rcx, [rcx + rax]"),
+        ("e30b", "jrcxz 0x2021"),
+        ("59", "pop rcx"),
         ("488da42480000000", "lea rsp, [rsp + 0x80]"),
         ("ffe0", "jmp rax"),
+        ("59", "pop rcx"),
+        ("488da42480000000", "lea rsp, [rsp + 0x80]"),
+        ("e9d1700000", "jmp 0x9100"),
     ], 0x2000)
-    assert rel.dynamic_exits == [38]
+    assert rel.dynamic_exits == [31]
+    # too many cases for jrcxz's rel8: the flag-saving cascade
+    many = R.relocate_insn(bytes.fromhex("ffe0"), 0x1000, 0x2000,
+                           ijmp_targets=[0x1100 + 16 * k for k in range(16)],
+                           target_map=lambda t: t + 0x8000)
+    assert [i.mnemonic for i in CS.disasm(many.code, 0x2000)][:3] == ["lea", "pushfq", "cmp"]
 
 
 def test_golden_cascade_abi_plt_jump() -> None:

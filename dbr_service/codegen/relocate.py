@@ -177,6 +177,16 @@ def _cmp_reg_reg(a: int, b: int) -> bytes:
     return bytes((0x48 | ((b >> 3) << 2) | (a >> 3), 0x39, 0xC0 | ((b & 7) << 3) | (a & 7)))
 
 
+def _lea_rcx_plus(v: int) -> bytes:
+    """``lea rcx, [rcx + v]`` (no flags; v is never rsp)."""
+    return bytes((0x48 | ((v >> 3) << 1), 0x8D, 0x0C, ((v & 7) << 3) | 1))
+
+
+def _mov_reg_reg(dst: int, src: int) -> bytes:
+    """``mov dst, src`` (64-bit, 89 /r)."""
+    return bytes((0x48 | ((src >> 3) << 2) | (dst >> 3), 0x89, 0xC0 | ((src & 7) << 3) | (dst & 7)))
+
+
 def _cmp_reg_imm32(a: int, v: int) -> bytes:
     return bytes((0x48 | (a >> 3), 0x81, 0xF8 | (a & 7))) + struct.pack("<i", v)
 
@@ -399,7 +409,71 @@ class Relocator:
         return out, None
 
     def _cascade(self, insn, b: bytes, new_addr: int, cases) -> Relocated:
-        """Compare cascade for an indirect jmp with in-buffer targets.
+        """Compare cascade for an indirect jmp with in-buffer targets, without touching
+        the flags: each case computes ``rcx = V - T`` with ``mov``/``lea`` and tests it
+        with ``jrcxz``, which reads no flag and writes none::
+
+            lea rsp,[rsp-0x80]          ; step over the red zone
+            push rcx
+            [push L; mov L, <V>]        ; V in rcx (register form jmp rcx) or in memory:
+                                        ; L = a register the operand does not use
+          per case k (T -> D):
+            mov rcx, -T
+            lea rcx, [rcx + V]
+            jrcxz hit_k
+            [pop L]; pop rcx; lea rsp,[rsp+0x80]
+            <the original jmp>          ; unknown target: exit, every register as before
+          hit_k:
+            [pop L]; pop rcx; lea rsp,[rsp+0x80]
+            jmp D
+
+        Cheaper than saving the flags (``pushfq``/``popfq`` is microcoded) and, with
+        64-bit targets (every PIE), than a push/mov/cmp/pop per case.  When a ``jrcxz``
+        cannot reach its trampoline (rel8), :meth:`_cascade_pushf` is used instead."""
+        op = insn.operands[0]
+        used = set()
+        if op.type == X.X86_OP_REG:
+            used.add(_REG64[op.reg])
+        else:
+            used |= {_REG64[r] for r in (op.mem.base, op.mem.index) if r in _REG64}
+        out = bytearray(LEA_RSP_MINUS_128 + _push(1))
+        fixups: list[Fixup] = []
+        loaded = None
+        if op.type == X.X86_OP_REG and _REG64[op.reg] != 1:
+            v = _REG64[op.reg]
+        else:
+            loaded = next(r for r in range(16) if r not in used and r not in (1, 4))
+            out += _push(loaded)
+            if op.type == X.X86_OP_REG:                      # jmp rcx: copy it first
+                out += _mov_reg_reg(loaded, 1)
+            else:
+                code, fx = self._load_target(insn, b, loaded, new_addr + len(out), len(out))
+                if fx:
+                    fixups.append(fx)
+                out += code
+            v = loaded
+        leave = (_pop(loaded) if loaded is not None else b"") + _pop(1) + LEA_RSP_PLUS_128
+        jrcxz_at = []
+        for t, _dst in cases:
+            out += _mov_imm64(1, (-t) & 0xFFFFFFFFFFFFFFFF) + _lea_rcx_plus(v)
+            jrcxz_at.append(len(out))
+            out += b"\xe3\x00"                               # jrcxz hit_k (patched below)
+        out += leave
+        tail = self._ijmp_exit(insn, b, new_addr + len(out), len(out))
+        out += tail.code
+        for k, (t, dst) in enumerate(cases):
+            rel = len(out) - (jrcxz_at[k] + 2)
+            if rel > 127:
+                return self._cascade_pushf(insn, b, new_addr, cases)
+            out[jrcxz_at[k] + 1] = rel
+            out += leave
+            at = len(out)
+            out += jmp_rel32(new_addr + at, dst)
+            fixups.append(Fixup(at, at + 1, dst, t, False))
+        return Relocated(bytes(out), Kind.IJMP, fixups + tail.fixups, tail.dynamic_exits)
+
+    def _cascade_pushf(self, insn, b: bytes, new_addr: int, cases) -> Relocated:
+        """Compare cascade for an indirect jmp with in-buffer targets, flags saved.
 
         Register form (``jmp R``), S = a scratch register other than R::
 
