@@ -9,10 +9,13 @@ Recognised shapes, as gcc emits them at -O0..-O3:
   (or ``mov rax, [T + idx*8]; jmp rax``);
 * PC-relative table:    ``cmp idx, N; ja dflt; lea rdx, [rip+T];
   movsxd rax, [rdx + idx*4]; add rax, rdx; jmp rax``;
+* a table of function pointers indexed by a masked value:
+  ``and eax, 3; call [rdx + rax*8]`` (the mask bounds the index: 4 entries);
 * a constant (``lea rax, [rip+f]; call rax``) or a literal pointer load.
 
 Table entries and literal pointers are read only from read-only memory; the
-index bound comes only from the guarding compare-and-branch on the path.
+index bound comes only from the guarding compare-and-branch on the path or from
+an ``and`` with a small non-negative immediate (the result is at most that).
 """
 
 from __future__ import annotations
@@ -258,6 +261,12 @@ def _step(st: _State, insn, taken: bool | None) -> None:
     elif mn == "xor" and ops[0].type == X.X86_OP_REG and ops[1].type == X.X86_OP_REG \
             and ops[0].reg == ops[1].reg:
         st.set(ops[0].reg, ("c", 0))
+    elif mn == "and" and ops[0].type == X.X86_OP_REG and ops[1].type == X.X86_OP_IMM \
+            and 0 <= ops[1].imm < MAX_TABLE and _reg_size(ops[0].reg) >= 4:
+        # the result lies in [0, imm]: a fresh value bounded like a guarded index
+        v = _sym()
+        st.set(ops[0].reg, v)
+        st.guards.append((v, ops[1].imm + 1))
     else:
         _clobber(st, insn)
 
