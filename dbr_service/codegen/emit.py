@@ -63,6 +63,7 @@ from dbr_service.codegen.relocate import (
     jcc_rel32,
     jmp_rel32,
     push_return,
+    push_return_fixups,
     ret_adjust,
 )
 from dbr_service.errors import CodegenError
@@ -195,8 +196,11 @@ class _BlockEmitter:
                  addr_of: Callable[[NodeKey], int],
                  exit_to: Callable[[int], int] = lambda t: t,
                  tables: dict[NodeKey, int] | None = None,
-                 plans: _Dispatches | None = None) -> None:
+                 plans: _Dispatches | None = None,
+                 ret_slot: Callable[[int], int | None] = lambda _r: None) -> None:
         self.sr, self.reloc, self.addr_of, self.exit_to = sr, reloc, addr_of, exit_to
+        #: Data slot holding a call's original return address (push qword [rip+slot]).
+        self.ret_slot = ret_slot
         #: Data address of each translated dispatch's tables (None: sizing pass).
         self.tables = tables
         self.plans = plans or _Dispatches(sr)
@@ -291,7 +295,7 @@ class _BlockEmitter:
             r: Relocated = self.reloc.relocate_insn(
                 bb.data[off:off + n], a, self._at, target_map=self.tmap(succ),
                 ret_target=ret_target, ijmp_targets=ijmp, exit_map=self.exit_to,
-                abi_entry=abi_entry)
+                abi_entry=abi_entry, ret_slot=self.ret_slot)
         except CannotRelocate as e:
             raise CodegenError(f"{self.sr.id}: block {fmt_node(bb.start)}: {e}") from e
         self._add(_Piece(r.code, a, r.fixups, r.dynamic_exits, whole=True))
@@ -362,7 +366,9 @@ class _BlockEmitter:
     def _call(self, bb, key, a: int, n: int, nxt) -> None:
         callee = self._insn(bb, a).operands[0].imm
         calls = self.succ(key, {EdgeKind.CALL})
-        self._add(_Piece(push_return(a + n), a, whole=True))
+        slot = self.ret_slot(a + n)
+        self._add(_Piece(push_return(a + n, self._at, slot), a,
+                         push_return_fixups(a + n, slot), whole=True))
         self._goto(callee, calls, nxt, a)
 
     def _ret(self, bb, key, a: int, n: int, nxt) -> None:
@@ -416,7 +422,9 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
     nxt = lay.next_of()
     # pass 1: sizes (independent of addresses) and the static exit targets
     plans = _Dispatches(sr)
-    sizing = _BlockEmitter(sr, reloc, lambda _k: base, lambda _t: base, plans=plans)
+    rets = _return_addresses(sr)
+    sizing = _BlockEmitter(sr, reloc, lambda _k: base, lambda _t: base, plans=plans,
+                           ret_slot=lambda r: base if r in rets else None)
     sizes, targets = {}, set()
     for k in lay.order:
         pieces = sizing.emit(k, base, nxt[k])
@@ -440,9 +448,12 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
         if k in sizing.dispatches:
             tables[k] = data_at
             data_at += sizing.dispatches[k][0].data_size
+    # then the return-address slots of the calls (8-aligned)
+    data_at += (-data_at) % 8
+    slots = {r: data_at + 8 * i for i, r in enumerate(rets)}
     # pass 2: encode
     em = _BlockEmitter(sr, reloc, block_addr.__getitem__, lambda t: stub.get(t, t), tables,
-                       plans)
+                       plans, slots.get)
     out = bytearray()
     gen = GeneratedCode(b"", base, {}, [], [], block_addr=block_addr, layout=list(lay.order))
     ambiguous: set[int] = set()
@@ -473,6 +484,8 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
         _far_stubs(gen, out, far, stub)
     if tables:
         _dispatch_tables(gen, out, em.dispatches, tables)
+    if slots:
+        _return_slots(gen, out, slots)
     gen.code = bytes(out)
     for v, _c in ([] if sr.transfer_only else sr.entry_edges()):
         if isinstance(v, CloneKey):
@@ -513,6 +526,31 @@ def _dispatch_tables(gen: GeneratedCode, out: bytearray,
         out += b"\xcc" * (at - (gen.base + len(out)))
         out += dispatch_data(plan, miss, slots)
         gen.data_refs.append(plan.base)        # the table jump's disp32 is from the base
+
+
+def _return_addresses(sr: SuperRegion) -> list[int]:
+    """Original return addresses of the region's calls that ``push imm32`` cannot push
+    (>= 2**31): each gets an 8-byte slot in the data (see relocate.push_return)."""
+    rets = set()
+    for _, bb in sr.blocks():
+        if bb.term in (TermKind.CALL, TermKind.ICALL):
+            a, n = bb.last_insn
+            if a + n >= 1 << 31:
+                rets.add(a + n)
+    return sorted(rets)
+
+
+def _return_slots(gen: GeneratedCode, out: bytearray, slots: dict[int, int]) -> None:
+    """Append the return-address slots at the addresses pass 2 encoded for them."""
+    if gen.data_start is None:
+        gen.data_start = len(out)
+    first = min(slots.values())
+    if gen.base + len(out) > first:
+        raise CodegenError(f"return-address slots at {first:#x} overlap code or data")
+    out += b"\xcc" * (first - (gen.base + len(out)))
+    for r, at in sorted(slots.items(), key=lambda kv: kv[1]):
+        assert gen.base + len(out) == at
+        out += struct.pack("<Q", r)
 
 
 def check_generated(gen: GeneratedCode, reloc: Relocator | None = None) -> None:

@@ -139,17 +139,33 @@ def jcc_rel32(cc: int, at: int, dst: int) -> bytes:
     return bytes((0x0F, 0x80 | cc)) + rel32(at + 6, dst)
 
 
-def push_return(ret: int) -> bytes:
+def push_return(ret: int, at: int | None = None, slot: int | None = None) -> bytes:
     """Push the 64-bit original return address ``ret`` without touching the flags.
 
-    ``push imm32`` sign-extends, so it is used only for ``ret < 2**31``; otherwise
+    ``push imm32`` sign-extends, so it is used only for ``ret < 2**31``; otherwise, when
+    the emitter keeps ``ret`` in an 8-byte ``slot`` of the buffer's data,
+    ``push qword [rip+slot]`` (at address ``at``: one instruction, one 8-byte store the
+    callee can load back without a store-forwarding stall); else
     ``lea rsp,[rsp-8]; mov dword [rsp], lo; mov dword [rsp+4], hi``.
     """
     if 0 <= ret < (1 << 31):
         return b"\x68" + struct.pack("<I", ret)                     # push imm32
+    if slot is not None and at is not None:
+        return b"\xff\x35" + rel32(at + PUSH_SLOT_LEN, slot)        # push qword [rip+d]
     return (bytes.fromhex("488d6424f8")                               # lea rsp, [rsp - 8]
             + b"\xc7\x04\x24" + struct.pack("<I", ret & 0xFFFFFFFF)   # mov dword [rsp], lo
             + b"\xc7\x44\x24\x04" + struct.pack("<I", ret >> 32))     # mov dword [rsp+4], hi
+
+
+#: Length of ``push qword [rip+disp32]``; its disp32 field starts at byte 2.
+PUSH_SLOT_LEN = 6
+
+
+def push_return_fixups(ret: int, slot: int | None) -> list[Fixup]:
+    """The data reference of :func:`push_return`'s slot form (none for the others)."""
+    if 0 <= ret < (1 << 31) or slot is None:
+        return []
+    return [Fixup(0, 2, slot, slot, False, data=True)]
 
 
 def ret_adjust(imm: int) -> bytes:
@@ -291,7 +307,8 @@ class Relocator:
                       ret_target: int | None = None,
                       ijmp_targets: Sequence[int] = (),
                       exit_map: ExitMap | None = None,
-                      abi_entry: bool = False) -> Relocated:
+                      abi_entry: bool = False,
+                      ret_slot: Callable[[int], int | None] | None = None) -> Relocated:
         """Relocate the instruction at the start of ``insn_bytes`` from ``old_addr`` to
         ``new_addr``.
 
@@ -304,6 +321,8 @@ class Relocator:
         fixup of such an exit keeps ``orig`` as its original target.  ``abi_entry`` says
         the instruction is an indirect ``jmp`` at a function's entry under the SysV ABI
         (status flags, ``r10`` and ``r11`` dead): its cascade may clobber them.
+        ``ret_slot(ret)`` is the address of an 8-byte data slot holding the return
+        address ``ret`` of a call (see :func:`push_return`), or None.
         """
         insn = self.decode(insn_bytes, old_addr)
         kind = self.classify(insn)
@@ -323,19 +342,27 @@ class Relocator:
             return Relocated(code, kind, [Fixup(0, 2, dst, t, ex)])
         if kind is Kind.LOOP:
             return self._loop(insn, b, new_addr, target_map, exit_map)
+        ret = insn.address + insn.size
+        slot = ret_slot(ret) if ret_slot is not None and kind in (Kind.CALL, Kind.ICALL) \
+            else None
         if kind is Kind.CALL:
-            return self._direct(push_return(insn.address + insn.size), insn.operands[0].imm,
-                                new_addr, target_map, kind, exit_map)
+            r = self._direct(push_return(ret, new_addr, slot), insn.operands[0].imm,
+                             new_addr, target_map, kind, exit_map)
+            r.fixups[:0] = push_return_fixups(ret, slot)
+            return r
         if kind is Kind.RET:
             imm = insn.operands[0].imm if insn.operands else 0
             if ret_target is None:
                 return Relocated(b, kind, dynamic_exits=[0])
             return self._direct(ret_adjust(imm), ret_target, new_addr, target_map, kind,
                                 exit_map)
-        push = push_return(insn.address + insn.size) if kind is Kind.ICALL else b""
+        push = push_return(ret, new_addr, slot) if kind is Kind.ICALL else b""
         r = self._indirect(insn, b, new_addr + len(push), target_map, ijmp_targets,
                            abi_entry and kind is Kind.IJMP)
-        return _shift(r, push, kind)
+        r = _shift(r, push, kind)
+        if push:
+            r.fixups[:0] = push_return_fixups(ret, slot)
+        return r
 
     def _direct(self, head: bytes, t: int, new_addr: int, target_map: TargetMap,
                 kind: Kind, exit_map: ExitMap | None = None) -> Relocated:
