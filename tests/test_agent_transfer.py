@@ -241,3 +241,36 @@ def test_sleeping_threads_are_not_signalled(svc, spin_exe):
         res = conn.transfer(4, {spin + 8: buf.base + 8}, timeout_ms=200)
         assert res.result == P.Result.OK and res.threads == 1     # the spinner only
     assert results(client) == [1]
+
+
+def test_hurried_transfers_with_late_handlers(svc, spin_exe):
+    """Stress of the late-handler path: 64 spinners on 2 cores and a 1 ms bound, so
+    most threads answer after the agent closed each transfer and their handlers run
+    while the next table is prepared (the agent waits for them, or says E_BUSY).
+    Nobody may be moved by a table whose points it was not stopped at, the agent
+    must neither deadlock nor drop the session, and a transfer afterwards must move
+    every spinner into the copy it names."""
+    client, conn, spin, buf = start(svc, spin_exe, 64)
+    announce(conn, 8, buf.base, buf.base + 64)
+    # a second copy of the loop returning 3, for the "wrong table" half of the storm
+    other = buf.base + 32
+    buf.write(other, assemble(COPY.replace("mov eax, 2", "mov eax, 3"), other))
+    late = 0
+    for k in range(300):
+        # points no thread sits at (the return path), alternating between the copies
+        target = buf.base if k % 2 else other
+        res = conn.transfer(8, {spin + 8: target + 8}, timeout_ms=1)
+        assert res.result in (P.Result.OK, P.Result.E_BUSY), res.result
+        assert res.moved == 0
+        late += res.no_reply
+    assert late > 0, "no late handler was provoked"
+    # then the real one, into the copy returning 3, repeated until all moved
+    moved = 0
+    for _ in range(50):
+        res = conn.transfer(8, {spin + o: other + o for o in OFFSETS}, timeout_ms=500)
+        assert res.result in (P.Result.OK, P.Result.E_BUSY)
+        moved += res.moved
+        if moved == 64:
+            break
+    assert moved == 64
+    assert results(client) == [3] * 64
