@@ -682,6 +682,9 @@ class ClientSession:
                 "map_changes": self.map_changes, "jobs_done": self.jobs_done,
                 "hotspots_found": len(self.hotspots),
                 "regions": len(self.regions), "patches_installed": self.patches_installed,
+                "regions_went_live": self.regions_went_live,
+                "threads_transferred": (0 if self.installer is None
+                                        else self.installer.threads_transferred),
                 "connected_at": self.connected_at, "ended_at": self.ended_at,
                 "close_reason": self.close_reason, "errors": list(self.errors)[-3:]}
 

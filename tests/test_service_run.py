@@ -53,7 +53,8 @@ def test_report_embedded_follows_forks_and_execs(noservice_env, tmp_path):
     assert rep["schema"] == "dbr.run/1" and rep["exit_code"] == 0 and rep["wall_s"] > 2.0
     assert rep["program"][:2] == ["sh", "-c"]
     for k in ("pid", "exe", "samples", "samples_after_first_patch", "samples_in_replacement",
-              "time_to_first_patch_s", "patches_installed", "patches_removed", "regions"):
+              "time_to_first_patch_s", "patches_installed", "patches_removed", "regions",
+              "regions_went_live", "threads_transferred"):
         assert all(k in c for c in rep["clients"]), k
     loops = [c for c in rep["clients"] if c["exe"] == prog]
     assert len(loops) == 2, [c["exe"] for c in rep["clients"]]   # both children followed
@@ -62,11 +63,13 @@ def test_report_embedded_follows_forks_and_execs(noservice_env, tmp_path):
         assert c["samples"] > 10   # CPU time of a loaded 2-core machine: keep it low
         assert lo <= c["hotspots"][0]["offset"] < hi, c["hotspots"][:3]
     assert rep["totals"]["samples"] == sum(c["samples"] for c in rep["clients"])
-    assert rep["totals"]["patches_installed"] == sum(c["patches_installed"]
-                                                    for c in rep["clients"])
+    for k in ("patches_installed", "regions_went_live", "threads_transferred"):
+        assert rep["totals"][k] == sum(c[k] for c in rep["clients"]), k
     for c in rep["clients"]:
         assert c["samples_in_replacement"] <= c["samples_after_first_patch"] <= c["samples"]
-        assert (c["time_to_first_patch_s"] is None) == (c["patches_installed"] == 0)
+        # the first region to go live (by a patch or a thread moved in) sets it
+        assert (c["time_to_first_patch_s"] is None) == (c["regions_went_live"] == 0)
+        assert c["regions_went_live"] > 0 or c["patches_installed"] == 0
     assert "dbr:" in r.stderr and "samples" in r.stderr
 
 
