@@ -515,7 +515,8 @@ class Service:
                 jobs.append(ClientJob(s.session_id, s.pid, s.exe, dict(counts),
                                       selection, list(s.maps), self.config.to_dict(),
                                       branches=window.branch_counts(s.pid),
-                                      patched=s.patched_ranges()))
+                                      patched=s.patched_ranges(),
+                                      first_job=s.jobs_done == 0))
         if jobs and not self.paused:
             queued = set(self.scheduler.schedule(jobs, self.config.max_workers))
             for s in done:

@@ -125,3 +125,28 @@ def test_jobs_run_inline_until_the_pool_is_ready():
     finally:
         sched.shutdown()
 
+
+
+def test_first_job_takes_the_short_reach(monkeypatch):
+    """A client's first selection explores at most FIRST_JOB_REACH conditional jumps
+    from sampled code (its first region comes sooner); later ones the configured
+    reach; a smaller configured reach is never raised."""
+    import dataclasses
+
+    import dbr_service.region.pipeline as pl
+    from dbr_service.scheduler import FIRST_JOB_REACH, select_client_regions
+
+    seen = []
+
+    def fake_select(samples, mem, rcfg, **kw):
+        seen.append(rcfg.jumps_from_hot_limit)
+        return pl.PipelineResult()
+
+    monkeypatch.setattr(pl, "select_regions", fake_select)
+    job = ClientJob(1, os.getpid(), "/bin/prog", {0x401010: 5}, {0x401010: 5}, MAPS,
+                    Config().to_dict(), first_job=True)
+    for first, reach, want in ((True, 6, FIRST_JOB_REACH), (False, 6, 6), (True, 2, 2)):
+        regions, status, _ = select_client_regions(dataclasses.replace(job, first_job=first),
+                                                   Config(jumps_from_hot_limit=reach))
+        assert regions == [] and status.startswith("0 region"), status
+        assert seen[-1] == want, (first, reach, seen)
