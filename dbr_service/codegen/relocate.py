@@ -198,6 +198,13 @@ def _lea_rcx_plus(v: int) -> bytes:
     return bytes((0x48 | ((v >> 3) << 1), 0x8D, 0x0C, ((v & 7) << 3) | 1))
 
 
+def _operand_regs(op) -> set[int]:
+    """Numbers of the 64-bit registers an indirect jump's operand reads."""
+    if op.type == X.X86_OP_REG:
+        return {_REG64[op.reg]}
+    return {_REG64[r] for r in (op.mem.base, op.mem.index) if r in _REG64}
+
+
 def _mov_reg_reg(dst: int, src: int) -> bytes:
     """``mov dst, src`` (64-bit, 89 /r)."""
     return bytes((0x48 | ((src >> 3) << 2) | (dst >> 3), 0x89, 0xC0 | ((src & 7) << 3) | (dst & 7)))
@@ -458,11 +465,7 @@ class Relocator:
         64-bit targets (every PIE), than a push/mov/cmp/pop per case.  When a ``jrcxz``
         cannot reach its trampoline (rel8), :meth:`_cascade_pushf` is used instead."""
         op = insn.operands[0]
-        used = set()
-        if op.type == X.X86_OP_REG:
-            used.add(_REG64[op.reg])
-        else:
-            used |= {_REG64[r] for r in (op.mem.base, op.mem.index) if r in _REG64}
+        used = _operand_regs(op)
         out = bytearray(LEA_RSP_MINUS_128 + _push(1))
         fixups: list[Fixup] = []
         loaded = None
@@ -524,11 +527,7 @@ class Relocator:
         red zone are as before on every path.
         """
         op = insn.operands[0]
-        used = set()
-        if op.type == X.X86_OP_REG:
-            used.add(_REG64[op.reg])
-        else:
-            used |= {_REG64[r] for r in (op.mem.base, op.mem.index) if r in _REG64}
+        used = _operand_regs(op)
         free = [r for r in range(16) if r not in used and r != 4]
         out = bytearray(LEA_RSP_MINUS_128 + PUSHFQ)
         fixups: list[Fixup] = []
