@@ -860,6 +860,7 @@ void dbr_fork_child_reset(void)
     make_wake_pipe();
     dbr_buffers_privatise();
     dbr_sampler_fork_child();
+    dbr_transfer_fork_child();
     register_sync_core();
     dbr_agent_start_thread(1);
 }

@@ -185,6 +185,7 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms);
  * moved, no_reply; returns the result code */
 int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
                      uint32_t timeout_ms, struct dbr_transfer_result *res);
+void dbr_transfer_fork_child(void);   /* fork child: no transfer open, no handler inside */
 
 /* ---- sampler.c ---- */
 void dbr_sampler_init(void);

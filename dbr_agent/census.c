@@ -231,6 +231,15 @@ out:
     return rc;
 }
 
+void dbr_transfer_fork_child(void)
+{
+    /* A handler counted in g_tp_active belonged to a thread the child does not have:
+     * left as it was, every transfer in the child would wait for it and say BUSY. */
+    __atomic_store_n(&g_tp_gen, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&g_tp_active, 0, __ATOMIC_SEQ_CST);
+    g_tn = 0;
+}
+
 static int wait_handlers_idle(unsigned ms)
 {
     uint64_t deadline = dbr_now_ms() + ms;
