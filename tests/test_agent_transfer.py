@@ -243,7 +243,9 @@ def test_sleeping_threads_are_not_signalled(svc, spin_exe):
     assert results(client) == [1]
 
 
-def test_hurried_transfers_with_late_handlers(svc, spin_exe):
+@pytest.mark.parametrize("rounds", [300, pytest.param(5000, marks=pytest.mark.long)],
+                         ids=["300", "soak-5000"])
+def test_hurried_transfers_with_late_handlers(svc, spin_exe, rounds):
     """Stress of the late-handler path: 64 spinners on 2 cores and a 1 ms bound, so
     most threads answer after the agent closed each transfer and their handlers run
     while the next table is prepared (the agent waits for them, or says E_BUSY).
@@ -256,7 +258,7 @@ def test_hurried_transfers_with_late_handlers(svc, spin_exe):
     other = buf.base + 32
     buf.write(other, assemble(COPY.replace("mov eax, 2", "mov eax, 3"), other))
     late = 0
-    for k in range(300):
+    for k in range(rounds):
         # points no thread sits at (the return path), alternating between the copies
         target = buf.base if k % 2 else other
         res = conn.transfer(8, {spin + 8: target + 8}, timeout_ms=1)
