@@ -128,6 +128,12 @@ class RegionRecord:
                 "state": self.state.value, "info": self.info}
 
 
+#: Evaluation moves threads into a live region (TRANSFER) when a window finds at
+#: least this many of the region's samples, and this share of them, in its original code.
+TRANSFER_MIN_SAMPLES = 2
+TRANSFER_MIN_SHARE = 0.05
+
+
 # --------------------------------------------------------------------------- session
 class SessionState(str, enum.Enum):
     HANDSHAKE = "handshake"
@@ -630,9 +636,11 @@ class ClientSession:
             return
         # Threads seen in the original code of a live region (entered it by a path
         # without a patch, or it has none) are moved in, and the region's judgement
-        # starts over (a bounded number of times) before the verdicts.
+        # starts over (a bounded number of times) before the verdicts.  A few samples
+        # at the region's exits are no reason to signal every running thread.
         for h in self.evaluator.snapshot(raw):
-            if h.in_original and h.region.state is InstallState.INSTALLED and \
+            if h.in_original >= max(TRANSFER_MIN_SAMPLES, TRANSFER_MIN_SHARE * h.total) and \
+                    h.region.state is InstallState.INSTALLED and \
                     self.installer.transfer(h.region):
                 self.evaluator.restart(h.region.region_id)
                 rec = self._record_of(h.region.region_id)
