@@ -282,7 +282,9 @@ class Installer:
             try:
                 res = self.conn.transfer(reg.region_id, points[k:k + P.MAX_TRANSFER],
                                          timeout_ms=timeout_ms)
-            except AgentError as exc:
+            except (AgentError, OSError) as exc:
+                # never raised: the region's sites may be patched already, and a
+                # raise here would leave them recorded as a failed install
                 self.on_event("transfer-failed", {"region": reg.name, "why": str(exc)})
                 break
             if res.result != P.Result.OK:
