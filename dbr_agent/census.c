@@ -21,10 +21,11 @@
 #define CENSUS_COOKIE  0x0DBC3A5
 /* TRANSFER signals carry (TRANSFER_MAGIC << 32) | generation in si_value */
 #define TRANSFER_MAGIC 0x7AF5u
-#define TRANSFER_WAIT_MAX_MS 1000u
 #define TRANSFER_SETTLE_MS 500u
+/* bound on waiting for the threads' answers (census and transfer alike) */
 #define CENSUS_WAIT_MAX_MS 1000u
 #define CENSUS_WAIT_DEFAULT_MS 200u
+#define WAITING 0xffu   /* state of a signalled thread whose answer is awaited */
 
 struct slot {
     int32_t  tid;
@@ -35,6 +36,57 @@ struct slot {
 static struct slot g_slots[DBR_CENSUS_SLOTS];
 static unsigned g_nslots;
 static uint32_t g_gen;
+
+/* Signal handler: the calling thread's answer `value` for generation `gen`. */
+static void slot_answer(struct slot *slots, unsigned n, uint32_t gen, uint64_t value)
+{
+    pid_t tid = dbr_gettid();
+    unsigned i;
+
+    for (i = 0; i < n; i++) {
+        if (slots[i].tid != tid)
+            continue;
+        __atomic_store_n(&slots[i].pc, value, __ATOMIC_RELAXED);
+        __atomic_store_n(&slots[i].done_gen, gen, __ATOMIC_RELEASE);
+        break;
+    }
+}
+
+/* Agent thread: one slot per listed thread, none answered. */
+static void slots_reset(struct slot *slots, const pid_t *tids, int n)
+{
+    int i;
+
+    for (i = 0; i < n; i++) {
+        slots[i].tid = tids[i];
+        slots[i].pc = 0;
+        __atomic_store_n(&slots[i].done_gen, 0, __ATOMIC_RELAXED);
+    }
+}
+
+/* Agent thread: wait (bounded: 0 means the default, capped) until every slot whose
+ * state is WAITING has answered generation `gen`. */
+static void wait_answers(const struct slot *slots, const uint8_t *state, int n, uint32_t gen,
+                         uint32_t timeout_ms)
+{
+    uint64_t deadline;
+    int i, pending;
+
+    if (timeout_ms == 0)
+        timeout_ms = CENSUS_WAIT_DEFAULT_MS;
+    if (timeout_ms > CENSUS_WAIT_MAX_MS)
+        timeout_ms = CENSUS_WAIT_MAX_MS;
+    deadline = dbr_now_ms() + timeout_ms;
+    for (;;) {
+        pending = 0;
+        for (i = 0; i < n; i++)
+            if (state[i] == WAITING && __atomic_load_n(&slots[i].done_gen, __ATOMIC_ACQUIRE) != gen)
+                pending++;
+        if (pending == 0 || dbr_now_ms() >= deadline)
+            return;
+        dbr_sleep_ms(1);
+    }
+}
 
 /* ---- TRANSFER state ----
  * The table is written by the agent thread only while no handler can read it:
@@ -52,9 +104,8 @@ static unsigned g_tn;
 
 static void transfer_handler(ucontext_t *uc, uint32_t gen)
 {
-    unsigned lo, hi, i, n;
+    unsigned lo, hi;
     uint64_t pc, moved = 0;
-    pid_t tid;
 
     __atomic_add_fetch(&g_tp_active, 1, __ATOMIC_SEQ_CST);
     if (gen != 0 && gen == __atomic_load_n(&g_tp_gen, __ATOMIC_SEQ_CST)) {
@@ -72,15 +123,7 @@ static void transfer_handler(ucontext_t *uc, uint32_t gen)
             uc->uc_mcontext.gregs[REG_RIP] = (greg_t)g_tp[lo].repl;
             moved = 1;
         }
-        tid = dbr_gettid();
-        n = g_tn;
-        for (i = 0; i < n; i++) {
-            if (g_tslots[i].tid != tid)
-                continue;
-            __atomic_store_n(&g_tslots[i].pc, moved, __ATOMIC_RELAXED);
-            __atomic_store_n(&g_tslots[i].done_gen, gen, __ATOMIC_RELEASE);
-            break;
-        }
+        slot_answer(g_tslots, g_tn, gen, moved);
     }
     __atomic_sub_fetch(&g_tp_active, 1, __ATOMIC_SEQ_CST);
 }
@@ -88,9 +131,6 @@ static void transfer_handler(ucontext_t *uc, uint32_t gen)
 static void census_handler(int sig, siginfo_t *si, void *ucv)
 {
     ucontext_t *uc = ucv;
-    unsigned i, n;
-    uint32_t gen;
-    pid_t tid;
     uint64_t cookie = (uint64_t)(uintptr_t)si->si_value.sival_ptr;
 
     if (si->si_code != SI_QUEUE || si->si_pid != getpid() ||
@@ -102,16 +142,8 @@ static void census_handler(int sig, siginfo_t *si, void *ucv)
         transfer_handler(uc, (uint32_t)cookie);
         return;
     }
-    gen = __atomic_load_n(&g_gen, __ATOMIC_ACQUIRE);
-    n = __atomic_load_n(&g_nslots, __ATOMIC_ACQUIRE);
-    tid = dbr_gettid();
-    for (i = 0; i < n; i++) {
-        if (g_slots[i].tid != tid)
-            continue;
-        __atomic_store_n(&g_slots[i].pc, (uint64_t)uc->uc_mcontext.gregs[REG_RIP], __ATOMIC_RELAXED);
-        __atomic_store_n(&g_slots[i].done_gen, gen, __ATOMIC_RELEASE);
-        break;
-    }
+    slot_answer(g_slots, __atomic_load_n(&g_nslots, __ATOMIC_ACQUIRE),
+                __atomic_load_n(&g_gen, __ATOMIC_ACQUIRE), (uint64_t)uc->uc_mcontext.gregs[REG_RIP]);
 }
 
 void dbr_census_init(void)
@@ -142,10 +174,9 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms)
     pid_t *tids = NULL;
     uint8_t *state = NULL;
     struct dbr_census *msg = NULL;
-    int n, i, rc = DBR_OK, pending;
+    int n, i, rc = DBR_OK;
     unsigned nslots;
     uint32_t gen, k, sent;
-    uint64_t deadline;
 
     tids = calloc(DBR_CENSUS_SLOTS, sizeof *tids);
     state = calloc(DBR_CENSUS_SLOTS, 1);
@@ -159,41 +190,21 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms)
         n = DBR_CENSUS_SLOTS;   /* the rest cannot be reported */
     nslots = (unsigned)n;
     __atomic_store_n(&g_nslots, 0, __ATOMIC_RELEASE);
-    for (i = 0; i < n; i++) {
-        g_slots[i].tid = tids[i];
-        g_slots[i].pc = 0;
-        __atomic_store_n(&g_slots[i].done_gen, 0, __ATOMIC_RELAXED);
-    }
+    slots_reset(g_slots, tids, n);
     gen = __atomic_add_fetch(&g_gen, 1, __ATOMIC_RELEASE);
     if (gen == 0)
         gen = __atomic_add_fetch(&g_gen, 1, __ATOMIC_RELEASE);
     __atomic_store_n(&g_nslots, nslots, __ATOMIC_RELEASE);
 
-    pending = 0;
     for (i = 0; i < n; i++) {
-        if (tids[i] == g_agent_tid || tids[i] == dbr_gettid()) {
+        if (tids[i] == g_agent_tid || tids[i] == dbr_gettid())
             state[i] = DBR_CENSUS_AGENT;
-        } else if (queue_signal(tids[i]) < 0) {
+        else if (queue_signal(tids[i]) < 0)
             state[i] = errno == ESRCH ? DBR_CENSUS_GONE : DBR_CENSUS_NO_REPLY;
-        } else {
-            state[i] = 0xff;   /* waiting */
-            pending++;
-        }
+        else
+            state[i] = WAITING;
     }
-    if (timeout_ms == 0)
-        timeout_ms = CENSUS_WAIT_DEFAULT_MS;
-    if (timeout_ms > CENSUS_WAIT_MAX_MS)
-        timeout_ms = CENSUS_WAIT_MAX_MS;
-    deadline = dbr_now_ms() + timeout_ms;
-    while (pending > 0) {
-        pending = 0;
-        for (i = 0; i < n; i++)
-            if (state[i] == 0xff && __atomic_load_n(&g_slots[i].done_gen, __ATOMIC_ACQUIRE) != gen)
-                pending++;
-        if (pending == 0 || dbr_now_ms() >= deadline)
-            break;
-        dbr_sleep_ms(1);
-    }
+    wait_answers(g_slots, state, n, gen, timeout_ms);
 
     /* reply: ceil(n / DBR_MAX_CENSUS) messages (one with n = 0 if no thread) */
     sent = 0;
@@ -210,7 +221,7 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms)
 
             e->tid = (uint32_t)tids[s];
             e->pc = 0;
-            if (state[s] != 0xff) {
+            if (state[s] != WAITING) {
                 e->state = state[s];
             } else if (__atomic_load_n(&g_slots[s].done_gen, __ATOMIC_ACQUIRE) == gen) {
                 e->state = DBR_CENSUS_OK;
@@ -290,9 +301,8 @@ int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uin
 {
     pid_t *tids = NULL;
     uint8_t *waiting = NULL;
-    int nt, i, pending, rc;
+    int nt, i, rc;
     uint32_t gen;
-    uint64_t deadline;
 
     rc = transfer_check(region_id, p, n);
     if (rc != DBR_OK)
@@ -312,18 +322,13 @@ int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uin
     nt = dbr_list_threads(tids, DBR_CENSUS_SLOTS);
     if (nt > (int)DBR_CENSUS_SLOTS)
         nt = DBR_CENSUS_SLOTS;
-    for (i = 0; i < nt; i++) {
-        g_tslots[i].tid = tids[i];
-        g_tslots[i].pc = 0;
-        __atomic_store_n(&g_tslots[i].done_gen, 0, __ATOMIC_RELAXED);
-    }
+    slots_reset(g_tslots, tids, nt);
     g_tn = (unsigned)nt;
     gen = ++g_tp_counter;
     if (gen == 0)
         gen = ++g_tp_counter;
     __atomic_store_n(&g_tp_gen, gen, __ATOMIC_SEQ_CST);    /* open: handlers may read */
 
-    pending = 0;
     for (i = 0; i < nt; i++) {
         if (tids[i] == g_agent_tid || tids[i] == dbr_gettid())
             continue;
@@ -333,28 +338,16 @@ int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uin
         if (dbr_thread_state(tids[i]) != 'R')
             continue;
         if (queue_signal_value(tids[i], ((uint64_t)TRANSFER_MAGIC << 32) | gen) == 0) {
-            waiting[i] = 1;
-            pending++;
+            waiting[i] = WAITING;
             res->threads++;
         }
     }
-    if (timeout_ms == 0)
-        timeout_ms = CENSUS_WAIT_DEFAULT_MS;
-    if (timeout_ms > TRANSFER_WAIT_MAX_MS)
-        timeout_ms = TRANSFER_WAIT_MAX_MS;
-    deadline = dbr_now_ms() + timeout_ms;
-    while (pending > 0 && dbr_now_ms() < deadline) {
-        dbr_sleep_ms(1);
-        pending = 0;
-        for (i = 0; i < nt; i++)
-            if (waiting[i] && __atomic_load_n(&g_tslots[i].done_gen, __ATOMIC_ACQUIRE) != gen)
-                pending++;
-    }
+    wait_answers(g_tslots, waiting, nt, gen, timeout_ms);
     __atomic_store_n(&g_tp_gen, 0, __ATOMIC_SEQ_CST);      /* closed: late signals do nothing */
     /* handlers that passed the check finish before the table is reused (next call) */
     (void)wait_handlers_idle(TRANSFER_SETTLE_MS);
     for (i = 0; i < nt; i++) {
-        if (!waiting[i])
+        if (waiting[i] != WAITING)
             continue;
         if (__atomic_load_n(&g_tslots[i].done_gen, __ATOMIC_ACQUIRE) == gen)
             res->moved += (uint32_t)__atomic_load_n(&g_tslots[i].pc, __ATOMIC_RELAXED);
