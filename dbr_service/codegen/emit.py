@@ -513,18 +513,24 @@ def _far_stubs(gen: GeneratedCode, out: bytearray, far: list[int], stub: dict[in
         out += struct.pack("<Q", t)
 
 
+def _append_data(gen: GeneratedCode, out: bytearray, at: int, data: bytes, what: str) -> None:
+    """Append ``data`` at address ``at`` (where pass 2 encoded it), after int3 padding;
+    the first data appended starts ``gen.data_start``."""
+    if gen.data_start is None:
+        gen.data_start = len(out)
+    if gen.base + len(out) > at:
+        raise CodegenError(f"{what} at {at:#x} overlaps code or data")
+    out += b"\xcc" * (at - (gen.base + len(out)))
+    out += data
+
+
 def _dispatch_tables(gen: GeneratedCode, out: bytearray,
                      dispatches: dict[NodeKey, tuple[DispatchPlan, int, dict[int, int]]],
                      tables: dict[NodeKey, int]) -> None:
     """Append each translated dispatch's data at the address pass 2 encoded for it."""
-    if gen.data_start is None:
-        gen.data_start = len(out)
     for k, at in sorted(tables.items(), key=lambda kv: kv[1]):
         plan, miss, slots = dispatches[k]
-        if gen.base + len(out) > at:
-            raise CodegenError(f"dispatch data at {at:#x} overlaps code")
-        out += b"\xcc" * (at - (gen.base + len(out)))
-        out += dispatch_data(plan, miss, slots)
+        _append_data(gen, out, at, dispatch_data(plan, miss, slots), "dispatch data")
         gen.data_refs.append(plan.base)        # the table jump's disp32 is from the base
 
 
@@ -541,16 +547,12 @@ def _return_addresses(sr: SuperRegion) -> list[int]:
 
 
 def _return_slots(gen: GeneratedCode, out: bytearray, slots: dict[int, int]) -> None:
-    """Append the return-address slots at the addresses pass 2 encoded for them."""
-    if gen.data_start is None:
-        gen.data_start = len(out)
-    first = min(slots.values())
-    if gen.base + len(out) > first:
-        raise CodegenError(f"return-address slots at {first:#x} overlap code or data")
-    out += b"\xcc" * (first - (gen.base + len(out)))
-    for r, at in sorted(slots.items(), key=lambda kv: kv[1]):
-        assert gen.base + len(out) == at
-        out += struct.pack("<Q", r)
+    """Append the return-address slots (consecutive 8-byte words) at the address pass 2
+    encoded for them."""
+    order = sorted(slots.items(), key=lambda kv: kv[1])
+    assert all(at == order[0][1] + 8 * i for i, (_, at) in enumerate(order))
+    _append_data(gen, out, order[0][1], b"".join(struct.pack("<Q", r) for r, _ in order),
+                 "return-address slots")
 
 
 def check_generated(gen: GeneratedCode, reloc: Relocator | None = None) -> None:
