@@ -124,24 +124,11 @@ def test_malformed_transfer_length_closes_the_session(svc, spin_exe):
 
 # ---- the service side: Installer, evaluation, the original-code check ---------------
 
-from dataclasses import dataclass, field  # noqa: E402
-
 from dbr_service.errors import CodegenError  # noqa: E402
 from dbr_service.install import CodeSpace, InstallState, Installer  # noqa: E402
 from dbr_service.optimize import EvalPolicy, Evaluator, check_original  # noqa: E402
 from harness import read_mem  # noqa: E402
-
-
-@dataclass
-class TransferGen:
-    """A region without patch sites whose code is the copy of ``spin``'s loop."""
-
-    code: bytes
-    base: int
-    entries: dict[int, int] = field(default_factory=dict)
-    addr_map: list[tuple[int, int, int]] = field(default_factory=list)
-    exits: list[tuple[int, int]] = field(default_factory=list)
-    transfers: dict[int, int] = field(default_factory=dict)
+from test_install import FakeGen  # noqa: E402
 
 
 def transfer_only_region(svc, exe, threads: int, *, offsets=OFFSETS, transfer=True):
@@ -152,9 +139,10 @@ def transfer_only_region(svc, exe, threads: int, *, offsets=OFFSETS, transfer=Tr
     inst = Installer(conn, lambda a, n: read_mem(client.pid, a, n),
                      space=CodeSpace(conn, buffer_size=65536), transfer=transfer)
     chunk = inst.reserve(64, reach=[spin])
-    gen = TransferGen(assemble(COPY, chunk.addr), chunk.addr,
-                      addr_map=[(chunk.addr, chunk.addr + 14, spin)],
-                      transfers={spin + o: chunk.addr + o for o in offsets})
+    # a region without patch sites whose code is the copy of ``spin``'s loop
+    gen = FakeGen(assemble(COPY, chunk.addr), chunk.addr, {},
+                  addr_map=[(chunk.addr, chunk.addr + 14, spin)],
+                  transfers={spin + o: chunk.addr + o for o in offsets})
     return client, inst, chunk, gen, spin
 
 

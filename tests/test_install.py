@@ -23,6 +23,7 @@ class FakeGen:
     entries: dict[int, int]
     addr_map: list[tuple[int, int, int]] = field(default_factory=list)
     exits: list[tuple[int, int]] = field(default_factory=list)
+    transfers: dict[int, int] = field(default_factory=dict)
 
 
 def stub_gen(base: int, sites: list[int]) -> FakeGen:
