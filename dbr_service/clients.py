@@ -497,16 +497,10 @@ class ClientSession:
             self.evaluator = Evaluator(self.installer)
         return self.installer
 
-    @property
-    def live_code(self) -> tuple[tuple[int, int, Any], ...]:
-        """Installed replacement code as (lo, hi, region); safe from any thread."""
-        inst = self.installer
-        return () if inst is None else inst.live
-
     def patched_ranges(self) -> list[tuple[int, int]]:
         """Byte ranges of installed patch sites (for discovery in the next job)."""
-        return [(s.site, s.site + P.PATCH_LEN) for _, _, r in self.live_code
-                for s in r.patched_sites]
+        inst = self.installer
+        return [] if inst is None else inst.patched_ranges()
 
     def install_selected(self, srs: list[Any], ids: list[str]) -> int:
         """Session thread: emit and install the regions not yet installed; regions
@@ -605,13 +599,13 @@ class ClientSession:
         raw: collections.Counter[int] = collections.Counter(smp.ip for smp in samples)
         if raw:
             self.mark("first_samples")
-        live = self.live_code
-        # a region removed after the window was taken leaves its IPs in a buffer
+        # all replacement code lies in the code buffers, also that of a region removed
+        # after the window was taken
         bufs = () if self.installer is None else self.installer.buffer_ranges
         in_repl = 0
         outside: collections.Counter[int] = collections.Counter()
         for ip, n in raw.items():
-            if any(lo <= ip < hi for lo, hi, _ in live) or any(lo <= ip < hi for lo, hi in bufs):
+            if any(lo <= ip < hi for lo, hi in bufs):
                 in_repl += n
             else:
                 outside[ip] = n

@@ -199,16 +199,21 @@ class Installer:
         #: Installed regions' code as (lo, hi, region), replaced whole on every change so
         #: other threads (sample attribution) read it without a lock.
         self.live: tuple[tuple[int, int, InstalledRegion], ...] = ()
-        #: Every code buffer of the client as (lo, hi), same rules as ``live``: removed
-        #: regions' code stays in them (a thread may still run it), and an IP there is
-        #: never original code.
+        #: Every code buffer of the client as (lo, hi), same rules as ``live``: all
+        #: replacement code, live or removed (a thread may still run it), lies in them,
+        #: and an IP there is never original code.
         self.buffer_ranges: tuple[tuple[int, int], ...] = ()
 
     def _refresh_live(self) -> None:
         self.live = tuple((*r.code_range(), r) for r in self.regions.values()
                           if r.state is InstallState.INSTALLED)
         self.buffer_ranges = tuple((b.base, b.base + b.size)
-                                   for b in list(getattr(self.conn, "buffers", {}).values()))
+                                   for b in list(self.conn.buffers.values()))
+
+    def patched_ranges(self) -> list[tuple[int, int]]:
+        """Byte ranges of the live regions' patch sites; safe from any thread."""
+        return [(s.site, s.site + P.PATCH_LEN) for _, _, r in self.live
+                for s in r.patched_sites]
 
     # ---- install ---------------------------------------------------------
     def reserve(self, size: int, reach: Sequence[int]) -> Chunk:

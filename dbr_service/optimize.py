@@ -71,8 +71,7 @@ def check_original(installer: Installer, sr: SuperRegion) -> None:
     TRANSFER rely on every copied instruction, and a transfer-only region has no site).
     Bytes under our own installed patches are not compared (another region's patch
     may have gone in since; the region copies the original instruction there)."""
-    ours = [(s.site, s.site + 5) for r in installer.regions.values()
-            if r.state is InstallState.INSTALLED for s in r.patched_sites]
+    ours = installer.patched_ranges()
     want: dict[int, int] = {}                      # address -> byte the region copied
     for _, bb in sr.blocks():
         if not bb.is_clone:

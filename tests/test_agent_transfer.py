@@ -211,12 +211,12 @@ def test_check_original_refuses_changed_code(svc, spin_exe):
         state = InstallState.INSTALLED
         patched_sites = [P.PatchSite(site=spin - 2)]
 
-    inst.regions[99] = Patched()
+    inst.live = ((0, 0, Patched()),)   # the installer's snapshot of its live regions
     check_original(inst, b.sr)      # our own patch bytes are not the program's change
     bb.data = bb.data[:6] + bytes([bb.data[6] ^ 1]) + bb.data[7:]
     with pytest.raises(CodegenError, match="changed since"):
         check_original(inst, b.sr)  # ... but a byte past the patch is
-    del inst.regions[99]
+    inst.live = ()
     assert results(client) == [1]
 
 
