@@ -15,8 +15,8 @@ import sys
 import time
 from typing import Any
 
-from dbr_service.config import resolve_runtime_dir
-from dbr_service.control import Code, ControlClient
+from dbr_service.paths import resolve_runtime_dir
+from dbr_service.ctlclient import Code, ControlClient
 
 EPILOG = """examples:
   dbr ctl status

@@ -142,7 +142,7 @@ def collect_report(client: Any, pid: int, settle_s: float = 2.0) -> list[dict[st
             return entries
         if all(e.get("close_reason") for e in entries) or time.monotonic() > deadline:
             return entries
-        time.sleep(0.05)
+        time.sleep(0.01)  # the agent's BYE is usually being handled: a round trip or two
 
 
 def run(args: argparse.Namespace) -> int:
@@ -272,7 +272,7 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
             signal.signal(sig, handler)
     wall = time.monotonic() - t0
     exit_code = _exit_status(returncode)
-    from dbr_service.control import ControlClient
+    from dbr_service.ctlclient import ControlClient
 
     clients = collect_report(ControlClient(runtime_dir), proc.pid) if served else []
     rep = run_report(prog, exit_code, wall, clients,
