@@ -27,6 +27,7 @@ usage: python -m bench.compare [--quick] [--runs N] [--configs a,b] [WORKLOAD...
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import shutil
@@ -68,6 +69,7 @@ class Run:
     timed_out: bool = False
     stderr_tail: str = ""
     extra: dict = field(default_factory=dict)
+    pid: int = 0
 
 
 def digest_outputs(run_dir: Path, outputs: list[str]) -> str:
@@ -126,7 +128,7 @@ def run_once(argv: list[str], env: dict[str, str], run_dir: Path, outputs: list[
     tail = (run_dir.parent / "stderr").read_bytes()[-2000:].decode(errors="replace")
     return Run(wall=res["t"] - t0, exit_code=p.returncode,
                digest=digest_outputs(run_dir, outputs), cpu_s=ru.ru_utime + ru.ru_stime,
-               maxrss_kb=ru.ru_maxrss, timed_out=timed_out, stderr_tail=tail)
+               maxrss_kb=ru.ru_maxrss, timed_out=timed_out, stderr_tail=tail, pid=p.pid)
 
 
 def describe_exit(code: int) -> str:
@@ -165,7 +167,11 @@ class Config:
     def command(self, argv: list[str], prep: suite.Prepared, work: Path) -> list[str]:
         return argv
 
-    def collect(self, work: Path) -> dict:
+    def environ(self, env: dict[str, str]) -> dict[str, str]:
+        """The environment of the run (the workload's; configurations may add to it)."""
+        return env
+
+    def collect(self, work: Path, run: Run | None = None) -> dict:
         return {}
 
 
@@ -233,7 +239,7 @@ class Dbr(Config):
         rep.unlink(missing_ok=True)
         return self.prefix(rep) + argv
 
-    def collect(self, work):
+    def collect(self, work, run=None):
         import json
 
         rep = work / f"report-{self.name}.json"
@@ -374,7 +380,7 @@ class Perf(Config):
         return [self.exe, "record", "-q", *self.opts, "-F", str(self.rate), "-e", "cpu-clock",
                 "-o", str(out), "--", *argv]
 
-    def collect(self, work):
+    def collect(self, work, run=None):
         out = work / "perf.data"
         size = out.stat().st_size if out.exists() else 0
         out.unlink(missing_ok=True)
@@ -394,22 +400,16 @@ class Valgrind(Config):
         return [self.exe, "--tool=none", "-q", *argv]
 
 
-class DbrHost(Dbr):
-    """``dbr run`` attached to a host service that is already running (default settings),
-    as on a deployed host: the embedded service's start-up is not in the figure."""
-
-    name, what = "dbr-host", "dbr run with a running host `dbr service` (default settings)"
+class HostService:
+    """A ``dbr service`` with default settings and a private DBR_RUNTIME_DIR, started once
+    and left running for the whole benchmark, as on a host that runs it all the time."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.rt: str | None = None
         self.proc: subprocess.Popen | None = None
 
-    def prefix(self, report: Path) -> list[str]:
-        return ["env", f"DBR_RUNTIME_DIR={self.rt}", _dbr_exe(), "run", "--quiet",
-                "--report", str(report), "--"]
-
-    def check(self, ctx, env, tmp):
+    def start(self, env: dict[str, str]) -> str | None:
+        """None once it serves, else why it is unavailable."""
         import atexit
         import tempfile
 
@@ -423,7 +423,22 @@ class DbrHost(Dbr):
                 return "unavailable: the host dbr service did not start"
             time.sleep(0.05)
         time.sleep(1.0)  # let its worker pool start, as on a host that runs all the time
-        return super().check(ctx, env, tmp)
+        return None
+
+    def cpu_s(self) -> float | None:
+        """user+sys of the service and its live worker processes so far (psutil)."""
+        try:
+            import psutil
+
+            root = psutil.Process(self.proc.pid)
+            total = 0.0
+            for p in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    t = p.cpu_times()
+                    total += t.user + t.system + t.children_user + t.children_system
+            return total
+        except Exception:  # noqa: BLE001 - no psutil, or the service is gone
+            return None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -436,8 +451,131 @@ class DbrHost(Dbr):
             shutil.rmtree(self.rt, ignore_errors=True)
 
 
+class DbrHost(Dbr):
+    """``dbr run`` attached to a host service that is already running (default settings),
+    as on a deployed host: the embedded service's start-up is not in the figure."""
+
+    name, what = "dbr-host", "dbr run with a running host `dbr service` (default settings)"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host = HostService()
+
+    def prefix(self, report: Path) -> list[str]:
+        return [_dbr_exe(), "run", "--quiet", "--report", str(report), "--"]
+
+    def environ(self, env):
+        return dict(env, DBR_RUNTIME_DIR=self.host.rt or "")
+
+    def check(self, ctx, env, tmp):
+        why = self.host.start(env)
+        return why or super().check(ctx, self.environ(env), tmp)
+
+
+class DbrPreload(Config):
+    """PROG itself with the agent in its environment (``LD_PRELOAD``) under a running host
+    service with default settings: how programs run on a host where dbr is deployed
+    (a unit's ``Environment=LD_PRELOAD=...``), timed by the same spawn-to-wait4 clock as
+    native, with no ``dbr run`` process around it.  What dbr did comes from the
+    service's ``report`` verb for the run's pid, asked after the run (not timed)."""
+
+    name = "dbr-preload"
+    what = ("PROG with LD_PRELOAD=libdbr_agent.so under a running host `dbr service` "
+            "(default settings), no `dbr run`: the deployed form, timed like native")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host = HostService()
+        self.agent = ""
+        self._cpu: float | None = None
+
+    def check(self, ctx, env, tmp):
+        try:
+            import dbr_agent
+
+            self.agent = dbr_agent.agent_path()
+        except (OSError, subprocess.CalledProcessError) as exc:
+            return f"unavailable: the agent is not built ({exc})"
+        why = self.host.start(env)
+        self._cpu = None if why else self.host.cpu_s()
+        return why
+
+    def environ(self, env):
+        old = env.get("LD_PRELOAD", "")
+        return dict(env, DBR_RUNTIME_DIR=self.host.rt or "",
+                    LD_PRELOAD=self.agent + (":" + old if old else ""))
+
+    def collect(self, work, run=None):
+        if run is None or not run.pid or not self.host.rt:
+            return {}
+        from dbr_service.cmd_run import collect_report
+        from dbr_service.ctlclient import ControlClient
+        from dbr_service.report import run_report
+
+        clients = collect_report(ControlClient(self.host.rt), run.pid)
+        cpu, before = self.host.cpu_s(), self._cpu
+        self._cpu = cpu
+        if not clients:
+            return {"report_error": f"the host service has no session for pid {run.pid}"}
+        rep = run_report([], run.exit_code, run.wall, clients, service="host",
+                         runtime_dir=self.host.rt)
+        out = summarize_report(rep)
+        if cpu is not None and before is not None:
+            # the service's CPU since the previous run's report: this run's share (the
+            # service serves nobody else)
+            out["service_cpu_s"] = cpu - before
+        return {"report": out}
+
+
+THREAD_ONLY_C = r"""
+/* A preloaded library that starts one idle thread and does nothing else: the control
+   for the agent's own thread (glibc leaves its single-threaded fast paths for good once
+   a process has a second thread, whatever that thread does). */
+#include <pthread.h>
+#include <unistd.h>
+static void *idle(void *arg) { (void)arg; for (;;) pause(); return 0; }
+__attribute__((constructor)) static void start(void)
+{
+    pthread_t t;
+    if (pthread_create(&t, 0, idle, 0) == 0)
+        pthread_detach(t);
+}
+"""
+
+
+class ThreadOnly(Config):
+    """Control for the agent's thread: PROG with a preloaded library whose only act is
+    to start one idle thread (built here with gcc).  The difference between this and
+    native is what any in-process agent thread costs, not dbr's work."""
+
+    name = "thread-only"
+    what = "control: LD_PRELOAD of a library that only starts one idle thread"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lib = ""
+
+    def check(self, ctx, env, tmp):
+        cc = shutil.which("gcc") or shutil.which("cc")
+        if not cc:
+            return "unavailable: no C compiler"
+        src, lib = tmp / "thread_only.c", tmp / "libthread_only.so"
+        src.write_text(THREAD_ONLY_C)
+        p = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src),
+                            "-lpthread"], capture_output=True, text=True, timeout=120)
+        if p.returncode != 0:
+            return f"unavailable: cannot build the control library: {_last(p.stderr)}"
+        self.lib = str(lib)
+        return None
+
+    def environ(self, env):
+        old = env.get("LD_PRELOAD", "")
+        return dict(env, LD_PRELOAD=self.lib + (":" + old if old else ""))
+
+
 def default_configs() -> list[Config]:
-    return [Native(), Dbr(), DbrHost(), DbrSampling(), Perf(), Valgrind(), Pgo()]
+    return [Native(), Dbr(), DbrHost(), DbrPreload(), ThreadOnly(), DbrSampling(), Perf(),
+            Valgrind(), Pgo()]
 
 
 EXTRA_CONFIGS: dict[str, Callable[[], Config]] = {
@@ -527,9 +665,9 @@ def alternate(cells: list[Cell], prep: suite.Prepared, argv_of: Callable[[Cell],
         for cell in order:
             if not cell.live:
                 continue
-            r = run_once(cell.cfg.command(argv_of(cell), prep, work), env, work / "run",
-                         prep.outputs, timeout)
-            r.extra = cell.cfg.collect(work)
+            r = run_once(cell.cfg.command(argv_of(cell), prep, work), cell.cfg.environ(env),
+                         work / "run", prep.outputs, timeout)
+            r.extra = cell.cfg.collect(work, r)
             if i < warmup:  # warm-up: checked, not recorded
                 before = len(cell.runs)
                 _check_run(cell, r, *ref, wname)
@@ -600,7 +738,10 @@ def dbr_metrics(reports: list[dict], errors: list[str], cell: dict) -> dict:
         m[k] = _med([r.get(k) for r in reports])
     svc_cpu = _med([r.get("service_cpu_s") for r in reports])
     if svc_cpu is not None:
-        m["service_cpu_s"], m["service_cpu_source"] = svc_cpu, "dbr run report"
+        preload = cell.get("what", "").startswith("PROG with LD_PRELOAD")
+        m["service_cpu_s"] = svc_cpu
+        m["service_cpu_source"] = ("host service CPU from one run's report to the next "
+                                   "(psutil)" if preload else "dbr run report")
     elif "extra_cpu_s" in cell:
         m["service_cpu_s"] = cell["extra_cpu_s"]
         m["service_cpu_source"] = ("rusage: CPU of the `dbr run` process tree (embedded "

@@ -183,3 +183,45 @@ def test_workload_sources_exist():
         for src in p.sources + ([p.lib] if p.lib else []):
             assert (suite.SRC / src).exists()
     assert (Path(suite.SRC) / "spin.c").exists()
+
+
+def test_preload_and_thread_only_configs(tmp_path):
+    """dbr-preload runs PROG itself with the agent under a host service and gets what dbr
+    did from the service by pid; thread-only's library really starts one extra thread
+    (and nothing of dbr's): both are timed by the same run_once as native."""
+    import os
+
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    ctx = suite.Ctx(quick=True, cache=tmp_path / "cache", log=lambda m: None)
+    prog = [SH, "-c", "grep -h '^Threads:' /proc/$$/status; echo $LD_PRELOAD"]
+    prep = suite.Prepared(prog)
+    control = compare.ThreadOnly()
+    assert control.check(ctx, env, tmp_path) is None
+    # the control library in a program that never makes a thread of its own: 2 threads
+    r = compare.run_once([SH, "-c", "sleep 0.2 & pid=$!; sleep 0.05; "
+                          "grep -h '^Threads:' /proc/$pid/status; wait"],
+                         control.environ(env), tmp_path / "run", [], timeout=30)
+    assert r.exit_code == 0
+    assert (tmp_path / "run" / "stdout").read_text().split() == ["Threads:", "2"]
+    preload = compare.DbrPreload()
+    try:
+        assert preload.check(ctx, env, tmp_path) is None, "the host service must start"
+        penv = preload.environ(env)
+        assert penv["LD_PRELOAD"].endswith("libdbr_agent.so")
+        assert penv["DBR_RUNTIME_DIR"] == preload.host.rt
+        r = compare.run_once(preload.command(prog, prep, tmp_path), penv, tmp_path / "run",
+                             [], timeout=30)
+        assert r.exit_code == 0 and r.pid > 0
+        extra = preload.collect(tmp_path, r)
+        assert "report" in extra, extra
+        rep = extra["report"]
+        assert rep["clients"] >= 1 and rep["exit_code"] == 0
+        assert rep["prog_wall_s"] == pytest.approx(r.wall, abs=1e-3)  # the report keeps ms
+        assert isinstance(rep.get("service_cpu_s"), float) and rep["service_cpu_s"] >= 0
+        # a pid the service never saw: an error entry, not a crash
+        r.pid = 1
+        assert "report_error" in preload.collect(tmp_path, r)
+    finally:
+        preload.host.stop()
+    assert preload.host.proc.poll() is not None
