@@ -40,7 +40,7 @@ from dbr_service.errors import ConfigError, DbrError, SamplingError
 from dbr_service.notify import Notifier
 from dbr_service.paths import AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET
 from dbr_service.sampling.aggregate import SampleAggregator
-from dbr_service.scheduler import ClientJob, JobResult, Scheduler
+from dbr_service.scheduler import ClientJob, JobResult, Scheduler, quick_job
 
 log = logging.getLogger("dbr.service")
 
@@ -516,7 +516,7 @@ class Service:
                                       selection, list(s.maps), self.config.to_dict(),
                                       branches=window.branch_counts(s.pid),
                                       patched=s.patched_ranges(),
-                                      first_job=s.jobs_done == 0))
+                                      first_job=quick_job(s.jobs_done, bool(s.regions))))
         if jobs and not self.paused:
             queued = set(self.scheduler.schedule(jobs, self.config.max_workers))
             for s in done:

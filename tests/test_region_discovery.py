@@ -494,6 +494,39 @@ def test_jumps_from_hot_limit_bounds_exploration(builds):
     assert sizes[0] < sizes[1] <= sizes[2]
 
 
+def test_seed_min_seeds_only_hotter_ips_but_keeps_their_neighbours_samples(builds):
+    """With seed_min, single-sample IPs start no search of their own; the code found
+    from the hotter seeds is a subset of the full discovery, and every sample that
+    lies in it is still counted (nothing is lost inside the blocks found)."""
+    b = builds["switch-O2"]
+    t = _truth(b)
+    mem = ElfMemoryView(str(b.stripped))
+    _profile(b, t, mem)
+    samples = dict(t.samples)
+    # flatten the profile: scatter singletons over code the full search would start at
+    full = hot_code_discovery(samples, mem, jumps_from_hot_limit=2)
+    starts = sorted(bb.start for _, bb in full.blocks())
+    for a in starts[::3]:
+        samples.setdefault(a, 1)
+    full = hot_code_discovery(samples, mem, jumps_from_hot_limit=2)
+    seeded = hot_code_discovery(samples, mem, jumps_from_hot_limit=2, seed_min=2)
+    lone = [a for a, n in samples.items() if n == 1]
+    assert lone and any(n >= 2 for n in samples.values())
+    full_blocks = {(bb.start, bb.size) for _, bb in full.blocks()}
+    covered = set()
+    for _, bb in seeded.blocks():
+        covered.update(range(bb.start, bb.start + bb.size))
+    assert len(seeded) < len(full)
+    assert all(any(s <= bb.start < s + n for s, n in full_blocks) for _, bb in seeded.blocks())
+    # every IP with >= 2 samples lies in a block; singletons count where reached
+    for a, n in samples.items():
+        if n >= 2:
+            assert a in covered, hex(a)
+    in_blocks = sum(n for a, n in samples.items() if a in covered)
+    assert sum(bb.samples for _, bb in seeded.blocks()) == pytest.approx(in_blocks)
+    assert any(a in covered for a in lone), "singletons inside reached code still count"
+
+
 # ---------------------------------------------------------------------------
 # Hand-written assembly: overlap, data after noreturn, tiny blocks, partial blocks
 # ---------------------------------------------------------------------------

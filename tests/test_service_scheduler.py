@@ -130,16 +130,19 @@ def test_jobs_run_inline_until_the_pool_is_ready():
 def test_first_job_takes_the_short_reach(monkeypatch):
     """A client's first selection explores at most FIRST_JOB_REACH conditional jumps
     from sampled code (its first region comes sooner); later ones the configured
-    reach; a smaller configured reach is never raised."""
+    reach; a smaller configured reach is never raised.  The first job also seeds
+    discovery only from IPs with FIRST_JOB_SEED_MIN samples."""
     import dataclasses
 
     import dbr_service.region.pipeline as pl
-    from dbr_service.scheduler import FIRST_JOB_REACH, select_client_regions
+    from dbr_service.scheduler import FIRST_JOB_REACH, FIRST_JOB_SEED_MIN, select_client_regions
 
     seen = []
+    seeds = []
 
     def fake_select(samples, mem, rcfg, **kw):
         seen.append(rcfg.jumps_from_hot_limit)
+        seeds.append(kw.get("seed_min", 0))
         return pl.PipelineResult()
 
     monkeypatch.setattr(pl, "select_regions", fake_select)
@@ -150,3 +153,17 @@ def test_first_job_takes_the_short_reach(monkeypatch):
                                                    Config(jumps_from_hot_limit=reach))
         assert regions == [] and status.startswith("0 region"), status
         assert seen[-1] == want, (first, reach, seen)
+        # ... and seeds discovery only from IPs with FIRST_JOB_SEED_MIN samples
+        assert seeds[-1] == (FIRST_JOB_SEED_MIN if first else 0)
+    assert FIRST_JOB_SEED_MIN > 1
+
+
+def test_quick_jobs_until_a_region_or_three_jobs():
+    """Jobs stay quick while the client has no region, at most QUICK_JOBS of them; a
+    client with a region, or after QUICK_JOBS jobs, gets the full search."""
+    from dbr_service.scheduler import QUICK_JOBS, quick_job
+
+    assert QUICK_JOBS >= 2
+    assert [quick_job(n, False) for n in range(QUICK_JOBS + 2)] == \
+        [True] * QUICK_JOBS + [False, False]
+    assert not any(quick_job(n, True) for n in range(QUICK_JOBS + 2))

@@ -486,8 +486,10 @@ class HotCodeDiscovery:
     def __init__(self, samples: Mapping[int, float], mem: MemoryView, *,
                  jumps_from_hot_limit: int = 2,
                  branch_samples: Mapping[int, Mapping[int, float]] | None = None,
-                 patched: Callable[[int], bool] | None = None) -> None:
+                 patched: Callable[[int], bool] | None = None,
+                 seed_min: float = 0.0) -> None:
         self.samples = samples
+        self.seed_min = seed_min
         self.mem = mem
         self.limit = jumps_from_hot_limit
         self.branch_samples = branch_samples or {}
@@ -500,7 +502,8 @@ class HotCodeDiscovery:
     # ---- driver ----------------------------------------------------------
     def run(self) -> SuperRegion:
         for addr in sorted(self.samples):
-            if self.samples[addr] > 0:
+            n = self.samples[addr]
+            if n > 0 and n >= self.seed_min:
                 self.ensure_bb(addr, starts=False, jfh=0)
         while True:
             self.stats.rounds += 1
@@ -1018,14 +1021,18 @@ _TERM_OF = {
 def hot_code_discovery(samples: Mapping[int, float], mem: MemoryView, *,
                        jumps_from_hot_limit: int = 2,
                        branch_samples: Mapping[int, Mapping[int, float]] | None = None,
-                       patched: Callable[[int], bool] | None = None) -> SuperRegion:
+                       patched: Callable[[int], bool] | None = None,
+                       seed_min: float = 0.0) -> SuperRegion:
     """HOT-CODE-DISCOVERY (seed 001, fig. 10): the first super-region from sample IPs.
 
     ``samples`` maps instruction addresses to sample counts; ``branch_samples``
     maps a branch instruction's address to ``{target: count}`` (for a conditional
     branch the fall-through address stands for the not-taken direction);
     ``patched(addr)`` tells whether a byte belongs to an installed patch (the
-    view's own excluded ranges are honoured as well).
+    view's own excluded ranges are honoured as well).  With ``seed_min``, only IPs
+    with at least that many samples start blocks; the others still count in the
+    blocks discovery reaches from those (a cheaper first selection on a flat profile).
     """
     return HotCodeDiscovery(samples, mem, jumps_from_hot_limit=jumps_from_hot_limit,
-                            branch_samples=branch_samples, patched=patched).run()
+                            branch_samples=branch_samples, patched=patched,
+                            seed_min=seed_min).run()
