@@ -194,7 +194,9 @@ def test_preload_and_thread_only_configs(tmp_path):
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     ctx = suite.Ctx(quick=True, cache=tmp_path / "cache", log=lambda m: None)
-    prog = [SH, "-c", "grep -h '^Threads:' /proc/$$/status; echo $LD_PRELOAD"]
+    # lives 0.3 s: the agent's HELLO (from its own thread) must reach the service
+    # before the program ends, or the service never knew it
+    prog = [SH, "-c", "grep -h '^Threads:' /proc/$$/status; sleep 0.3"]
     prep = suite.Prepared(prog)
     control = compare.ThreadOnly()
     assert control.check(ctx, env, tmp_path) is None

@@ -800,15 +800,18 @@ def test_select_regions_runs_discovery_first(monkeypatch):
 
     seen = {}
 
-    def fake(samples, mem, *, jumps_from_hot_limit, branch_samples=None, patched=None):
-        seen.update(samples=samples, mem=mem, jfh=jumps_from_hot_limit, bs=branch_samples)
+    def fake(samples, mem, *, jumps_from_hot_limit, branch_samples=None, patched=None,
+             seed_min=0.0):
+        seen.update(samples=samples, mem=mem, jfh=jumps_from_hot_limit, bs=branch_samples,
+                    seed_min=seed_min)
         return discovery_like()
 
     monkeypatch.setattr(discovery, "hot_code_discovery", fake)
     res = pipeline.select_regions({0x10: 5.0}, "MEM", RegionConfig(hot_threshold=10,
                                                                    jumps_from_hot_limit=3),
-                                  branch_samples={0x1A: {0x10: 9}})
-    assert seen == {"samples": {0x10: 5.0}, "mem": "MEM", "jfh": 3, "bs": {0x1A: {0x10: 9}}}
+                                  branch_samples={0x1A: {0x10: 9}}, seed_min=2)
+    assert seen == {"samples": {0x10: 5.0}, "mem": "MEM", "jfh": 3, "bs": {0x1A: {0x10: 9}},
+                    "seed_min": 2}
     assert list(res.timings)[0] == "hot-code-discovery" and len(res.regions) == 1
 
 
