@@ -67,6 +67,9 @@ class Config:
         min=0.0, max=64.0))
     max_workers: int = field(default=0, metadata=_doc(
         "worker processes (0 = from CPU count and load)", min=0, max=256))
+    worker_nice: int = field(default=19, metadata=_doc(
+        "niceness of the worker processes (0-19): at 19 they take CPU time clients "
+        "leave idle, not the clients' own", min=0, max=19))
     allowed_uids: tuple[int, ...] | None = field(default=None, metadata=_doc(
         "uids whose agents may connect (unset: root and the service's uid); "
         "comma-separated in the environment and -o, empty means nobody"))
@@ -160,6 +163,7 @@ AGGRESSIVE: dict[str, Any] = {
     "min_loop_trip_count": 2,
     "min_region_size": 5,
     "jumps_from_hot_limit": 6,
+    "worker_nice": 0,
 }
 """The ``--aggressive`` preset: hot code is found (and later patched) within a second."""
 

@@ -127,6 +127,8 @@ def optimize_client(job: ClientJob) -> JobResult:
 
     t0 = time.monotonic()
     cfg = Config(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in job.config.items()})
+    if _IN_WORKER:
+        set_thread_nice(cfg.worker_nice)
     hotspots = find_hotspots(job.samples, job.maps, threshold=cfg.hot_threshold,
                              top=cfg.hotspots_kept)
     regions, status, srs = select_client_regions(job, cfg)
@@ -226,9 +228,30 @@ def auto_workers(cpu_count: int | None = None, load1: float | None = None) -> in
     return max(1, min(max(1, cpus - 1), idle))
 
 
+#: Set in pool worker processes: only they take ``worker_nice`` (a job run on a thread
+#: of the service while the pool is cold keeps the service's priority: a niced thread
+#: holding the GIL would hold up the control thread).
+_IN_WORKER = False
+
+
+def set_thread_nice(nice: int) -> bool:
+    """Give the calling thread niceness ``nice`` (Linux: niceness is per thread).
+    Raising it back needs CAP_SYS_NICE; without it the thread stays as it is.
+    Whether the thread now has that niceness."""
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+        return False
+    return True
+
+
 def _worker_init(service_pid: int) -> None:
     """Worker start-up: exit as soon as the service is gone, even after a SIGKILL
     (pool workers otherwise wait on their queue forever, holding the forkserver)."""
+    global _IN_WORKER
+    _IN_WORKER = True
 
     def watch() -> None:
         try:

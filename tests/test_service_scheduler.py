@@ -111,17 +111,22 @@ def test_jobs_run_inline_until_the_pool_is_ready():
     service meanwhile, and the pool is started even if nobody called warm()."""
     results: queue.Queue = queue.Queue()
     sched = Scheduler(lambda res, sid: results.put((sid, res)))
-    cfg = Config(hot_threshold=0.2).to_dict()
+    cfg = Config(hot_threshold=0.2, worker_nice=7).to_dict()
     job = ClientJob(7, os.getpid(), "/bin/prog", {0x401010: 50}, {0x401010: 50}, MAPS, cfg)
+    own_nice = os.getpriority(os.PRIO_PROCESS, 0)
     try:
         assert sched.schedule([job], max_workers=1) == [7]
         sid, res = results.get(timeout=60)
         assert sid == 7 and isinstance(res, JobResult)
         assert res.worker_pid == os.getpid() and sched.stats()["inline_jobs"] == 1
+        # the inline job left the service's own priority alone (worker_nice is for workers)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == own_nice
         assert sched.wait_ready(60)
         assert sched.schedule([job], max_workers=1) == [7]
         sid, res = results.get(timeout=60)
         assert res.worker_pid != os.getpid()
+        # the worker ran it at worker_nice (its main thread: the process's niceness)
+        assert os.getpriority(os.PRIO_PROCESS, res.worker_pid) == 7
     finally:
         sched.shutdown()
 
@@ -167,3 +172,22 @@ def test_quick_jobs_until_a_region_or_three_jobs():
     assert [quick_job(n, False) for n in range(QUICK_JOBS + 2)] == \
         [True] * QUICK_JOBS + [False, False]
     assert not any(quick_job(n, True) for n in range(QUICK_JOBS + 2))
+
+
+def test_set_thread_nice_is_per_thread():
+    """Niceness is a thread's own on Linux: a job thread's does not change the
+    others' (the service's control thread keeps its priority)."""
+    from dbr_service.scheduler import set_thread_nice
+
+    main = os.getpriority(os.PRIO_PROCESS, 0)
+    seen = {}
+
+    def job() -> None:
+        seen["ok"] = set_thread_nice(min(19, main + 3))
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    t = threading.Thread(target=job)
+    t.start()
+    t.join(10)
+    assert seen == {"ok": True, "nice": min(19, main + 3)}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == main
