@@ -702,3 +702,66 @@ def test_dispatch_with_far_exit_stubs(p: Program, monkeypatch) -> None:
         landings = _patched_run_matches(w, gen, w.state(rng), f"{name} run={i}")
         exits += any(x != SENTINEL for x in landings)
     assert exits > 0
+
+
+def _latch_entry_sr() -> tuple[SuperRegion, bytes, int, int]:
+    """A bottom-tested loop entered at its latch (the shape of a region whose patch
+    point is the loop's `cmp`): the body falls into the latch, the latch's jne goes
+    back to the body and its fall-through leaves.  (SR, code, body, latch)"""
+    src = """
+           jmp latch                         ; 0x400000 (not in the region)
+    body:  movzx ecx, byte ptr [rdi + rdx]
+           xor rax, rcx
+           imul rax, rax, 0x1b3
+           add rdx, 1
+    latch: cmp rdx, 0x40
+           jne body
+           ret
+    """
+    o = 0x40_0000
+    code = asm("\n".join(line.split(";")[0] for line in src.splitlines()), o)
+    bl = build_blocks(code, o)
+    body, latch = sorted(a for a in bl if a != o)[:2]
+    assert bl[latch].term is TermKind.JCC and bl[body].term is TermKind.FALLTHROUGH
+    sr = SuperRegion("latch-entry")
+    sr.add_block(bl[body])
+    sr.add_block(bl[latch])
+    sr.add_edge(START, latch, EdgeKind.ENTRY, 1)
+    sr.add_edge(latch, body, EdgeKind.FLOW, 63)
+    sr.add_edge(body, latch, EdgeKind.FALLTHROUGH, 64)
+    sr.add_edge(latch, END, EdgeKind.EXIT, 1, target=bl[latch].end)
+    sr.verify()
+    return sr, code, body, latch
+
+
+def test_loop_entered_at_its_exit_test_is_rotated() -> None:
+    """The latch is laid out after the body: the body falls into it and its jne jumps
+    back, one branch an iteration as in the original (was: jne inverted to je over the
+    body plus a jmp back).  The entry lands mid-code; a unicorn run from the entry
+    gives the original's state."""
+    sr, code, body, latch = _latch_entry_sr()
+    assert compute_layout(sr).order == [body, latch]
+    base = 0x1000_0000
+    gen = emit_region(sr, base)
+    insns = linear(gen.code[:gen.data_start], gen.base)
+    branches = [i for i in insns if i.mnemonic.startswith("j")]
+    assert [i.mnemonic for i in branches] == ["jne", "jmp"], [str(i) for i in insns]
+    assert int(branches[0].op_str, 16) == gen.block_addr[body]     # back to the body
+    assert int(branches[1].op_str, 16) == sr.block(latch).end      # the exit
+    assert gen.entries == {latch: gen.block_addr[latch]} and gen.block_addr[latch] > base
+    exit_at = sr.block(latch).end
+    rng = random.Random(7)
+    for _ in range(5):
+        runs = []
+        st = random_state(rng, 0x50_0800, {0x50_0000: 0x40},
+                          {"rdi": 0x50_0000, "rdx": rng.randrange(0, 0x40)})
+        for start, inside in ((latch, lambda a: body <= a < exit_at),
+                              (gen.entries[latch], lambda a: base <= a < base + gen.size)):
+            m = Machine([(0x40_0000, len(code)), (base, gen.size), (0x50_0000, 0x1000)])
+            m.write(0x40_0000, code)
+            m.write(base, gen.code)
+            m.set_state(st)
+            runs.append((m.run(start, inside), m.snapshot([])))
+        (end_a, sa), (end_b, sb) = runs
+        assert end_a == end_b == exit_at
+        assert sa.regs == sb.regs and sa.rflags == sb.rflags

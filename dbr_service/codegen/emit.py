@@ -357,6 +357,10 @@ class _BlockEmitter:
         vt, vf = flow.get(t), flow.get(ft)
         if nxt is not None and vt == nxt and vf != nxt:
             cc, t, ft = cc ^ 1, ft, t                       # invert: fall into the taken side
+        elif vt is None and vf is not None and vf != nxt:
+            # neither side next: the jcc goes to the side in the buffer (a loop's back
+            # edge, rotated to the end by the layout), the jmp after it to the exit
+            cc, t, ft = cc ^ 1, ft, t
         v = flow.get(t)
         dst = self.exit_to(t) if v is None else self.addr_of(v)
         code = self._encode(lambda: jcc_rel32(cc, self._at, dst))

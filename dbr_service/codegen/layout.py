@@ -4,7 +4,8 @@ Hot edges that the emitter can turn into a fall-through (plain fall-through, dir
 either side of a jcc, call pseudo-instruction into its inlined callee, inlined return into
 its continuation) glue blocks into chains, hottest edge first, loop back edges last (so a
 loop is laid out head first, its latch branches back to an aligned head and its exit falls
-through, the classic compiler shape).  The chain holding the
+through, the classic compiler shape); a loop whose head is its exit test is then rotated
+so that the head comes last (one branch an iteration, not two).  The chain holding the
 hottest entry comes first, then the other chains by heat, cold chains (no count) last.
 A loop head (target of a back edge of a depth-first search from START) is aligned when
 it pays: its back edges run at least ``ALIGN_RATIO`` times as often as its layout
@@ -81,6 +82,8 @@ def compute_layout(sr: SuperRegion) -> Layout:
         for k in b:
             chain_of[k] = a
     chains = list({id(c): c for c in chain_of.values()}.values())
+    for c in chains:
+        _rotate_loop(sr, c, back)
     heat = {k: sum(d.get("count", 0.0) for _, _, d in sr.g.in_edges(k, data=True))
             for k in nodes}
     entries = sorted(sr.entry_edges(), key=lambda e: (-e[1], _sort_key(e[0])))
@@ -93,6 +96,40 @@ def compute_layout(sr: SuperRegion) -> Layout:
     chains.sort(key=chain_key)
     order = [k for c in chains for k in c]
     return Layout(order, _aligned(sr, order))
+
+
+def _rotate_loop(sr: SuperRegion, c: list[NodeKey], back: set[tuple[NodeKey, NodeKey]]) -> None:
+    """Rotate a loop that ends its chain so that its exiting head comes last.
+
+    Chains glue back edges last, so a loop whose head ``H`` is also its exit test
+    (``H: cmp; jcc`` with the body on one side and the exit on the other, typical
+    where the region is entered at a bottom-tested loop's latch) comes out as
+    ``H, B1 .. T`` with ``T: jmp H``: two branches an iteration.  Moving ``H``
+    after ``T`` (``B1 .. T, H``: ``T`` falls into ``H``, whose jcc jumps back to
+    ``B1``, the emitter aiming a jcc with neither side next at the side that stays in
+    the buffer) leaves one, as the compiler had it.  Only for a latch that ends in an
+    unconditional jump or falls through.  Done when the back edge ``T -> H``
+    runs more often than the block before ``H`` falls into it (which now needs a
+    jump); entries into ``H`` still land on its own address."""
+    if len(c) < 2:
+        return
+    t = c[-1]
+    for i, h in enumerate(c[:-1]):
+        if (t, h) not in back or not can_fall_into(sr, t, h):
+            continue
+        if sr.block(h).term is not TermKind.JCC or \
+                sr.block(t).term not in (TermKind.FALLTHROUGH, TermKind.JMP):
+            return   # a conditional latch is an exit test too: two branches either way
+        rest = c[i + 1:]
+        others = [v for v in sr.g.successors(h) if v != rest[0]]
+        if len(others) != 1 or others[0] in rest:
+            return                              # not an exit test: nothing to gain
+        gain = sr.g.edges[t, h].get("count", 0.0)
+        loss = sr.g.edges[c[i - 1], h].get("count", 0.0) \
+            if i > 0 and sr.g.has_edge(c[i - 1], h) else 0.0
+        if gain > loss:
+            c[i:] = rest + [h]
+        return
 
 
 def back_edges(sr: SuperRegion) -> set[tuple[NodeKey, NodeKey]]:
