@@ -527,6 +527,35 @@ def test_seed_min_seeds_only_hotter_ips_but_keeps_their_neighbours_samples(build
     assert any(a in covered for a in lone), "singletons inside reached code still count"
 
 
+def test_max_blocks_stops_following_jumps_but_keeps_every_seed(builds):
+    """A block budget: once discovery has made max_blocks blocks it follows no more
+    jumps (the rest leaves the region, as beyond the jumps-from-hot limit); every
+    seed is still disassembled and the pipeline makes consistent regions of it."""
+    b = builds["switch-O2"]
+    t = _truth(b)
+    mem = ElfMemoryView(str(b.stripped))
+    _profile(b, t, mem)
+    full = hot_code_discovery(t.samples, mem, jumps_from_hot_limit=4)
+    small = hot_code_discovery(t.samples, mem, jumps_from_hot_limit=4, max_blocks=3)
+    assert len(small) < len(full)
+    from dbr_service.region.pipeline import RegionConfig, run_pipeline
+
+    res = run_pipeline(small, mem, RegionConfig(hot_threshold=1.0))
+    assert not res.failures, res.failures
+    for sr in res.regions:      # the pipeline makes whole regions of a truncated discovery
+        sr.verify()
+    covered = set()
+    for _, bb in small.blocks():
+        covered.update(range(bb.start, bb.start + bb.size))
+    assert all(a in covered for a, n in t.samples.items() if n > 0)
+    assert all(any(f.start <= bb.start < f.end for _, f in full.blocks())
+               for _, bb in small.blocks())
+    # a budget above what discovery needs changes nothing
+    same = hot_code_discovery(t.samples, mem, jumps_from_hot_limit=4, max_blocks=10**6)
+    assert sorted(bb.start for _, bb in same.blocks()) == \
+        sorted(bb.start for _, bb in full.blocks())
+
+
 # ---------------------------------------------------------------------------
 # Hand-written assembly: overlap, data after noreturn, tiny blocks, partial blocks
 # ---------------------------------------------------------------------------

@@ -801,7 +801,7 @@ def test_select_regions_runs_discovery_first(monkeypatch):
     seen = {}
 
     def fake(samples, mem, *, jumps_from_hot_limit, branch_samples=None, patched=None,
-             seed_min=0.0):
+             seed_min=0.0, max_blocks=None):
         seen.update(samples=samples, mem=mem, jfh=jumps_from_hot_limit, bs=branch_samples,
                     seed_min=seed_min)
         return discovery_like()

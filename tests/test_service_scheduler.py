@@ -140,14 +140,15 @@ def test_first_job_takes_the_short_reach(monkeypatch):
     import dataclasses
 
     import dbr_service.region.pipeline as pl
-    from dbr_service.scheduler import FIRST_JOB_REACH, FIRST_JOB_SEED_MIN, select_client_regions
+    from dbr_service.scheduler import (FIRST_JOB_REACH, FIRST_JOB_SEED_MIN, QUICK_MAX_BLOCKS,
+                                       select_client_regions)
 
     seen = []
     seeds = []
 
     def fake_select(samples, mem, rcfg, **kw):
         seen.append(rcfg.jumps_from_hot_limit)
-        seeds.append(kw.get("seed_min", 0))
+        seeds.append((kw.get("seed_min", 0), kw.get("max_blocks")))
         return pl.PipelineResult()
 
     monkeypatch.setattr(pl, "select_regions", fake_select)
@@ -159,7 +160,8 @@ def test_first_job_takes_the_short_reach(monkeypatch):
         assert regions == [] and status.startswith("0 region"), status
         assert seen[-1] == want, (first, reach, seen)
         # ... and seeds discovery only from IPs with FIRST_JOB_SEED_MIN samples
-        assert seeds[-1] == (FIRST_JOB_SEED_MIN if first else 0)
+        # with a block budget
+        assert seeds[-1] == ((FIRST_JOB_SEED_MIN, QUICK_MAX_BLOCKS) if first else (0, None))
     assert FIRST_JOB_SEED_MIN > 1
 
 

@@ -487,9 +487,11 @@ class HotCodeDiscovery:
                  jumps_from_hot_limit: int = 2,
                  branch_samples: Mapping[int, Mapping[int, float]] | None = None,
                  patched: Callable[[int], bool] | None = None,
-                 seed_min: float = 0.0) -> None:
+                 seed_min: float = 0.0, max_blocks: int | None = None) -> None:
         self.samples = samples
         self.seed_min = seed_min
+        self.max_blocks = max_blocks
+        self.made = 0                      # blocks made by new_bb (for max_blocks)
         self.mem = mem
         self.limit = jumps_from_hot_limit
         self.branch_samples = branch_samples or {}
@@ -501,10 +503,8 @@ class HotCodeDiscovery:
 
     # ---- driver ----------------------------------------------------------
     def run(self) -> SuperRegion:
-        for addr in sorted(self.samples):
-            n = self.samples[addr]
-            if n > 0 and n >= self.seed_min:
-                self.ensure_bb(addr, starts=False, jfh=0)
+        for addr in self.seeds():
+            self.ensure_bb(addr, starts=False, jfh=0)
         while True:
             self.stats.rounds += 1
             self.process_work_list()
@@ -513,6 +513,10 @@ class HotCodeDiscovery:
         self.place_samples()
         self.mark_unpatchable()
         return self.build()
+
+    def seeds(self) -> list[int]:
+        """The sampled IPs discovery starts from, in address order."""
+        return sorted(a for a, n in self.samples.items() if n > 0 and n >= self.seed_min)
 
     # ---- work list and jumps-from-hot --------------------------------------
     def set_jumps_from_hot(self, b: Block, jfh: int) -> None:
@@ -536,6 +540,8 @@ class HotCodeDiscovery:
     def follow(self, cfe: Cfe) -> None:
         if cfe.kind == CfeKind.UNKNOWN or not cfe.followable:
             return
+        if self.max_blocks is not None and self.made >= self.max_blocks:
+            return                            # the budget is spent: as beyond the limit
         jfh = cfe.src.jfh + cfe.jfh_step
         if jfh >= self.limit:
             return
@@ -645,6 +651,7 @@ class HotCodeDiscovery:
         if e is None:
             e = self.map.new_entry(start, pos)
         b = Block(res.insns, res.term)
+        self.made += 1
         self._fill_transfer(b, res)
         self._attach(e, b)
         return b
@@ -1022,7 +1029,7 @@ def hot_code_discovery(samples: Mapping[int, float], mem: MemoryView, *,
                        jumps_from_hot_limit: int = 2,
                        branch_samples: Mapping[int, Mapping[int, float]] | None = None,
                        patched: Callable[[int], bool] | None = None,
-                       seed_min: float = 0.0) -> SuperRegion:
+                       seed_min: float = 0.0, max_blocks: int | None = None) -> SuperRegion:
     """HOT-CODE-DISCOVERY (seed 001, fig. 10): the first super-region from sample IPs.
 
     ``samples`` maps instruction addresses to sample counts; ``branch_samples``
@@ -1031,8 +1038,11 @@ def hot_code_discovery(samples: Mapping[int, float], mem: MemoryView, *,
     ``patched(addr)`` tells whether a byte belongs to an installed patch (the
     view's own excluded ranges are honoured as well).  With ``seed_min``, only IPs
     with at least that many samples start blocks; the others still count in the
-    blocks discovery reaches from those (a cheaper first selection on a flat profile).
+    blocks discovery reaches from those (a cheaper first selection on a flat
+    profile).  With
+    ``max_blocks``, no jump is followed once discovery has made that many blocks
+    (what is left unexplored leaves the region, as beyond the jumps-from-hot limit).
     """
     return HotCodeDiscovery(samples, mem, jumps_from_hot_limit=jumps_from_hot_limit,
                             branch_samples=branch_samples, patched=patched,
-                            seed_min=seed_min).run()
+                            seed_min=seed_min, max_blocks=max_blocks).run()

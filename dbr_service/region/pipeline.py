@@ -248,14 +248,15 @@ def run_pipeline(first_sr: SuperRegion, mem: Any, config: RegionConfig) -> Pipel
 
 
 def select_regions(samples: Any, mem: Any, config: RegionConfig, *, branch_samples: Any = None,
-                   patched: Any = None, seed_min: float = 0.0) -> PipelineResult:
+                   patched: Any = None, seed_min: float = 0.0,
+                   max_blocks: int | None = None) -> PipelineResult:
     """Hot-code discovery from aggregated samples, then :func:`run_pipeline`."""
     from dbr_service.region.discovery import hot_code_discovery  # written alongside
 
     t0 = time.perf_counter()
     first = hot_code_discovery(samples, mem, jumps_from_hot_limit=config.jumps_from_hot_limit,
                                branch_samples=branch_samples, patched=patched,
-                               seed_min=seed_min)
+                               seed_min=seed_min, max_blocks=max_blocks)
     took = time.perf_counter() - t0
     res = run_pipeline(first, mem, config)
     res.timings = {"hot-code-discovery": took, **res.timings}
