@@ -70,6 +70,7 @@ class Run:
     stderr_tail: str = ""
     extra: dict = field(default_factory=dict)
     pid: int = 0
+    hung: list = field(default_factory=list)  # on a timeout: what each thread was doing
 
 
 def digest_outputs(run_dir: Path, outputs: list[str]) -> str:
@@ -115,6 +116,7 @@ def run_once(argv: list[str], env: dict[str, str], run_dir: Path, outputs: list[
             th.join(10)
             raise
         timed_out = th.is_alive()
+        hung = session_threads(p.pid) if timed_out else []
         if timed_out:
             try:
                 os.killpg(p.pid, signal.SIGKILL)  # the session we created for it
@@ -128,7 +130,38 @@ def run_once(argv: list[str], env: dict[str, str], run_dir: Path, outputs: list[
     tail = (run_dir.parent / "stderr").read_bytes()[-2000:].decode(errors="replace")
     return Run(wall=res["t"] - t0, exit_code=p.returncode,
                digest=digest_outputs(run_dir, outputs), cpu_s=ru.ru_utime + ru.ru_stime,
-               maxrss_kb=ru.ru_maxrss, timed_out=timed_out, stderr_tail=tail, pid=p.pid)
+               maxrss_kb=ru.ru_maxrss, timed_out=timed_out, stderr_tail=tail, pid=p.pid,
+               hung=hung)
+
+
+def session_threads(sid: int) -> list[dict]:
+    """Every thread of the processes in session ``sid``, as /proc shows it: name,
+    state, kernel wait channel and /proc/TID/syscall (the syscall it waits in, or
+    "running", with its user stack pointer and pc) -- what a timed-out run was doing,
+    recorded before it is killed."""
+    out: list[dict] = []
+    for pid in sorted(int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                st = f.read()
+            if int(st.rsplit(")", 1)[1].split()[3]) != sid:   # field 6: session
+                continue
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(
+                errors="replace").strip()[:200]
+            for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
+                base = f"/proc/{pid}/task/{tid}"
+                tst = open(f"{base}/stat").read()
+                rest = tst.rsplit(")", 1)[1].split()
+                item = {"pid": pid, "tid": tid, "cmd": cmd,
+                        "comm": tst[tst.index("(") + 1:tst.rindex(")")], "state": rest[0],
+                        "utime_ticks": int(rest[11]), "stime_ticks": int(rest[12])}
+                for name in ("wchan", "syscall"):
+                    with contextlib.suppress(OSError):
+                        item[name] = open(f"{base}/{name}").read().strip()
+                out.append(item)
+        except (OSError, ValueError, IndexError):
+            continue                       # gone meanwhile
+    return out
 
 
 def describe_exit(code: int) -> str:
@@ -621,6 +654,7 @@ class Cell:
         self.runs: list[Run] = []
         self.status = "ok"
         self.message = ""
+        self.hung: list[dict] = []   # a timed-out run's threads (session_threads)
 
     @property
     def live(self) -> bool:
@@ -630,6 +664,10 @@ class Cell:
 def _check_run(cell: Cell, r: Run, ref_code: int, ref_digest: str, wname: str) -> None:
     if r.timed_out:
         cell.status, cell.message = "timeout", f"killed after {r.wall:.1f} s"
+        cell.hung = r.hung
+        for t in r.hung:   # on stderr too: a hang is a bug to chase, not just a status
+            warn(f"   hung: pid {t['pid']} tid {t['tid']} {t['comm']} {t['state']} "
+                 f"wchan={t.get('wchan', '?')} syscall={t.get('syscall', '?')}")
     elif r.exit_code != ref_code:
         cell.status = "crashed"
         cell.message = (f"{describe_exit(r.exit_code)} (native: {describe_exit(ref_code)}): "
@@ -685,6 +723,8 @@ def cell_json(cell: Cell, native: Cell | None, rounds: list[list[tuple[str, floa
     out: dict[str, Any] = {"status": cell.status, "what": cell.cfg.what}
     if cell.message:
         out["message"] = cell.message
+    if cell.hung:
+        out["hung_threads"] = cell.hung
     if not cell.runs:
         return out
     walls = [r.wall for r in cell.runs]

@@ -227,3 +227,20 @@ def test_preload_and_thread_only_configs(tmp_path):
     finally:
         preload.host.stop()
     assert preload.host.proc.poll() is not None
+
+
+def test_a_timed_out_run_records_what_its_threads_were_doing(tmp_path):
+    """Before a run over its time is killed, every thread of its session is recorded
+    (state, wait channel, syscall): the evidence for chasing a hang later."""
+    r = compare.run_once([SH, "-c", "sleep 30 & wait"], {"PATH": "/usr/bin:/bin"},
+                         tmp_path / "run", [], timeout=0.5)
+    assert r.timed_out and r.wall < 20
+    comms = {t["comm"] for t in r.hung}
+    assert {"sh", "sleep"} <= comms, r.hung
+    sleeper = next(t for t in r.hung if t["comm"] == "sleep")
+    assert sleeper["state"] == "S" and sleeper["pid"] != r.pid
+    assert "syscall" in sleeper and sleeper["syscall"] != "running"
+    cell = compare.Cell(compare.Native())
+    compare._check_run(cell, r, 0, "", "test")
+    assert cell.status == "timeout" and cell.hung == r.hung
+    assert compare.cell_json(cell, None, [])["hung_threads"] == r.hung
