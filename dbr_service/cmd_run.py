@@ -180,10 +180,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"dbr run: using the host service on {runtime_dir}; --aggressive/-o apply only "
               f"to an embedded service (add --embedded)", file=sys.stderr)
     try:
-        return _run_prog(args, prog, agent, runtime_dir, embedded)
+        code = _run_prog(args, prog, agent, runtime_dir, embedded)
     finally:
         if embedded is not None:
             embedded.stop()
+    if embedded is not None:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """Leave without the interpreter's exit-time joins.  The embedded service's worker
+    pool is already shut down (without waiting, its workers terminated), but
+    concurrent.futures and multiprocessing still join its manager thread and child
+    processes at exit, and that join can hang after shutdown(wait=False) (CPython
+    #83386).  PROG's exit status and the report are already out; workers and the
+    forkserver leave on their own when this process is gone (pidfd watch)."""
+    import logging
+
+    logging.shutdown()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _config_sources(args: argparse.Namespace) -> ConfigSources | None:
