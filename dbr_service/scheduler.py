@@ -85,10 +85,10 @@ class ClientJob:
     branches: dict[int, dict[int, int]] = field(default_factory=dict)
     #: Byte ranges of installed patches: discovery stops at them (seed 001).
     patched: list[tuple[int, int]] = field(default_factory=list)
-    #: The client has no region yet and has had fewer than QUICK_JOBS jobs: selection
-    #: takes the short reach (FIRST_JOB_REACH) and seeds only from IPs with
-    #: FIRST_JOB_SEED_MIN samples, so that the first region comes early.
-    first_job: bool = False
+    #: A quick job (:func:`quick_job`): selection takes QUICK_REACH, seeds only from
+    #: IPs with QUICK_SEED_MIN samples and makes at most QUICK_MAX_BLOCKS blocks, so
+    #: that the client's first region comes early.
+    quick: bool = False
     submitted: float = field(default_factory=time.time)
 
     def memory_view(self):
@@ -136,15 +136,15 @@ def optimize_client(job: ClientJob) -> JobResult:
                      time.monotonic() - t0, os.getpid(), srs=srs)
 
 
-#: Discovery reach (conditional jumps from sampled code) of a client's first job, at most.
+#: Discovery reach (conditional jumps from sampled code) of a quick job, at most.
 #: Measured on 0.3 s live profiles (selection with --aggressive, reach 6 -> 3): perl
 #: 2.0 -> 0.6 s, sqlite3 2.0 -> 0.86 s, python3 0.7 -> 0.34 s, the compressors 0.19-0.26
 #: -> 0.03-0.10 s; samples inside the selected regions 267 -> 184 of 592 (perl),
 #: 157 -> 145 of 570 (sqlite3), within 3 % on the compressors, equal on the C
 #: workloads.  Later jobs use the configured reach and may add regions.
-FIRST_JOB_REACH = 3
+QUICK_REACH = 3
 
-#: Fewest samples an IP needs to seed discovery in a client's first job (later jobs: 1).
+#: Fewest samples an IP needs to seed discovery in a quick job (other jobs: 1).
 #: On a flat profile most sampled IPs hold one sample, and each seeds its own search:
 #: on the first 0.1 s window (--aggressive, reach 3) selection went from 0.71 s to
 #: 0.036 s on sqlite3, 0.24 -> 0.036 s perl, 0.21 -> 0.053 s python3, 0.115 -> 0.019 s
@@ -152,7 +152,7 @@ FIRST_JOB_REACH = 3
 #: selected regions 75 -> 60 of 191 (sqlite3), 20 -> 14 of 193 (python3), 99 -> 81 of
 #: 196 (bzip2), 149 -> 132 of 183 (gzip), equal on perl and interp.  Singletons inside
 #: the blocks reached from the seeds still count; later jobs seed from every IP.
-FIRST_JOB_SEED_MIN = 2
+QUICK_SEED_MIN = 2
 
 #: Blocks a quick job's discovery may make before it stops following jumps.  Even from
 #: 2-sample seeds, a window of sqlite3 that reaches its VDBE interpreter's big switch
@@ -160,14 +160,14 @@ FIRST_JOB_SEED_MIN = 2
 #: 0.7 s run) against 0.03-0.06 s and a few hundred blocks on its other windows.
 QUICK_MAX_BLOCKS = 300
 
-#: Jobs of a client that stay quick (FIRST_JOB_REACH, FIRST_JOB_SEED_MIN) while it has no
-#: region: a first window too flat for the 2-sample seeds (python3: 0 regions from 11
-#: seeds in some runs) gets another quick try with the samples accumulated since.
+#: Jobs of a client that stay quick (QUICK_REACH, QUICK_SEED_MIN, QUICK_MAX_BLOCKS)
+#: while it has no region: a first window too flat for the 2-sample seeds (python3: 0
+#: regions from 11 seeds in some runs) gets another quick try with the samples since.
 QUICK_JOBS = 3
 
 
 def quick_job(jobs_done: int, has_regions: bool) -> bool:
-    """Whether a client's next job is a quick one (ClientJob.first_job)."""
+    """Whether a client's next job is a quick one (ClientJob.quick)."""
     return jobs_done < QUICK_JOBS and not has_regions
 
 
@@ -197,13 +197,13 @@ def select_client_regions(job: ClientJob, cfg: Any
     try:
         pipeline = importlib.import_module("dbr_service.region.pipeline")
         rcfg = region_config(cfg, sum(job.cumulative.values()))
-        if job.first_job and rcfg.jumps_from_hot_limit > FIRST_JOB_REACH:
-            rcfg = dataclasses.replace(rcfg, jumps_from_hot_limit=FIRST_JOB_REACH)
+        if job.quick:
+            rcfg = dataclasses.replace(
+                rcfg, jumps_from_hot_limit=min(rcfg.jumps_from_hot_limit, QUICK_REACH),
+                seed_min_samples=QUICK_SEED_MIN, max_discovery_blocks=QUICK_MAX_BLOCKS)
         res = pipeline.select_regions(job.cumulative, job.memory_view(), rcfg,
                                       branch_samples=job.branches or None,
-                                      patched=is_patched if patched else None,
-                                      seed_min=FIRST_JOB_SEED_MIN if job.first_job else 0,
-                                      max_blocks=QUICK_MAX_BLOCKS if job.first_job else None)
+                                      patched=is_patched if patched else None)
     except Exception as exc:  # per-client: recorded, the service goes on
         tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
         return None, f"region selection failed: {tb}", None

@@ -516,7 +516,7 @@ class Service:
                                       selection, list(s.maps), self.config.to_dict(),
                                       branches=window.branch_counts(s.pid),
                                       patched=s.patched_ranges(),
-                                      first_job=quick_job(s.jobs_done, bool(s.regions))))
+                                      quick=quick_job(s.jobs_done, bool(s.regions))))
         if jobs and not self.paused:
             queued = set(self.scheduler.schedule(jobs, self.config.max_workers))
             for s in done:

@@ -803,15 +803,16 @@ def test_select_regions_runs_discovery_first(monkeypatch):
     def fake(samples, mem, *, jumps_from_hot_limit, branch_samples=None, patched=None,
              seed_min=0.0, max_blocks=None):
         seen.update(samples=samples, mem=mem, jfh=jumps_from_hot_limit, bs=branch_samples,
-                    seed_min=seed_min)
+                    seed_min=seed_min, max_blocks=max_blocks)
         return discovery_like()
 
     monkeypatch.setattr(discovery, "hot_code_discovery", fake)
-    res = pipeline.select_regions({0x10: 5.0}, "MEM", RegionConfig(hot_threshold=10,
-                                                                   jumps_from_hot_limit=3),
-                                  branch_samples={0x1A: {0x10: 9}}, seed_min=2)
+    res = pipeline.select_regions({0x10: 5.0}, "MEM",
+                                  RegionConfig(hot_threshold=10, jumps_from_hot_limit=3,
+                                               seed_min_samples=2, max_discovery_blocks=40),
+                                  branch_samples={0x1A: {0x10: 9}})
     assert seen == {"samples": {0x10: 5.0}, "mem": "MEM", "jfh": 3, "bs": {0x1A: {0x10: 9}},
-                    "seed_min": 2}
+                    "seed_min": 2, "max_blocks": 40}
     assert list(res.timings)[0] == "hot-code-discovery" and len(res.regions) == 1
 
 

@@ -132,15 +132,15 @@ def test_jobs_run_inline_until_the_pool_is_ready():
 
 
 
-def test_first_job_takes_the_short_reach(monkeypatch):
-    """A client's first selection explores at most FIRST_JOB_REACH conditional jumps
-    from sampled code (its first region comes sooner); later ones the configured
-    reach; a smaller configured reach is never raised.  The first job also seeds
-    discovery only from IPs with FIRST_JOB_SEED_MIN samples."""
+def test_quick_job_takes_the_short_reach(monkeypatch):
+    """A quick selection explores at most QUICK_REACH conditional jumps from sampled
+    code (its first region comes sooner); others the configured reach; a smaller
+    configured reach is never raised.  A quick job also seeds discovery only from IPs
+    with QUICK_SEED_MIN samples and makes at most QUICK_MAX_BLOCKS blocks."""
     import dataclasses
 
     import dbr_service.region.pipeline as pl
-    from dbr_service.scheduler import (FIRST_JOB_REACH, FIRST_JOB_SEED_MIN, QUICK_MAX_BLOCKS,
+    from dbr_service.scheduler import (QUICK_MAX_BLOCKS, QUICK_REACH, QUICK_SEED_MIN,
                                        select_client_regions)
 
     seen = []
@@ -148,21 +148,20 @@ def test_first_job_takes_the_short_reach(monkeypatch):
 
     def fake_select(samples, mem, rcfg, **kw):
         seen.append(rcfg.jumps_from_hot_limit)
-        seeds.append((kw.get("seed_min", 0), kw.get("max_blocks")))
+        seeds.append((rcfg.seed_min_samples, rcfg.max_discovery_blocks))
         return pl.PipelineResult()
 
     monkeypatch.setattr(pl, "select_regions", fake_select)
     job = ClientJob(1, os.getpid(), "/bin/prog", {0x401010: 5}, {0x401010: 5}, MAPS,
-                    Config().to_dict(), first_job=True)
-    for first, reach, want in ((True, 6, FIRST_JOB_REACH), (False, 6, 6), (True, 2, 2)):
-        regions, status, _ = select_client_regions(dataclasses.replace(job, first_job=first),
+                    Config().to_dict(), quick=True)
+    for quick, reach, want in ((True, 6, QUICK_REACH), (False, 6, 6), (True, 2, 2)):
+        regions, status, _ = select_client_regions(dataclasses.replace(job, quick=quick),
                                                    Config(jumps_from_hot_limit=reach))
         assert regions == [] and status.startswith("0 region"), status
-        assert seen[-1] == want, (first, reach, seen)
-        # ... and seeds discovery only from IPs with FIRST_JOB_SEED_MIN samples
-        # with a block budget
-        assert seeds[-1] == ((FIRST_JOB_SEED_MIN, QUICK_MAX_BLOCKS) if first else (0, None))
-    assert FIRST_JOB_SEED_MIN > 1
+        assert seen[-1] == want, (quick, reach, seen)
+        # ... seeds discovery only from IPs with QUICK_SEED_MIN samples, with a block budget
+        assert seeds[-1] == ((QUICK_SEED_MIN, QUICK_MAX_BLOCKS) if quick else (0, None))
+    assert QUICK_SEED_MIN > 1
 
 
 def test_quick_jobs_until_a_region_or_three_jobs():

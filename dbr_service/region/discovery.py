@@ -1039,9 +1039,9 @@ def hot_code_discovery(samples: Mapping[int, float], mem: MemoryView, *,
     view's own excluded ranges are honoured as well).  With ``seed_min``, only IPs
     with at least that many samples start blocks; the others still count in the
     blocks discovery reaches from those (a cheaper first selection on a flat
-    profile).  With
-    ``max_blocks``, no jump is followed once discovery has made that many blocks
-    (what is left unexplored leaves the region, as beyond the jumps-from-hot limit).
+    profile).  With ``max_blocks``, no jump is followed once discovery has made
+    that many blocks (what is left unexplored leaves the region, as beyond the
+    jumps-from-hot limit).
     """
     return HotCodeDiscovery(samples, mem, jumps_from_hot_limit=jumps_from_hot_limit,
                             branch_samples=branch_samples, patched=patched,

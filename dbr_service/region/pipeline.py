@@ -34,6 +34,11 @@ class RegionConfig:
 
     #: Discovery: conditional jumps followed away from sampled code.
     jumps_from_hot_limit: int = 2
+    #: Discovery: fewest samples an IP needs to start a search of its own (IPs with
+    #: fewer still count inside the blocks reached from others).
+    seed_min_samples: float = 0.0
+    #: Discovery: no jump is followed once this many blocks are made (None: no bound).
+    max_discovery_blocks: int | None = None
     #: A block/call is hot when its (estimated) execution count reaches this.
     hot_threshold: float = 1.0
     #: A region needs a loop with at least this many iterations per entry.
@@ -248,15 +253,15 @@ def run_pipeline(first_sr: SuperRegion, mem: Any, config: RegionConfig) -> Pipel
 
 
 def select_regions(samples: Any, mem: Any, config: RegionConfig, *, branch_samples: Any = None,
-                   patched: Any = None, seed_min: float = 0.0,
-                   max_blocks: int | None = None) -> PipelineResult:
+                   patched: Any = None) -> PipelineResult:
     """Hot-code discovery from aggregated samples, then :func:`run_pipeline`."""
     from dbr_service.region.discovery import hot_code_discovery  # written alongside
 
     t0 = time.perf_counter()
     first = hot_code_discovery(samples, mem, jumps_from_hot_limit=config.jumps_from_hot_limit,
                                branch_samples=branch_samples, patched=patched,
-                               seed_min=seed_min, max_blocks=max_blocks)
+                               seed_min=config.seed_min_samples,
+                               max_blocks=config.max_discovery_blocks)
     took = time.perf_counter() - t0
     res = run_pipeline(first, mem, config)
     res.timings = {"hot-code-discovery": took, **res.timings}
