@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 import dbr_service
-from dbr_service.ctlclient import MAX_REQUEST, Code, ControlClient, Fault  # noqa: F401  (re-exported)
+from dbr_service.ctlclient import MAX_REQUEST, Code, Fault
 from dbr_service.errors import AgentError, ConfigError, ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -1,7 +1,7 @@
 """Client side of the control socket: what `dbr run` and `dbr ctl` need and nothing
 more (zmq and json), so that `dbr run` does not import the service's control server,
 logging and dataclasses (10 ms) to collect its report after PROG exits.
-The server and the verbs are in :mod:`dbr_service.control`, which re-exports these."""
+The server and the verbs are in :mod:`dbr_service.control`."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from harness import compile_c
 
 from dbr_service import protocol as P
-from dbr_service.control import ControlClient, Fault
+from dbr_service.ctlclient import ControlClient, Fault
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

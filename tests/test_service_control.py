@@ -11,7 +11,7 @@ import pytest
 from service_helpers import FakeAgent, ServiceProc
 
 from dbr_service import protocol as P
-from dbr_service.control import Code
+from dbr_service.ctlclient import Code
 
 
 @pytest.fixture(scope="module")
