@@ -534,9 +534,9 @@ class DbrPreload(Config):
         return why
 
     def environ(self, env):
-        old = env.get("LD_PRELOAD", "")
-        return dict(env, DBR_RUNTIME_DIR=self.host.rt or "",
-                    LD_PRELOAD=self.agent + (":" + old if old else ""))
+        from dbr_service.cmd_run import child_env
+
+        return child_env(self.agent, Path(self.host.rt or ""), env)
 
     def collect(self, work, run=None):
         if run is None or not run.pid or not self.host.rt:
@@ -557,6 +557,8 @@ class DbrPreload(Config):
             # the service's CPU since the previous run's report: this run's share (the
             # service serves nobody else)
             out["service_cpu_s"] = cpu - before
+            out["service_cpu_source"] = ("host service CPU from one run's report to the "
+                                         "next (psutil)")
         return {"report": out}
 
 
@@ -602,8 +604,9 @@ class ThreadOnly(Config):
         return None
 
     def environ(self, env):
-        old = env.get("LD_PRELOAD", "")
-        return dict(env, LD_PRELOAD=self.lib + (":" + old if old else ""))
+        from dbr_service.cmd_run import preload_env
+
+        return preload_env(env, self.lib)
 
 
 def default_configs() -> list[Config]:
@@ -778,10 +781,9 @@ def dbr_metrics(reports: list[dict], errors: list[str], cell: dict) -> dict:
         m[k] = _med([r.get(k) for r in reports])
     svc_cpu = _med([r.get("service_cpu_s") for r in reports])
     if svc_cpu is not None:
-        preload = cell.get("what", "").startswith("PROG with LD_PRELOAD")
         m["service_cpu_s"] = svc_cpu
-        m["service_cpu_source"] = ("host service CPU from one run's report to the next "
-                                   "(psutil)" if preload else "dbr run report")
+        m["service_cpu_source"] = next((r["service_cpu_source"] for r in reports
+                                        if r.get("service_cpu_source")), "dbr run report")
     elif "extra_cpu_s" in cell:
         m["service_cpu_s"] = cell["extra_cpu_s"]
         m["service_cpu_source"] = ("rusage: CPU of the `dbr run` process tree (embedded "

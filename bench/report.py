@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-CONFIG_ORDER = ["dbr", "dbr-host", "dbr-preload", "thread-only", "dbr-aggressive", "dbr-sampling", "perf", "valgrind", "pgo"]
+CONFIG_ORDER = ["dbr", "dbr-host", "dbr-preload", "thread-only", "dbr-aggressive", "dbr-sampling",
+                "perf", "valgrind", "pgo"]
 
 
 def _f(x: Any, fmt: str = "{:.3f}", none: str = "–") -> str:

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,11 +121,19 @@ def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def child_env(agent: str, runtime_dir: Path) -> dict[str, str]:
-    """The environment of PROG: agent preloaded (before anything already there)."""
-    env = dict(os.environ)
+def preload_env(base: Mapping[str, str], lib: str) -> dict[str, str]:
+    """A copy of ``base`` with ``lib`` preloaded before anything already there."""
+    env = dict(base)
     old = env.get("LD_PRELOAD", "")
-    env["LD_PRELOAD"] = agent + (":" + old if old else "")
+    env["LD_PRELOAD"] = lib + (":" + old if old else "")
+    return env
+
+
+def child_env(agent: str, runtime_dir: Path,
+              base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of PROG (``base``: os.environ): agent preloaded, the service's
+    sockets in DBR_RUNTIME_DIR."""
+    env = preload_env(os.environ if base is None else base, agent)
     env["DBR_RUNTIME_DIR"] = str(runtime_dir)
     return env
 

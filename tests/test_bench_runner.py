@@ -221,6 +221,7 @@ def test_preload_and_thread_only_configs(tmp_path):
         assert rep["clients"] >= 1 and rep["exit_code"] == 0
         assert rep["prog_wall_s"] == pytest.approx(r.wall, abs=1e-3)  # the report keeps ms
         assert isinstance(rep.get("service_cpu_s"), float) and rep["service_cpu_s"] >= 0
+        assert rep["service_cpu_source"].startswith("host service CPU")
         # a pid the service never saw: an error entry, not a crash
         r.pid = 1
         assert "report_error" in preload.collect(tmp_path, r)
