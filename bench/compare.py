@@ -142,22 +142,21 @@ def session_threads(sid: int) -> list[dict]:
     out: list[dict] = []
     for pid in sorted(int(d) for d in os.listdir("/proc") if d.isdigit()):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                st = f.read()
+            st = Path(f"/proc/{pid}/stat").read_text()
             if int(st.rsplit(")", 1)[1].split()[3]) != sid:   # field 6: session
                 continue
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
                 errors="replace").strip()[:200]
             for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
-                base = f"/proc/{pid}/task/{tid}"
-                tst = open(f"{base}/stat").read()
+                base = Path(f"/proc/{pid}/task/{tid}")
+                tst = (base / "stat").read_text()
                 rest = tst.rsplit(")", 1)[1].split()
                 item = {"pid": pid, "tid": tid, "cmd": cmd,
                         "comm": tst[tst.index("(") + 1:tst.rindex(")")], "state": rest[0],
                         "utime_ticks": int(rest[11]), "stime_ticks": int(rest[12])}
                 for name in ("wchan", "syscall"):
                     with contextlib.suppress(OSError):
-                        item[name] = open(f"{base}/{name}").read().strip()
+                        item[name] = (base / name).read_text().strip()
                 out.append(item)
         except (OSError, ValueError, IndexError):
             continue                       # gone meanwhile
