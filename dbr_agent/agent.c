@@ -623,24 +623,108 @@ static int send_hello(void)
     return dbr_send(&m, DBR_MSG_HELLO, sizeof m, -1, 0);
 }
 
-/* wait for readability of fd (or the wake pipe); 1 readable, 0 timeout/woken */
+/* ---- the process outliving its program threads ----
+ *
+ * glibc ends a process with exit(0) when its last thread ends, main thread
+ * included (pthread_exit from main), and it counts the agent's thread among
+ * them: without help, a program whose threads have all ended would live on as
+ * the agent's thread alone, deaf to SIGTERM (the agent blocks every
+ * asynchronous signal).  So the agent does what glibc would: once no program
+ * thread is left, it calls exit(0) itself.  Threads that end through
+ * pthread_exit or by returning poke it (the thread-exit key's destructor), and
+ * it then looks every LONELY_POLL_MS for LONELY_WATCH_MS; it also looks at
+ * every idle wake-up. */
+#define LONELY_POLL_MS   5
+#define LONELY_WATCH_MS  2000u
+
+static uint64_t g_watch_until;  /* agent thread only */
+static sigset_t g_prog_sigmask;  /* mask of the thread that started the agent's */
+
+/* 1 if every thread but the agent's has ended.  Only the thread-group leader
+ * can linger (a zombie, state Z) after it ended; other threads leave
+ * /proc/self/task when they end.  The agent's own tid must be listed, else
+ * /proc is not what it seems and the answer is no. */
+static int program_threads_gone(void)
+{
+    pid_t tids[3];
+    pid_t self = __atomic_load_n(&g_agent_tid, __ATOMIC_ACQUIRE), leader = getpid();
+    int n = dbr_list_threads(tids, 3), i, seen_self = 0;
+
+    if (n < 1 || n > 2 || self <= 0)
+        return 0;
+    for (i = 0; i < n; i++) {
+        char st;
+
+        if (tids[i] == self) {
+            seen_self = 1;
+            continue;
+        }
+        if (tids[i] != leader)
+            return 0;
+        st = dbr_thread_state(tids[i]);
+        if (st != 'Z' && st != 'X')
+            return 0;
+    }
+    return seen_self;
+}
+
+static void exit_if_alone(void)
+{
+    if (__atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE) || !program_threads_gone())
+        return;
+    dbr_log("every program thread has ended: exit(0), as glibc would");
+    /* the last thread: signals the program raises in its exit handlers are its own */
+    pthread_sigmask(SIG_SETMASK, &g_prog_sigmask, NULL);
+    exit(0);
+}
+
+/* any thread: wake the agent thread (a program thread is ending) */
+void dbr_agent_poke(void)
+{
+    int fd = g_wake[1], e = errno;
+
+    if (fd >= 0 && fd_is(fd, &g_wake_id[1]) && write(fd, "x", 1) < 0) {
+        /* full pipe: the agent is awake anyway */
+    }
+    errno = e;
+}
+
+/* Wait for readability of fd (-1: none) or the wake pipe.  1 readable, 0
+ * timeout or woken.  The only place the agent thread sleeps between
+ * requests, so it is also where it notices that the program has ended. */
 static int wait_readable(int fd, int timeout_ms)
 {
     struct pollfd p[2] = { { fd, POLLIN, 0 }, { g_wake[0], POLLIN, 0 } };
-    int r;
+    uint64_t now = dbr_now_ms(), end = now + (uint64_t)(timeout_ms < 0 ? 0 : timeout_ms);
+    int r, woken = 0;
 
-    do
-        r = poll(p, g_wake[0] >= 0 ? 2 : 1, timeout_ms);
-    while (r < 0 && errno == EINTR);
-    if (r > 0 && g_wake[0] >= 0 && p[1].revents) {
-        char buf[16];
-        if ((p[1].revents & POLLNVAL) || !fd_is(g_wake[0], &g_wake_id[0]))
-            g_wake[0] = -1;      /* closed by the program: never touch that number again */
-        else
-            while (read(g_wake[0], buf, sizeof buf) > 0)
-                ;
+    for (;;) {
+        int slice = (int)(end - now);
+
+        if (g_watch_until > now && slice > LONELY_POLL_MS)
+            slice = LONELY_POLL_MS;
+        p[1].fd = g_wake[0];
+        do
+            r = poll(p, g_wake[0] >= 0 ? 2 : 1, slice);
+        while (r < 0 && errno == EINTR);
+        if (r > 0 && g_wake[0] >= 0 && p[1].revents) {
+            char buf[16];
+            if ((p[1].revents & POLLNVAL) || !fd_is(g_wake[0], &g_wake_id[0]))
+                g_wake[0] = -1;      /* closed by the program: never touch that number again */
+            else
+                while (read(g_wake[0], buf, sizeof buf) > 0)
+                    ;
+            woken = 1;
+        }
+        now = dbr_now_ms();
+        if (woken)
+            g_watch_until = now + LONELY_WATCH_MS;
+        if (r > 0 && fd >= 0 && (p[0].revents & (POLLIN | POLLHUP | POLLERR)))
+            return 1;
+        exit_if_alone();
+        if (woken || r < 0 || now >= end)
+            return 0;
     }
-    return r > 0 && (p[0].revents & (POLLIN | POLLHUP | POLLERR));
 }
 
 static void end_session(int fd, int how)
@@ -668,7 +752,7 @@ static int session_run(void)
 {
     const struct dbr_hello_ack *ack = (const void *)g_rx;
     const char *why = NULL;
-    uint64_t deadline;
+    uint64_t deadline, last_poll;
     int fd, how = END_NONE, established = 0;
     ssize_t n;
 
@@ -731,6 +815,7 @@ static int session_run(void)
     dbr_objects_snapshot();
     __atomic_store_n(&g_ready, 1, __ATOMIC_RELEASE);
     established = 1;
+    last_poll = dbr_now_ms();
 
     while (how == END_NONE) {
         if (__atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE)) {
@@ -743,7 +828,10 @@ static int session_run(void)
                 how = END_EOF;
                 break;
             }
-            dbr_objects_poll();
+            if (dbr_now_ms() - last_poll >= DLOPEN_TICK_MS) {   /* not at every poke */
+                dbr_objects_poll();
+                last_poll = dbr_now_ms();
+            }
             continue;
         }
         n = recv_one(fd, &why);
@@ -789,7 +877,12 @@ static void *agent_main(void *arg)
             backoff = BACKOFF_MIN_MS;
         if (__atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE))
             break;
-        wait_readable(-1, (int)backoff);
+        {   /* the whole backoff: a poke (a program thread ending) is not a reason to reconnect */
+            uint64_t until = dbr_now_ms() + backoff, now;
+
+            while (!__atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE) && (now = dbr_now_ms()) < until)
+                wait_readable(-1, (int)(until - now));
+        }
         backoff = backoff * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : backoff * 2;
     }
     return NULL;
@@ -807,6 +900,7 @@ void dbr_agent_start_thread(int forked)
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     pthread_attr_setstacksize(&attr, 256 * 1024);
     pthread_sigmask(SIG_SETMASK, &all, &old);
+    g_prog_sigmask = old;
     if (dbr_real_pthread_create(&t, &attr, agent_main, NULL) != 0)
         dbr_log("cannot start the agent thread");
     pthread_sigmask(SIG_SETMASK, &old, NULL);

@@ -23,6 +23,8 @@
  *    FORBIDDEN, TARGET, RANGE, ALIGN, BUSY, MISMATCH, LIMIT; while writing:
  *    PROTECT, MISMATCH.  UNPATCH: NOT_PATCHED, NOSYNC, NOT_EXEC, MISMATCH,
  *    then PROTECT; only `site` is read, the recorded variant is used.
+ *  - When every program thread has ended (main's pthread_exit, then the
+ *    others), the agent thread calls exit(0), as glibc would have.
  *  - MAP_CHANGED (DLCLOSE/MUNMAP/MPROTECT) carries a fresh non-zero req_id;
  *    the service answers ACK {req_id, DBR_OK} once done.  Before the call
  *    proceeds the agent restores any site still installed in the range or
@@ -118,6 +120,7 @@ int dbr_send(void *msg, uint32_t type, uint32_t len, int fd, int from_client);
 int dbr_map_changed_wait(uint32_t kind, uint64_t lo, uint64_t hi, uint32_t prot);
 void dbr_map_changed_advise(uint32_t kind, uint64_t lo, uint64_t hi);
 void dbr_agent_start_thread(int forked);
+void dbr_agent_poke(void);           /* any thread: wake the agent thread */
 void dbr_fork_child_reset(void);
 
 /* ---- objects.c ---- */

@@ -404,6 +404,7 @@ static void thread_exit_notice(void *v)
     memset(&m, 0, sizeof m);
     m.tid = (uint32_t)dbr_gettid();
     dbr_send(&m, DBR_MSG_THREAD_EXIT, sizeof m, -1, 1);
+    dbr_agent_poke();   /* if it was the last program thread, the agent ends the process */
 }
 
 static void *start_wrapper(void *p)
@@ -456,6 +457,9 @@ void dbr_hooks_init(void)
     REAL(real_dlclose_p, "dlclose");
     REAL(real_pthread_create_p, "pthread_create");
     g_thread_key_ok = pthread_key_create(&g_thread_key, thread_exit_notice) == 0;
+    /* the thread that loads the agent (main) too: pthread_exit from main must poke */
+    if (g_thread_key_ok)
+        pthread_setspecific(g_thread_key, (void *)1);
 }
 
 /* ---------------- fork ---------------- */

@@ -164,12 +164,16 @@ fail:
 int dbr_maps_read(struct dbr_maps *m)
 {
     size_t len, cap = 0;
-    char *text = read_whole("/proc/self/maps", &len), *line, *save = NULL;
+    /* thread-self: after main's pthread_exit the leader is a zombie and
+     * /proc/self/maps reads empty (before Linux 3.17: self) */
+    char *text = read_whole("/proc/thread-self/maps", &len), *line, *save = NULL;
     struct dbr_map_ent *e = NULL, *ne;
     int rc = DBR_OK;
 
     m->e = NULL;
     m->n = 0;
+    if (!text)
+        text = read_whole("/proc/self/maps", &len);
     if (!text)
         return DBR_E_NOMEM;
     for (line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {

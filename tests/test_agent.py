@@ -286,6 +286,41 @@ def test_agent_dormant_without_service_then_connects(storm_exe):
         svc.close()
 
 
+# ---- the process ends when its program threads have ended -------------------
+
+@pytest.fixture(scope="module")
+def mainexit_exe():
+    return compile_c(["mainexit.c"])
+
+
+@pytest.mark.parametrize("args", [("3", "300"), ("0", "0")], ids=["workers-outlive-main", "main-alone"])
+@pytest.mark.parametrize("session", [True, False], ids=["session", "no-service"])
+def test_process_ends_when_its_last_program_thread_ends(mainexit_exe, args, session):
+    """main() ends with pthread_exit: glibc exits the process (status 0, atexit handlers
+    run) when the last thread ends.  The agent's thread counts as a thread to glibc, so
+    the agent must end the process itself; before it did, the process lived on as the
+    agent's thread alone, deaf to SIGTERM."""
+    native = subprocess.run([str(mainexit_exe), *args], capture_output=True, text=True, timeout=20)
+    assert native.returncode == 0 and "atexit ran" in native.stdout
+    svc = FakeService()
+    try:
+        if not session:
+            svc.stop_listening()
+        client = svc.spawn([mainexit_exe, *args])
+        client.out.expect("ready")
+        if session:
+            conn = svc.accept(pid=client.pid)
+            assert conn.hello.pid == client.pid
+        t0 = time.monotonic()
+        rc, rest = client.finish(timeout=10)
+        took = time.monotonic() - t0
+        assert rc == 0
+        assert sorted(["ready", *rest]) == sorted(native.stdout.splitlines())
+        assert took < 5.0, f"the process took {took:.1f}s to end after its threads"
+    finally:
+        svc.close()
+
+
 # ---- 5: bad input ------------------------------------------------------------
 
 def _hdr(msg_type: int, length: int, seq: int = 1, version: int = P.PROTO_VERSION,
