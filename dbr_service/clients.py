@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, Received
 from dbr_service.errors import AgentError, MemoryViewError, ProtocolError, SamplingError
+from dbr_service.procfs import proc_dir
 from dbr_service.install import Installer, InstallState
 from dbr_service.optimize import Evaluator, install_regions
 
@@ -63,7 +64,7 @@ class MapEntry(NamedTuple):
 def read_maps(pid: int) -> list[MapEntry]:
     """Parse /proc/PID/maps (sorted by address); MemoryViewError if unreadable."""
     try:
-        with open(f"/proc/{pid}/maps") as fh:
+        with open(f"{proc_dir(pid)}/maps") as fh:
             lines = fh.read().splitlines()
     except OSError as exc:
         raise MemoryViewError(f"cannot read maps of pid {pid}: {exc}") from exc
@@ -483,7 +484,7 @@ class ClientSession:
             self.timeline[step] = round(time.monotonic() - self.connected_mono, 4)
 
     def _read_original(self, addr: int, n: int) -> bytes:
-        with open(f"/proc/{self.pid}/mem", "rb", buffering=0) as f:
+        with open(f"{proc_dir(self.pid)}/mem", "rb", buffering=0) as f:
             f.seek(addr)
             return f.read(n)
 

@@ -40,6 +40,8 @@ class Case:
 CASES = [
     Case("calls", "calls.c", {"-O2": ["400"], "-O0": ["120"]}),
     Case("threads", "threads.c", {"-O2": ["150", "4"], "-O0": ["40", "4"]}),
+    # main() ends with pthread_exit: the workers outlive it, then the process ends
+    Case("mainexit", "mainexit.c", {"-O2": ["150", "2"], "-O0": ["40", "2"]}),
     Case("sigjmp", "sigjmp.c", {"-O2": ["8000"], "-O0": ["3000"]}),
     # the 12-way jump-table dispatch is translated (codegen/dispatch.py): the dispatch
     # loop runs in replacement code

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dbr_service.errors import MemoryViewError
+from dbr_service.procfs import proc_dir
 
 PAGE = 4096
 
@@ -329,7 +330,7 @@ class LiveMemoryView(MemoryView):
         self._got_cache: dict[str, dict[int, str]] = {}
         self.refresh_maps()
         try:
-            self._fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+            self._fd = os.open(f"{proc_dir(pid)}/mem", os.O_RDONLY)
         except OSError as exc:
             raise MemoryViewError(f"cannot open /proc/{pid}/mem: {exc}") from exc
 
@@ -346,7 +347,7 @@ class LiveMemoryView(MemoryView):
 
     def refresh_maps(self) -> None:
         try:
-            with open(f"/proc/{self.pid}/maps") as f:
+            with open(f"{proc_dir(self.pid)}/maps") as f:
                 text = f.read()
         except OSError as exc:
             raise MemoryViewError(f"cannot read /proc/{self.pid}/maps: {exc}") from exc

@@ -1,0 +1,41 @@
+"""/proc paths of a client that stay valid after its main thread has ended.
+
+A process whose main thread called ``pthread_exit`` lives on in its other threads,
+but its thread-group leader is then a zombie: ``/proc/PID/mem`` cannot be opened
+(ESRCH) and ``/proc/PID/maps`` reads empty.  Every live thread shares the address
+space, so ``/proc/PID/task/TID/`` of any of them serves instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def thread_state(stat_path: str) -> str | None:
+    """The state letter of a ``/proc/.../stat`` file (``R``, ``S``, ``Z``...), None if unreadable."""
+    try:
+        with open(stat_path, "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    close = text.rfind(b")")         # comm may hold spaces and parentheses
+    rest = text[close + 1:].split()
+    return rest[0].decode() if close >= 0 and rest else None
+
+
+def proc_dir(pid: int) -> str:
+    """``/proc/PID``, or ``/proc/PID/task/TID`` of a live thread when the leader has ended.
+
+    When no thread is left (or /proc cannot tell), ``/proc/PID``: its errors are the
+    caller's usual ones."""
+    base = f"/proc/{pid}"
+    if thread_state(f"{base}/stat") not in ("Z", "X"):
+        return base
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"{base}/task") if t.isdigit())
+    except OSError:
+        return base
+    for tid in tids:
+        if tid != pid and thread_state(f"{base}/task/{tid}/stat") not in ("Z", "X", None):
+            return f"{base}/task/{tid}"
+    return base
