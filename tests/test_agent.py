@@ -293,8 +293,9 @@ def mainexit_exe():
     return compile_c(["mainexit.c"])
 
 
-@pytest.mark.parametrize("args", [("3", "300"), ("0", "0")], ids=["workers-outlive-main", "main-alone"])
-@pytest.mark.parametrize("session", [True, False], ids=["session", "no-service"])
+@pytest.mark.parametrize("args, session", [
+    (("3", "1000"), True), (("3", "300"), False), (("0", "0"), False),
+], ids=["workers-outlive-main-in-session", "workers-outlive-main-no-service", "main-alone"])
 def test_process_ends_when_its_last_program_thread_ends(mainexit_exe, args, session):
     """main() ends with pthread_exit: glibc exits the process (status 0, atexit handlers
     run) when the last thread ends.  The agent's thread counts as a thread to glibc, so
