@@ -41,6 +41,8 @@ static int g_ready;          /* HELLO_ACK received: anything may be sent */
 static uint32_t g_seq;
 static int g_wake[2] = { -1, -1 };
 static int g_exiting;
+static int g_retired;        /* the agent stopped for good here (dbr_agent_retire) */
+static int g_thread_started; /* an agent thread was created (it may not have run yet) */
 static int g_forked;
 static int g_on_disconnect = DBR_DISCONNECT_KEEP;
 static uint32_t g_map_wait_ms;
@@ -623,6 +625,12 @@ static int send_hello(void)
     return dbr_send(&m, DBR_MSG_HELLO, sizeof m, -1, 0);
 }
 
+/* the agent thread must end its session and return */
+static int stopping(void)
+{
+    return __atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE) || __atomic_load_n(&g_retired, __ATOMIC_ACQUIRE);
+}
+
 /* ---- the process outliving its program threads ----
  *
  * glibc ends a process with exit(0) when its last thread ends, main thread
@@ -774,7 +782,7 @@ static int session_run(void)
     for (;;) {
         uint64_t now = dbr_now_ms();
 
-        if (now >= deadline || __atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE)) {
+        if (now >= deadline || stopping()) {
             dbr_log("no HELLO_ACK");
             end_session(fd, END_ERROR);
             return 0;
@@ -818,7 +826,7 @@ static int session_run(void)
     last_poll = dbr_now_ms();
 
     while (how == END_NONE) {
-        if (__atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE)) {
+        if (stopping()) {
             how = END_BYE;
             break;
         }
@@ -872,20 +880,71 @@ static void *agent_main(void *arg)
     pthread_sigmask(SIG_UNBLOCK, &sync_sigs, NULL);
     __atomic_store_n(&g_agent_tid, dbr_gettid(), __ATOMIC_RELEASE);
     dbr_log("agent thread %d started (socket %s)", (int)g_agent_tid, g_cfg.sock_path);
-    while (!__atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE)) {
+    while (!stopping()) {
         if (session_run())
             backoff = BACKOFF_MIN_MS;
-        if (__atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE))
+        if (stopping())
             break;
         {   /* the whole backoff: a poke (a program thread ending) is not a reason to reconnect */
             uint64_t until = dbr_now_ms() + backoff, now;
 
-            while (!__atomic_load_n(&g_exiting, __ATOMIC_ACQUIRE) && (now = dbr_now_ms()) < until)
+            while (!stopping() && (now = dbr_now_ms()) < until)
                 wait_readable(-1, (int)(until - now));
         }
         backoff = backoff * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : backoff * 2;
     }
+    dbr_log("agent thread %d ends", (int)dbr_gettid());
     return NULL;
+}
+
+/* ---- stepping aside for calls that need a single-threaded process ----
+ *
+ * The kernel refuses unshare(CLONE_NEWUSER) to a process with more than one
+ * thread, and setns into a user, mount or time namespace to a thread that
+ * shares its address space or filesystem attributes (EINVAL, EUSERS): rootless
+ * containers, bwrap and `unshare -U` failed under the agent.  Before such a
+ * call (hooks.c) the agent steps aside for good: the session ends with BYE,
+ * the sampler's timers are deleted, the agent's thread returns, and the
+ * caller waits, bounded, until the kernel no longer counts that thread.
+ * Installed patches stay, as on a disconnect with `keep`: the map-change
+ * hooks still restore sites before their code goes away.  Fork children of
+ * such a process start no agent thread either; an exec loads a new agent. */
+#define RETIRE_WAIT_MS 3000u
+
+int dbr_agent_retire(const char *why)
+{
+    struct dbr_bye b;
+    uint64_t deadline = dbr_now_ms() + RETIRE_WAIT_MS;
+    pid_t tid;
+
+    if (g_cfg.disabled)
+        return 1;
+    if (!__atomic_exchange_n(&g_retired, 1, __ATOMIC_ACQ_REL)) {
+        dbr_log("%s needs a single-threaded process: the agent steps aside", why);
+        if (dbr_connected()) {
+            memset(&b, 0, sizeof b);
+            dbr_send(&b, DBR_MSG_BYE, sizeof b, -1, 1);
+        }
+        dbr_sampler_stop();
+    }
+    if (!__atomic_load_n(&g_thread_started, __ATOMIC_ACQUIRE))
+        return 1;
+    /* the thread may not have run yet: it then returns as soon as it starts */
+    while ((tid = __atomic_load_n(&g_agent_tid, __ATOMIC_ACQUIRE)) == 0 && dbr_now_ms() < deadline)
+        dbr_sleep_ms(1);
+    if (tid == 0 || tid == dbr_gettid())
+        return 0;
+    dbr_agent_poke();
+    while (syscall(SYS_tgkill, getpid(), tid, 0) == 0) {
+        if (dbr_now_ms() >= deadline) {
+            dbr_log("%s: the agent thread %d did not end within %u ms", why, (int)tid, RETIRE_WAIT_MS);
+            return 0;
+        }
+        dbr_sleep_ms(1);
+    }
+    __atomic_store_n(&g_agent_tid, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_thread_started, 0, __ATOMIC_RELEASE);
+    return 1;
 }
 
 void dbr_agent_start_thread(int forked)
@@ -901,8 +960,11 @@ void dbr_agent_start_thread(int forked)
     pthread_attr_setstacksize(&attr, 256 * 1024);
     pthread_sigmask(SIG_SETMASK, &all, &old);
     g_prog_sigmask = old;
-    if (dbr_real_pthread_create(&t, &attr, agent_main, NULL) != 0)
+    __atomic_store_n(&g_thread_started, 1, __ATOMIC_RELEASE);
+    if (dbr_real_pthread_create(&t, &attr, agent_main, NULL) != 0) {
+        __atomic_store_n(&g_thread_started, 0, __ATOMIC_RELEASE);
         dbr_log("cannot start the agent thread");
+    }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     pthread_attr_destroy(&attr);
 }
@@ -947,6 +1009,7 @@ void dbr_fork_child_reset(void)
     g_sock = -1;
     g_ready = 0;
     g_agent_tid = 0;
+    g_thread_started = 0;
     if (g_wake[0] >= 0 && fd_is(g_wake[0], &g_wake_id[0]))
         close(g_wake[0]);
     if (g_wake[1] >= 0 && fd_is(g_wake[1], &g_wake_id[1]))
@@ -956,6 +1019,8 @@ void dbr_fork_child_reset(void)
     dbr_sampler_fork_child();
     dbr_transfer_fork_child();
     register_sync_core();
+    if (__atomic_load_n(&g_retired, __ATOMIC_ACQUIRE))
+        return;     /* the parent stepped aside (dbr_agent_retire): so does the child */
     dbr_agent_start_thread(1);
 }
 

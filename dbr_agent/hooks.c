@@ -12,7 +12,10 @@
 #include <link.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <linux/nsfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -26,6 +29,8 @@ typedef int (*munmap_fn)(void *, size_t);
 typedef int (*mprotect_fn)(void *, size_t, int);
 typedef int (*dlclose_fn)(void *);
 typedef int (*pthread_create_fn)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
+typedef int (*unshare_fn)(int);
+typedef int (*setns_fn)(int, int);
 
 static sigaction_fn real_sigaction_p;
 static signal_fn real_signal_p;
@@ -33,6 +38,8 @@ static munmap_fn real_munmap_p;
 static mprotect_fn real_mprotect_p;
 static dlclose_fn real_dlclose_p;
 static pthread_create_fn real_pthread_create_p;
+static unshare_fn real_unshare_p;
+static setns_fn real_setns_p;
 
 static void *resolve(void **slot, const char *name)
 {
@@ -456,10 +463,61 @@ void dbr_hooks_init(void)
     REAL(real_mprotect_p, "mprotect");
     REAL(real_dlclose_p, "dlclose");
     REAL(real_pthread_create_p, "pthread_create");
+    REAL(real_unshare_p, "unshare");
+    REAL(real_setns_p, "setns");
     g_thread_key_ok = pthread_key_create(&g_thread_key, thread_exit_notice) == 0;
     /* the thread that loads the agent (main) too: pthread_exit from main must poke */
     if (g_thread_key_ok)
         pthread_setspecific(g_thread_key, (void *)1);
+}
+
+/* ---------------- namespaces: calls that need a single-threaded process ----------------
+ *
+ * The kernel refuses unshare(CLONE_NEWUSER) (and CLONE_THREAD, CLONE_SIGHAND,
+ * CLONE_VM) to a process with another thread, and setns into a user, mount or
+ * time namespace to a thread sharing its address space or filesystem
+ * attributes.  The agent's thread would make those calls fail where they work
+ * natively, so the agent steps aside first (dbr_agent_retire). */
+
+#ifndef CLONE_NEWTIME
+#define CLONE_NEWTIME 0x00000080
+#endif
+#define NEEDS_ALONE_UNSHARE (CLONE_NEWUSER | CLONE_THREAD | CLONE_SIGHAND | CLONE_VM)
+#define NEEDS_ALONE_SETNS   (CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWTIME)
+
+DBR_EXPORT int unshare(int flags)
+{
+    unshare_fn f = REAL(real_unshare_p, "unshare");
+
+    if (!f) {
+        errno = ENOSYS;
+        return -1;
+    }
+    if (!g_cfg.disabled && (flags & NEEDS_ALONE_UNSHARE))
+        dbr_agent_retire("unshare");
+    return f(flags);
+}
+
+DBR_EXPORT int setns(int fd, int nstype)
+{
+    setns_fn f = REAL(real_setns_p, "setns");
+    int type = nstype, e = errno;
+
+    if (!f) {
+        errno = ENOSYS;
+        return -1;
+    }
+    if (!g_cfg.disabled) {
+        if (type == 0) {   /* "any type": ask the namespace fd; unknown means step aside */
+            type = ioctl(fd, NS_GET_NSTYPE);
+            if (type <= 0)
+                type = NEEDS_ALONE_SETNS;
+            errno = e;
+        }
+        if (type & NEEDS_ALONE_SETNS)
+            dbr_agent_retire("setns");
+    }
+    return f(fd, nstype);
 }
 
 /* ---------------- fork ---------------- */

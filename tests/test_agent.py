@@ -322,6 +322,38 @@ def test_process_ends_when_its_last_program_thread_ends(mainexit_exe, args, sess
         svc.close()
 
 
+# ---- calls the kernel refuses to a multi-threaded process -------------------
+
+@pytest.fixture(scope="module")
+def nsalone_exe():
+    return compile_c(["nsalone.c"])
+
+
+@pytest.mark.parametrize("what", ["user", "mnt", "mnt0", "fork-user"])
+def test_agent_steps_aside_for_calls_that_need_one_thread(nsalone_exe, what):
+    """unshare(CLONE_NEWUSER) and setns into a mount namespace fail with EINVAL in a
+    process with another thread: rootless containers, bwrap and `unshare -U` failed
+    under the agent.  The agent now ends its session (BYE) and its thread first."""
+    native = subprocess.run([str(nsalone_exe), what], input="go\n", capture_output=True,
+                            text=True, timeout=20)
+    if native.returncode != 0:
+        pytest.skip(f"{what} is refused here even natively: {native.stdout.strip()}")
+    svc = FakeService()
+    try:
+        client = svc.spawn([nsalone_exe, what])
+        client.out.expect("ready")
+        conn = svc.accept(pid=client.pid)
+        client.send("go")
+        rc, rest = client.finish(timeout=15)
+        assert rc == 0, rest
+        assert rest == [f"{what.removeprefix('fork-')}: ok, threads 1"]
+        if not what.startswith("fork-"):
+            bye = recv_skipping_advisory(conn, timeout=5)
+            assert bye is not None and bye.type == P.MsgType.BYE
+    finally:
+        svc.close()
+
+
 # ---- 5: bad input ------------------------------------------------------------
 
 def _hdr(msg_type: int, length: int, seq: int = 1, version: int = P.PROTO_VERSION,

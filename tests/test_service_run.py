@@ -149,3 +149,16 @@ def test_short_commands_of_a_script_are_not_warned_about(noservice_env):
              "for i in $(seq 40); do /bin/true; done; exec /bin/true", env=noservice_env)
     assert r.returncode == 0, r.stderr
     assert "WARNING" not in r.stderr and "refused" not in r.stderr, r.stderr
+
+
+def test_unshare_user_namespace_works_under_dbr_run(noservice_env):
+    """`unshare -U` needs a single-threaded process; the agent steps aside for it."""
+    import shutil
+    if not shutil.which("unshare"):
+        pytest.skip("util-linux unshare is not installed")
+    native = subprocess.run(["unshare", "-Ur", "id", "-u"], capture_output=True, text=True,
+                            timeout=30)
+    if native.returncode != 0:
+        pytest.skip(f"user namespaces are refused here natively: {native.stderr.strip()}")
+    r = _run("--embedded", "--", "unshare", "-Ur", "id", "-u", env=noservice_env)
+    assert (r.returncode, r.stdout) == (0, native.stdout), r.stderr
