@@ -619,7 +619,10 @@ static int send_hello(void)
     m.sampler_signal = (uint32_t)g_cfg.sampler_sig;
     m.build_id_len = g_build_id_len;
     memcpy(m.build_id, g_build_id, g_build_id_len);
-    k = readlink("/proc/self/exe", m.exe, sizeof m.exe - 1);
+    /* thread-self: once main has ended (pthread_exit) /proc/self/exe is unreadable */
+    k = readlink("/proc/thread-self/exe", m.exe, sizeof m.exe - 1);
+    if (k < 0)
+        k = readlink("/proc/self/exe", m.exe, sizeof m.exe - 1);
     if (k < 0)
         m.exe[0] = 0;
     return dbr_send(&m, DBR_MSG_HELLO, sizeof m, -1, 0);
