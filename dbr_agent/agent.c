@@ -127,7 +127,9 @@ int dbr_send(void *msg, uint32_t type, uint32_t len, int fd, int from_client)
     h->length = len;
     if (lock_for_send(from_client) != 0)
         return DBR_E_TIMEOUT;
-    if (g_sock < 0 || (!g_ready && type != DBR_MSG_HELLO && type != DBR_MSG_ERROR && type != DBR_MSG_BYE)) {
+    /* before HELLO_ACK: only HELLO, ERROR, and BYE once HELLO went out (g_seq > 0) */
+    if (g_sock < 0 || (!g_ready && type != DBR_MSG_HELLO && type != DBR_MSG_ERROR &&
+                       !(type == DBR_MSG_BYE && g_seq > 0))) {
         rc = DBR_E_PROTO;
         goto out;
     }
@@ -924,10 +926,10 @@ int dbr_agent_retire(const char *why)
         return 1;
     if (!__atomic_exchange_n(&g_retired, 1, __ATOMIC_ACQ_REL)) {
         dbr_log("%s needs a single-threaded process: the agent steps aside", why);
-        if (dbr_connected()) {
-            memset(&b, 0, sizeof b);
-            dbr_send(&b, DBR_MSG_BYE, sizeof b, -1, 1);
-        }
+        /* also mid-handshake (HELLO sent, HELLO_ACK not yet read by the agent's
+         * thread): the service has the session by then and must hear it end */
+        memset(&b, 0, sizeof b);
+        dbr_send(&b, DBR_MSG_BYE, sizeof b, -1, 1);
         dbr_sampler_stop();
     }
     if (!__atomic_load_n(&g_thread_started, __ATOMIC_ACQUIRE))
@@ -1054,10 +1056,8 @@ __attribute__((destructor)) static void dbr_agent_fini(void)
     if (g_cfg.disabled)
         return;
     __atomic_store_n(&g_exiting, 1, __ATOMIC_RELEASE);
-    if (dbr_connected()) {
-        memset(&b, 0, sizeof b);
-        dbr_send(&b, DBR_MSG_BYE, sizeof b, -1, 1);
-    }
+    memset(&b, 0, sizeof b);
+    dbr_send(&b, DBR_MSG_BYE, sizeof b, -1, 1);   /* refused unless HELLO went out */
     if (fd_is(g_wake[1], &g_wake_id[1]) && write(g_wake[1], "x", 1) < 0) {
         /* the agent thread notices g_exiting at its next wake-up anyway */
     }

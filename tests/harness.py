@@ -203,8 +203,10 @@ class FakeService:
         self.clients.append(c)
         return c
 
-    def accept(self, timeout: float = 10.0, pid: int | None = None) -> AgentConnection:
-        """Accept the next agent (optionally: the one of ``pid``) and do the handshake."""
+    def accept(self, timeout: float = 10.0, pid: int | None = None,
+               handshake: bool = True) -> AgentConnection:
+        """Accept the next agent (optionally: the one of ``pid``) and do the handshake
+        (``handshake=False``: leave HELLO unread and unanswered)."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -219,6 +221,9 @@ class FakeService:
             if pid is not None and conn.peer_pid != pid:
                 conn.close()
                 continue
+            if not handshake:
+                self.conns.append(conn)
+                return conn
             self._session += 1
             conn.handshake(service_pid=os.getpid(), session_id=self._session,
                            on_disconnect=self.on_disconnect, map_wait_ms=self.map_wait_ms,

@@ -334,6 +334,17 @@ def test_agent_steps_aside_for_calls_that_need_one_thread(nsalone_exe, what):
     """unshare(CLONE_NEWUSER) and setns into a mount namespace fail with EINVAL in a
     process with another thread: rootless containers, bwrap and `unshare -U` failed
     under the agent.  The agent now ends its session (BYE) and its thread first."""
+    _steps_aside(nsalone_exe, what, acked=True)
+
+
+def test_agent_steps_aside_mid_handshake(nsalone_exe):
+    """The call comes while the agent's thread still waits for HELLO_ACK: the service
+    has the session (it read HELLO) and must still hear BYE, not a bare EOF.  CI caught
+    this as a race: the fake service's HELLO_ACK was sent but not yet read."""
+    _steps_aside(nsalone_exe, "user", acked=False)
+
+
+def _steps_aside(nsalone_exe, what: str, acked: bool) -> None:
     native = subprocess.run([str(nsalone_exe), what], input="go\n", capture_output=True,
                             text=True, timeout=20)
     if native.returncode != 0:
@@ -342,7 +353,10 @@ def test_agent_steps_aside_for_calls_that_need_one_thread(nsalone_exe, what):
     try:
         client = svc.spawn([nsalone_exe, what])
         client.out.expect("ready")
-        conn = svc.accept(pid=client.pid)
+        conn = svc.accept(pid=client.pid, handshake=acked)
+        if not acked:
+            hello = conn.recv(timeout=5)
+            assert hello is not None and hello.type == P.MsgType.HELLO
         client.send("go")
         rc, rest = client.finish(timeout=15)
         assert rc == 0, rest
