@@ -44,6 +44,9 @@ _SERVICE_ONLY = {P.MsgType.HELLO_ACK, P.MsgType.CODE_BUFFER_REQ, P.MsgType.CODE_
 # Replies that may arrive late, after their request timed out: dropped, not fatal.
 _LATE_REPLIES = {P.MsgType.ACK, P.MsgType.CODE_BUFFER, P.MsgType.PATCH_RESULT,
                  P.MsgType.PC_CENSUS, P.MsgType.SAMPLER_RING}
+#: Map changes that add or remove code (a munmap or mprotect of data is no news;
+#: one that touches installed code removes regions, which counts by itself).
+_CODE_MAP_KINDS = {int(P.MapKind.DLOPEN), int(P.MapKind.DLCLOSE), int(P.MapKind.MMAP_EXEC)}
 
 
 # --------------------------------------------------------------------------- memory
@@ -190,6 +193,17 @@ class ClientSession:
         self.samples_after_first_patch = 0
         self.samples_in_replacement = 0
         self.jobs_done = 0
+        #: Sampling cadence (service.py, scheduler.sampling_interval): ``activity``
+        #: counts what changes the client for selection (regions installed or
+        #: removed, threads moved in, code mapped or unmapped); snapshots in a row
+        #: that changed nothing make it quiet, and a quiet client is sampled less.
+        self.activity = 0
+        self.activity_judged = 0
+        self.quiet_snapshots = 0
+        self.last_selected: frozenset[str] = frozenset()
+        self.last_window_mono = 0.0
+        self.next_window_mono = 0.0
+        self.sampling_interval_s = 0.0
         self.errors: collections.deque[str] = collections.deque(maxlen=20)
         self.source: SamplingSource | None = None
         self.source_name = ""
@@ -378,6 +392,9 @@ class ClientSession:
                 self._wake()
             elif req_id:
                 self.conn.ack(req_id, P.Result.OK)
+            if kind in _CODE_MAP_KINDS:
+                with self.lock:
+                    self.activity += 1   # new or lost code: sample at the full rate again
             self.service.events.publish("map-changed", pid=self.pid, kind=kind, lo=lo, hi=hi)
         elif t is P.MsgType.BYE:
             self.close_reason = "agent said BYE"
@@ -541,6 +558,7 @@ class ClientSession:
                                 transfer_only=not reg.sites)
                 reg.name = rid
                 n += 1
+                self.activity += 1
                 self.regions_went_live += 1
                 self.patches_installed += len(reg.patched_sites)
                 if self.first_patch_mono is None:
@@ -570,6 +588,7 @@ class ClientSession:
         with self.lock:
             rec.state = RegionState.REMOVED
             rec.info["removed_why"] = why
+            self.activity += 1
             self.patches_removed += len(rec.sites)
         self.service.events.publish("patch-removed", pid=self.pid, region=rec.id,
                                     sites=len(rec.sites), why=why)
@@ -638,6 +657,8 @@ class ClientSession:
                     h.region.state is InstallState.INSTALLED and \
                     self.installer.transfer(h.region):
                 self.evaluator.restart(h.region.region_id)
+                with self.lock:
+                    self.activity += 1
                 rec = self._record_of(h.region.region_id)
                 if rec is not None:
                     rec.info["transferred"] = h.region.transferred
@@ -688,6 +709,8 @@ class ClientSession:
                 "regions_went_live": self.regions_went_live,
                 "threads_transferred": (0 if self.installer is None
                                         else self.installer.threads_transferred),
+                "sampling_interval_s": self.sampling_interval_s,
+                "quiet_snapshots": self.quiet_snapshots,
                 "connected_at": self.connected_at, "ended_at": self.ended_at,
                 "close_reason": self.close_reason, "errors": list(self.errors)[-3:]}
 

@@ -46,6 +46,10 @@ class Config:
         "seconds between the starts of two sampling snapshots", min=0.01))
     snapshot_window_s: float = field(default=0.2, metadata=_doc(
         "seconds each snapshot samples for (<= snapshot_interval_s)", min=0.005))
+    snapshot_backoff_max_s: float = field(default=8.0, metadata=_doc(
+        "longest interval between a quiet client's snapshots: a client whose last "
+        "snapshots changed nothing is sampled half as often each time, up to this "
+        "(<= snapshot_interval_s: never backs off)", min=0.0))
     continuous_sampling: bool = field(default=False, metadata=_doc(
         "sample all the time instead of one window per interval"))
     sample_period_us: int = field(default=1000, metadata=_doc(
@@ -158,6 +162,7 @@ class Config:
 AGGRESSIVE: dict[str, Any] = {
     "snapshot_interval_s": 0.15,
     "snapshot_window_s": 0.1,
+    "snapshot_backoff_max_s": 0.15,
     "sample_period_us": 500,
     "hot_threshold": 0.002,
     "min_loop_trip_count": 2,

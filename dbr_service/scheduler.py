@@ -171,6 +171,25 @@ def quick_job(jobs_done: int, has_regions: bool) -> bool:
     return jobs_done < QUICK_JOBS and not has_regions
 
 
+#: Snapshots in a row that changed nothing before a client's sampling backs off.  The
+#: first snapshots after an installation keep the full rate, so its evaluation (grace,
+#: cold and not-effective verdicts) sees as many windows as before.
+QUIET_BEFORE_BACKOFF = 3
+
+
+def sampling_interval(cfg: Any, quiet: int) -> float:
+    """Seconds from one of a client's sampling windows to its next, after ``quiet``
+    snapshots in a row that changed nothing for it (no new region selected, none
+    installed or removed, no code mapped or unmapped).  Doubles from
+    ``snapshot_interval_s`` up to ``snapshot_backoff_max_s``: a program with nothing
+    left to do pays for sampling an eighth as often at the defaults (1 s -> 8 s)."""
+    base = cfg.snapshot_interval_s
+    cap = max(base, cfg.snapshot_backoff_max_s)
+    if cfg.continuous_sampling or quiet < QUIET_BEFORE_BACKOFF:
+        return base
+    return min(cap, base * 2.0 ** min(32, quiet - QUIET_BEFORE_BACKOFF + 1))
+
+
 def region_config(cfg: Any, total_samples: int) -> Any:
     """The pipeline's RegionConfig from the service Config.  ``hot_threshold`` is a
     fraction of the client's samples here and a sample count in the pipeline."""

@@ -40,7 +40,8 @@ from dbr_service.errors import ConfigError, DbrError, SamplingError
 from dbr_service.notify import Notifier
 from dbr_service.paths import AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET
 from dbr_service.sampling.aggregate import SampleAggregator
-from dbr_service.scheduler import ClientJob, JobResult, Scheduler, quick_job
+from dbr_service.scheduler import (ClientJob, JobResult, Scheduler, quick_job,
+                                   sampling_interval)
 
 log = logging.getLogger("dbr.service")
 
@@ -452,7 +453,7 @@ class Service:
         window = cfg.snapshot_interval_s if cfg.continuous_sampling else cfg.snapshot_window_s
         snap = Snapshot(gen=self.snapshot_count + 1, started=now, end_at=now + window)
         for s in self.live_sessions():
-            if s.paused:
+            if s.paused or self._resting(s, now):
                 continue
             if cfg.continuous_sampling and s.source is not None:
                 snap.begun[s.session_id] = None  # already sampling
@@ -460,6 +461,29 @@ class Service:
             snap.begun[s.session_id] = s.post(lambda s=s: s.begin_window(self._make_source))
         self._snap = snap
         self._next_snapshot = now + cfg.snapshot_interval_s
+
+    def _resting(self, s: ClientSession, now: float) -> bool:
+        """A quiet client skips snapshots until its own interval has passed, unless
+        something changed for it since it was judged quiet (a dlopen, say)."""
+        with s.lock:
+            if s.quiet_snapshots < 1 or s.activity != s.activity_judged:
+                return False
+            due = s.last_window_mono + sampling_interval(self.config, s.quiet_snapshots)
+        return due - now > self.config.snapshot_interval_s / 2
+
+    def _judge_quiet(self, s: ClientSession, changed: bool) -> None:
+        """After a client's snapshot (and its job, if one ran): quiet when it changed
+        nothing; its sampling interval follows (scheduler.sampling_interval)."""
+        with s.lock:
+            act = s.activity
+            quiet = not changed and act == s.activity_judged
+            s.quiet_snapshots = s.quiet_snapshots + 1 if quiet else 0
+            s.activity_judged = act
+            before, s.sampling_interval_s = s.sampling_interval_s, sampling_interval(
+                self.config, s.quiet_snapshots)
+        if s.sampling_interval_s != before:
+            self.events.publish("sampling-interval", pid=s.pid,
+                                interval_s=s.sampling_interval_s, quiet=s.quiet_snapshots)
 
     def _end_snapshot(self, now: float) -> None:
         snap = self._snap
@@ -517,11 +541,19 @@ class Service:
                                       branches=window.branch_counts(s.pid),
                                       patched=s.patched_ranges(),
                                       quick=quick_job(s.jobs_done, bool(s.regions))))
+        queued: set[int] = set()
         if jobs and not self.paused:
             queued = set(self.scheduler.schedule(jobs, self.config.max_workers))
             for s in done:
                 if s.session_id in queued:
                     s.mark("first_job_queued")
+        with_job = {j.session_id for j in jobs}
+        for s in done:
+            s.last_window_mono = snap.started
+            if s.session_id not in with_job:
+                self._judge_quiet(s, changed=False)   # nothing to select from
+            # a queued job's client is judged when its job is done (_apply_result); one
+            # left unqueued (every worker busy) is not judged this time
         self.notifier.status(self._status_line())
 
     def attribute(self, pid: int, ip: int) -> int:
@@ -555,6 +587,16 @@ class Service:
         if res.regions is None and not s.alive and s.jobs_done > 1:
             return  # the client left while its last job ran: keep the earlier outcome
         s.region_status = res.region_status
+        ids = [] if res.regions is None else [s.region_id(d["module"], d["entries"])
+                                              for d in res.regions]
+        with s.lock:
+            pending = self.config.patching and any(
+                rid not in s.blocked_regions and (
+                    rid not in s.regions or s.regions[rid].state is not RegionState.INSTALLED)
+                for rid in ids)
+            changed = pending or frozenset(ids) != s.last_selected
+            s.last_selected = frozenset(ids)
+        self._judge_quiet(s, changed)
         if res.regions is not None:
             with s.lock:
                 keep = {k: r for k, r in s.regions.items()   # with their history

@@ -1,0 +1,89 @@
+"""Sampling cadence: a client whose snapshots change nothing is sampled less often
+(scheduler.sampling_interval), and code mapped in (a dlopen) brings it back to the
+full rate.  The point is cost: sampling is part of what a deployed host costs a
+program that has nothing left to optimize (docs/design-notes.md)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+from harness import compile_c
+from service_helpers import ServiceProc, agent_path, kill, spawn_client
+
+from dbr_service.config import AGGRESSIVE, Config
+from dbr_service.scheduler import QUIET_BEFORE_BACKOFF, sampling_interval
+
+
+def _cfg(**kw):
+    base = dict(snapshot_interval_s=1.0, snapshot_backoff_max_s=8.0, continuous_sampling=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_interval_doubles_after_quiet_snapshots_up_to_the_cap():
+    cfg = _cfg()
+    got = [sampling_interval(cfg, q) for q in range(QUIET_BEFORE_BACKOFF + 5)]
+    assert got[:QUIET_BEFORE_BACKOFF] == [1.0] * QUIET_BEFORE_BACKOFF
+    assert got[QUIET_BEFORE_BACKOFF:] == [2.0, 4.0, 8.0, 8.0, 8.0]
+    assert sampling_interval(cfg, 10**6) == 8.0            # no overflow on long quiet runs
+
+
+@pytest.mark.parametrize("kw", [dict(snapshot_backoff_max_s=0.5),   # cap below the base
+                                dict(snapshot_backoff_max_s=1.0),
+                                dict(continuous_sampling=True)])
+def test_no_backoff_when_configured_off(kw):
+    cfg = _cfg(**kw)
+    assert {sampling_interval(cfg, q) for q in range(12)} == {1.0}
+
+
+def test_defaults_back_off_and_aggressive_does_not():
+    d = Config()
+    assert d.snapshot_backoff_max_s > d.snapshot_interval_s
+    a = Config(**AGGRESSIVE)
+    assert sampling_interval(a, 50) == a.snapshot_interval_s
+
+
+def _client(svc, pid):
+    return next((c for c in svc.call("clients") if c["pid"] == pid), None)
+
+
+@pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
+def test_quiet_client_is_sampled_less_until_code_is_mapped():
+    """A steady hot loop: once its region is live and selection keeps finding the
+    same, its snapshots thin out to one per snapshot_backoff_max_s while the
+    service's snapshots go on; a dlopen puts it back at the full rate at once."""
+    prog = compile_c(["quietdl.c"], flags=["-O2"])
+    lib = compile_c(["hotlib.c"], shared=True, out_name="libhot")
+    svc = ServiceProc("--aggressive", "snapshot_interval_s=0.1", "snapshot_window_s=0.05",
+                      "snapshot_backoff_max_s=0.8").wait_ready()
+    client = None
+    try:
+        client = spawn_client(svc.dir, [str(prog), "60", str(lib)])
+        assert client.stdout.readline().strip() == "ready"
+        pid = client.pid
+        c = svc.wait_for(lambda: (c := _client(svc, pid)) and c["sampling_interval_s"] == 0.8
+                         and c, 40.0, "the client backing off to 0.8 s")
+        assert c["patches_installed"] >= 1 and c["quiet_snapshots"] >= QUIET_BEFORE_BACKOFF + 2
+
+        # backed off: about one window per 0.8 s while the service snapshots every 0.1 s
+        svc_before, mine_before = svc.call("status")["snapshots"], c["snapshots"]
+        time.sleep(2.4)
+        c = _client(svc, pid)
+        svc_n = svc.call("status")["snapshots"] - svc_before
+        mine = c["snapshots"] - mine_before
+        assert svc_n >= 12, svc_n
+        assert 1 <= mine <= 5, (mine, svc_n)
+        assert client.poll() is None
+
+        # new code: back to the full rate within a window or two
+        client.send_signal(signal.SIGUSR1)
+        assert client.stdout.readline().strip() == "opened"
+        svc.wait_for(lambda: (c := _client(svc, pid)) and c["quiet_snapshots"] == 0
+                     and c["sampling_interval_s"] == 0.1, 5.0, "the full rate after dlopen")
+        client.send_signal(signal.SIGTERM)
+        client.wait(timeout=10)
+    finally:
+        kill(client)
+        svc.stop()
