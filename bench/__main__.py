@@ -13,6 +13,8 @@ import time
 QUICK_SKIP = {
     "sampling_overhead": "its runs must last several default snapshot intervals to be "
                          "sampled at all (about a minute); run it by name",
+    "steady_state": "its runs must last long enough for a quiet client's sampling to "
+                    "back off (about 18 minutes); run it by name",
 }
 
 # name -> module with main(argv) -> int, in the order they run.
@@ -22,6 +24,7 @@ BENCHMARKS = [
     ("compare", "bench.compare"),     # issue 6: dbr vs native, PGO, perf, valgrind
     ("codegen_rate", "bench.codegen_rate"),  # issue 5: replacement-code bytes per second
     ("scaling", "bench.scaling"),     # issue 6: 1..64 clients under one service
+    ("steady_state", "bench.steady_state"),  # issue 5: long runs, sampling backoff
 ]
 
 

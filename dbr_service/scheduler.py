@@ -173,7 +173,8 @@ def quick_job(jobs_done: int, has_regions: bool) -> bool:
 
 #: Snapshots in a row that changed nothing before a client's sampling backs off.  The
 #: first snapshots after an installation keep the full rate, so its evaluation (grace,
-#: cold and not-effective verdicts) sees as many windows as before.
+#: cold and not-effective verdicts) sees as many windows as before; so do a client's
+#: first QUICK_JOBS + 1 jobs (service.py).
 QUIET_BEFORE_BACKOFF = 3
 
 

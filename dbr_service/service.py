@@ -40,7 +40,7 @@ from dbr_service.errors import ConfigError, DbrError, SamplingError
 from dbr_service.notify import Notifier
 from dbr_service.paths import AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET
 from dbr_service.sampling.aggregate import SampleAggregator
-from dbr_service.scheduler import (ClientJob, JobResult, Scheduler, quick_job,
+from dbr_service.scheduler import (QUICK_JOBS, ClientJob, JobResult, Scheduler, quick_job,
                                    sampling_interval)
 
 log = logging.getLogger("dbr.service")
@@ -594,7 +594,10 @@ class Service:
                 rid not in s.blocked_regions and (
                     rid not in s.regions or s.regions[rid].state is not RegionState.INSTALLED)
                 for rid in ids)
-            changed = pending or frozenset(ids) != s.last_selected
+            # a client's first jobs (quick ones among them) see few samples: what they
+            # do not find is no sign that nothing is left to find
+            changed = pending or frozenset(ids) != s.last_selected or \
+                s.jobs_done <= QUICK_JOBS + 1
             s.last_selected = frozenset(ids)
         self._judge_quiet(s, changed)
         if res.regions is not None:

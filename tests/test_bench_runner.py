@@ -245,3 +245,34 @@ def test_a_timed_out_run_records_what_its_threads_were_doing(tmp_path):
     compare._check_run(cell, r, 0, "", "test")
     assert cell.status == "timeout" and cell.hung == r.hung
     assert compare.cell_json(cell, None, [])["hung_threads"] == r.hung
+
+
+def test_steady_state_runs_all_three_ways_and_reports_what_the_service_did(tmp_path,
+                                                                          monkeypatch):
+    """bench.steady_state on one short workload: native, host and host-fixed all ran
+    with native's output, ratios are medians over medians, and the service's view
+    of each run (windows sampled, interval) came back by pid."""
+    import bench.common
+    from bench import steady_state
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    assert steady_state.main(["--runs", "2", "--seconds", "0.6", "threads"]) == 0
+    res = json.loads((tmp_path / "steady_state.json").read_text())
+    row = res["workloads"]["threads"]["configs"]
+    assert set(row) == {"native", "host", "host-fixed"}
+    for name, c in row.items():
+        assert len(c["wall_all"]) == len(c["cpu_all"]) == 2
+        assert c["wall_ratio"] == pytest.approx(
+            statistics.median(c["wall_all"]) / statistics.median(row["native"]["wall_all"]))
+        if name != "native":
+            assert len(c["service"]) == 2 and all("missing" not in s for s in c["service"])
+            assert all(s["sampling_interval_s"] in (0.0, 1.0) for s in c["service"])
+    assert "| threads | host-fixed |" in res["markdown"]
+    assert json.loads((tmp_path / "latest.json").read_text())["benchmarks"]["steady_state"]
+
+
+def test_steady_state_rejects_unknown_workloads():
+    from bench import steady_state
+
+    with pytest.raises(SystemExit):
+        steady_state.main(["no-such-workload"])
