@@ -174,7 +174,8 @@ def quick_job(jobs_done: int, has_regions: bool) -> bool:
 #: Snapshots in a row that changed nothing before a client's sampling backs off.  The
 #: first snapshots after an installation keep the full rate, so its evaluation (grace,
 #: cold and not-effective verdicts) sees as many windows as before; so do a client's
-#: first QUICK_JOBS + 1 jobs (service.py).
+#: first QUICK_JOBS + 1 jobs (service.py: a quick job that finds nothing is no sign that
+#: nothing is left to find).
 QUIET_BEFORE_BACKOFF = 3
 
 
