@@ -839,6 +839,145 @@ def test_fallthrough_callee_without_branches_is_not_taken_for_an_ip_only_profile
     assert sr.block(0x100).count == 0
 
 
+def _branch_over_unsampled(samples_at_branch: float, doomed: bool = True) -> SuperRegion:
+    """inner() of the throw e2e program: a sampled block (4 insns) whose jcc goes
+    either to a one-instruction ``ret`` or to a 6-instruction throw path that calls
+    out twice, the second time never to return (``doomed``; else it jumps on to
+    other code); neither successor drew a sample (a ret's samples skid onto the
+    return address)."""
+    b = Builder()
+    b.block(0x100, (3, 3, 4, 6), T.JCC, targets=[0x200], ft=0x110, samples=samples_at_branch)
+    b.block(0x110, (1,), T.RET)
+    b.block(0x200, (4, 4), T.FALLTHROUGH)
+    b.block(0x208, (5,), T.CALL, targets=[0x900], ft=0x20D)
+    b.block(0x20D, (3, 4), T.FALLTHROUGH)
+    if doomed:
+        b.block(0x214, (5,), T.CALL, targets=[0x908], ft=None)
+    else:
+        b.block(0x214, (5,), T.JMP, targets=[0x908])
+    b.entry(0x100)
+    b.ft(0x100, 0x110)
+    b.flow(0x100, 0x200)
+    b.exit(0x110, 0)
+    b.ft(0x200, 0x208)
+    b.call(0x208, 0x900, cont=0x20D)
+    b.ft(0x20D, 0x214)
+    if doomed:
+        b.call(0x214, 0x908)
+    else:
+        b.exit(0x214, 0x908)
+    return b.sr
+
+
+def test_fallthrough_ip_only_unsampled_successors_share_by_likelihood():
+    """Where no successor of a branch was sampled, flow goes where its absence of
+    samples is likeliest: the one-instruction ret, not the long throw path (an even
+    split made the throw path's calls hot and kept its function from being
+    inlined: the throw e2e program selected no region on an AMD EPYC)."""
+    sr = _branch_over_unsampled(400, doomed=False)
+    compute_fall_through_only(sr)
+    assert sr.block(0x100).count == 100
+    assert edge_count(sr, 0x100, 0x110) == pytest.approx(100)
+    assert sr.block(0x200).count < 1e-6 and sr.block(0x214).count < 1e-6
+    sr.verify()
+    # hardly any samples: their absence says little, the split stays near even
+    sr = _branch_over_unsampled(0.2, doomed=False)
+    compute_fall_through_only(sr)
+    share = edge_count(sr, 0x100, 0x200) / sr.block(0x100).count
+    assert 0.3 < share < 0.5
+
+
+def test_fallthrough_ip_only_doomed_path_keeps_only_its_own_samples():
+    """One stray sample on the throw path (it ends in a call that never returns)
+    against an unsampled ret: proportional splitting sent the throw path all of the
+    branch's count; it keeps what its samples show, the rest goes to the ret."""
+    sr = _branch_over_unsampled(400)
+    sr.block(0x20D).samples = 1                       # 1 sample over its 6-insn group
+    compute_fall_through_only(sr)
+    assert sr.block(0x200).count == pytest.approx(1 / 6)
+    assert edge_count(sr, 0x100, 0x110) == pytest.approx(100 - 1 / 6)
+    sr.verify()
+    # no ret to go to: a branch between two doomed paths splits as before
+    sr = _branch_over_unsampled(400)
+    sr.g.remove_node(0x110)
+    sr.block(0x100).fallthrough = None
+    sr.add_edge(0x100, 0x214, EdgeKind.FLOW)
+    compute_fall_through_only(sr)
+    assert sr.block(0x100).count + 1e-9 >= edge_count(sr, 0x100, 0x214) > 0
+
+
+def test_doomed_blocks_end_in_calls_that_never_return_and_not_in_loops():
+    from dbr_service.region.fallthrough import doomed_blocks
+    sr = _branch_over_unsampled(400)
+    assert doomed_blocks(sr) == {0x200, 0x208, 0x20D, 0x214}
+    sr.add_edge(0x20D, 0x200, EdgeKind.FLOW)          # a loop on the way: not doomed
+    assert doomed_blocks(sr) == {0x214}
+    sr = _branch_over_unsampled(400)
+    sr.add_edge(0x20D, END, EdgeKind.EXIT, target=0x777)    # may leave: not doomed
+    assert doomed_blocks(sr) == {0x214}
+
+
+def test_inline_noreturn_call_in_callee_does_not_block_inlining():
+    """A hot call that never returns (hot by a bad estimate, or a program that really
+    throws often) exits to original code; its function is still inlined."""
+    b = Builder()
+    b.block(0x10, (5,), T.CALL, targets=[0x100], ft=0x15, count=100)
+    b.block(0x15, (4,), T.JCC, targets=[0x10], ft=0x19, count=100)
+    b.block(0x19, (1,), T.RET)
+    b.block(0x100, (4,), T.JCC, targets=[0x200], ft=0x104, count=100)
+    b.block(0x104, (1,), T.RET, count=50)
+    b.block(0x200, (5,), T.CALL, targets=[0x900], ft=None, count=50)
+    b.entry(0x10, 1)
+    b.call(0x10, 0x100, count=100, cont=0x15)
+    b.flow(0x15, 0x10, 99)
+    b.ft(0x15, 0x19, 1)
+    b.exit(0x19, 0, 1)
+    b.ft(0x100, 0x104, 50)
+    b.flow(0x100, 0x200, 50)
+    b.exit(0x104, 0, 50)
+    b.call(0x200, 0x900, count=50)
+    sr = b.sr
+    c = Counter()
+    inline_hot_calls([sr], hot_threshold=10, inline_budget=4.0, counters=c)
+    sites = sr.info["inline"]["sites"]
+    assert sites[0x10]["decision"] == "inlined", sites
+    assert sites[0x200]["reason"] == "never-returns"
+    assert c["rejected-callee-has-hot-calls"] == 0
+
+
+def test_inline_a_callee_whose_unsampled_throw_path_calls_out():
+    """The pipeline on a caller loop calling the function above: the call is inlined
+    (its throw path is cold, pruned) and the region survives."""
+    b = Builder()
+    b.block(0x10, (5,), samples=50)
+    b.block(0x15, (5,), T.CALL, targets=[0x100], ft=0x1A, samples=50)
+    b.block(0x1A, (4,), T.JCC, targets=[0x10], ft=0x1E, samples=40)
+    b.block(0x1E, (1,), T.RET)
+    b.entry(0x10)
+    b.ft(0x10, 0x15)
+    b.call(0x15, 0x100, cont=0x1A)
+    b.flow(0x1A, 0x10)
+    b.ft(0x1A, 0x1E)
+    b.exit(0x1E, 0)
+    callee = _branch_over_unsampled(400)
+    for k, bb_ in callee.blocks():
+        b.sr.add_block(bb_)
+    for u, v, d in callee.g.edges(data=True):
+        if u == START or v == END:
+            continue
+        b.sr.add_edge(u, v, d["kind"], 0.0)
+    b.sr.add_edge(START, 0x100, EdgeKind.ENTRY, 0.0)
+    b.exit(0x110, 0)
+    b.exit(0x208, 0x900)
+    b.exit(0x214, 0x908)
+    res = run_pipeline(b.sr, None, RegionConfig(hot_threshold=2))
+    assert res.failures == []
+    [sr] = res.regions
+    assert sr.info["inline"]["sites"][0x15]["decision"] == "inlined"
+    assert 0x200 not in sr.g and not any(isinstance(k, CloneKey) and k.start == 0x200
+                                         for k in sr.g)
+
+
 # ---- CUT-WIDE-DISPATCH ---------------------------------------------------------------
 def _dispatch_loop(n_targets: int) -> SuperRegion:
     """head -> dispatch (indirect jmp over ``n_targets`` cases) -> case_i -> head: an

@@ -16,6 +16,9 @@ A call site (block ending in ``call``/indirect call, in any SR) is inlined when:
    inlined first (bottom-up); a callee whose hot call was rejected is never
    inlined, and call sites that wait on each other (recursion) are rejected;
    direct recursion (the call block is in its own callee) is rejected at once;
+   a call that never returns (``__cxa_throw``, ``abort``: discovery gave it no
+   fall-through) is no hot call here: it exits to original code, where nothing
+   comes back to the clone anyway;
 5. the caller SR's code growth stays within its budget:
    ``max(inline_min_budget_bytes, inline_budget * body bytes before inlining)``,
    i.e. ``inline_budget`` is a *ratio* (1.0 lets a region double).
@@ -64,6 +67,14 @@ def is_call_block(bb: BasicBlock) -> bool:
     return bb.term in CALL_TERMS
 
 
+def never_returns(bb: BasicBlock) -> bool:
+    """A call discovery knows never returns (``abort``, ``__cxa_throw``...: no
+    fall-through).  Such a site never waits on or rejects its function's inlining:
+    exiting to the call in original code loses nothing, nothing comes back."""
+    return is_call_block(bb) and bb.fallthrough is None and bool(bb.targets) \
+        and not bb.unknown_target
+
+
 class _Inliner:
     def __init__(self, regions: list[SuperRegion], hot_threshold: float, budget_ratio: float,
                  min_budget_bytes: int, counters: Counter) -> None:
@@ -84,7 +95,7 @@ class _Inliner:
         self.status: dict[Site, str] = {}
         for sr in regions:
             for k, bb in sr.blocks():
-                if is_call_block(bb) and bb.count >= self.thr:
+                if is_call_block(bb) and bb.count >= self.thr and not never_returns(bb):
                     self.status[(sr.id, k)] = "pending"
 
     # ---- queries -------------------------------------------------------------
@@ -95,7 +106,7 @@ class _Inliner:
 
     def _site_state(self, sr: SuperRegion, k: NodeKey) -> str:
         bb = sr.block(k)
-        if not is_call_block(bb) or bb.count < self.thr:
+        if not is_call_block(bb) or bb.count < self.thr or never_returns(bb):
             return "cold"
         return self.status.get((sr.id, k), "pending")
 
@@ -327,7 +338,8 @@ def remove_call_blocks(sr: SuperRegion, inlined: set[NodeKey],
                 conts[v] += sr.g.edges[c, v]["count"]
         sr.g.remove_node(c)
         sites.setdefault(c, {"call_insn": bb.last_insn[0], "decision": "exit",
-                             "reason": "cold", "targets": list(bb.targets)})
+                             "reason": "never-returns" if never_returns(bb) else "cold",
+                             "targets": list(bb.targets)})
         counters["call-blocks-removed"] += 1
     connect_terminals(sr, prefer=conts, counters=counters)
     # Original code now runs each removed call and comes back at its continuation.
