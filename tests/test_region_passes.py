@@ -18,6 +18,7 @@ from dbr_service.region.pipeline import PASSES, RegionConfig, run_pipeline
 from dbr_service.region.prune import prune_code, remove_cold_tails
 
 from region_graphs import FT, Builder, T, edge_count
+from region_graphs import bb as bb_
 
 
 def entries(sr: SuperRegion) -> list[int]:
@@ -976,6 +977,49 @@ def test_inline_a_callee_whose_unsampled_throw_path_calls_out():
     assert sr.info["inline"]["sites"][0x15]["decision"] == "inlined"
     assert 0x200 not in sr.g and not any(isinstance(k, CloneKey) and k.start == 0x200
                                          for k in sr.g)
+
+
+def test_ip_only_call_site_takes_its_callee_entry_count():
+    """A loop whose body is a call draws few samples itself (the calls workload on
+    an AMD EPYC: 3 of 796), its callee many.  The call site runs as often as the
+    callee is entered, so the call is hot, inlined, and the loop kept."""
+    from dbr_service.region.fallthrough import call_site_floors
+
+    def profile():
+        b = Builder()
+        b.block(0x10, (3, 2))
+        b.block(0x15, (5,), T.CALL, targets=[0x100], ft=0x1A)
+        b.block(0x1A, (3, 2), T.JCC, targets=[0x10], ft=0x1F, samples=1)
+        b.block(0x1F, (1,), T.RET)
+        b.block(0x100, (4, 4, 4, 4), samples=60)
+        b.block(0x110, (1,), T.RET)
+        b.entry(0x10)
+        b.ft(0x10, 0x15)
+        b.call(0x15, 0x100, cont=0x1A)
+        b.flow(0x1A, 0x10)
+        b.ft(0x1A, 0x1F)
+        b.exit(0x1F, 0)
+        b.ft(0x100, 0x110)
+        b.exit(0x110, 0)
+        return b.sr
+
+    sr = profile()
+    compute_fall_through_only(sr)
+    assert call_site_floors([sr]) == {sr.id: {0x15: pytest.approx(12)}}   # 60 samples / 5 insns
+    res = run_pipeline(profile(), None, RegionConfig(hot_threshold=2))
+    assert res.counters["fall-through-only"]["call-site-floors"] == 1
+    [kept] = res.regions
+    assert kept.info["inline"]["sites"][0x15]["decision"] == "inlined"
+    assert any(lp.trip_count >= 2 for lp in loop_forest(kept).loops())
+    # two call sites share the callee's count by their own counts
+    sr = profile()
+    sr.add_block(bb_(0x40, (5,), T.CALL, targets=[0x100], ft=None, samples=3))
+    sr.add_edge(START, 0x40, EdgeKind.ENTRY)
+    sr.add_edge(0x40, END, EdgeKind.EXIT, target=0x100)
+    compute_fall_through_only(sr)
+    floors = call_site_floors([sr])[sr.id]
+    assert floors[0x15] + floors[0x40] == pytest.approx(12)
+    assert floors[0x40] > floors[0x15]
 
 
 # ---- CUT-WIDE-DISPATCH ---------------------------------------------------------------

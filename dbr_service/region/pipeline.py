@@ -155,10 +155,34 @@ class FallThroughOnlyPass(RegionPass):
     def applies(self, config):
         return not config.measured_counts
 
+    #: Rounds of call-site floors: a floor raises a caller's counts, which can
+    #: raise its own entry count and so its callers' floors (main -> step -> mix).
+    FLOOR_ROUNDS = 4
+
     def run(self, regions, ctx):
         # One profile: branch counts anywhere mean the sampler gives them.
         self.ip_only = not any(fallthrough.has_branch_counts(sr) for sr in regions)
-        return super().run(regions, ctx)
+        self.floors: dict = {}
+        out = super().run(regions, ctx)
+        if not self.ip_only:
+            return out
+        for _ in range(self.FLOOR_ROUNDS):
+            new = fallthrough.call_site_floors(out)
+            if not new:
+                break
+            failed = set()
+            for sr in out:
+                if sr.id not in new:
+                    continue
+                self.floors.setdefault(sr.id, {}).update(new[sr.id])
+                self.counters["call-site-floors"] += len(new[sr.id])
+                try:
+                    fallthrough.estimate_from_samples(sr, floors=self.floors[sr.id])
+                except Exception as exc:
+                    ctx.fail(sr, exc)
+                    failed.add(sr.id)
+            out = [sr for sr in out if sr.id not in failed]
+        return out
 
     def run_region(self, sr, ctx):
         fallthrough.compute_fall_through_only(sr, self.counters, ip_only=self.ip_only)
