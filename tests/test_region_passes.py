@@ -946,20 +946,28 @@ def test_inline_noreturn_call_in_callee_does_not_block_inlining():
     assert c["rejected-callee-has-hot-calls"] == 0
 
 
-def test_inline_a_callee_whose_unsampled_throw_path_calls_out():
-    """The pipeline on a caller loop calling the function above: the call is inlined
-    (its throw path is cold, pruned) and the region survives."""
+def _caller_loop(samples=(0, 0, 0)) -> Builder:
+    """A loop at 0x10 whose body calls 0x100 (not built here): 0x10 (2 insns),
+    the call at 0x15, the jcc back at 0x1A, then a ret; ``samples`` of the first
+    three blocks."""
     b = Builder()
-    b.block(0x10, (5,), samples=50)
-    b.block(0x15, (5,), T.CALL, targets=[0x100], ft=0x1A, samples=50)
-    b.block(0x1A, (4,), T.JCC, targets=[0x10], ft=0x1E, samples=40)
-    b.block(0x1E, (1,), T.RET)
+    b.block(0x10, (3, 2), samples=samples[0])
+    b.block(0x15, (5,), T.CALL, targets=[0x100], ft=0x1A, samples=samples[1])
+    b.block(0x1A, (3, 2), T.JCC, targets=[0x10], ft=0x1F, samples=samples[2])
+    b.block(0x1F, (1,), T.RET)
     b.entry(0x10)
     b.ft(0x10, 0x15)
     b.call(0x15, 0x100, cont=0x1A)
     b.flow(0x1A, 0x10)
-    b.ft(0x1A, 0x1E)
-    b.exit(0x1E, 0)
+    b.ft(0x1A, 0x1F)
+    b.exit(0x1F, 0)
+    return b
+
+
+def test_inline_a_callee_whose_unsampled_throw_path_calls_out():
+    """The pipeline on a caller loop calling the function above: the call is inlined
+    (its throw path is cold, pruned) and the region survives."""
+    b = _caller_loop((50, 50, 40))
     callee = _branch_over_unsampled(400)
     for k, bb_ in callee.blocks():
         b.sr.add_block(bb_)
@@ -986,19 +994,10 @@ def test_ip_only_call_site_takes_its_callee_entry_count():
     from dbr_service.region.fallthrough import call_site_floors
 
     def profile():
-        b = Builder()
-        b.block(0x10, (3, 2))
-        b.block(0x15, (5,), T.CALL, targets=[0x100], ft=0x1A)
-        b.block(0x1A, (3, 2), T.JCC, targets=[0x10], ft=0x1F, samples=1)
-        b.block(0x1F, (1,), T.RET)
+        b = _caller_loop((0, 0, 1))
         b.block(0x100, (4, 4, 4, 4), samples=60)
         b.block(0x110, (1,), T.RET)
-        b.entry(0x10)
-        b.ft(0x10, 0x15)
-        b.call(0x15, 0x100, cont=0x1A)
-        b.flow(0x1A, 0x10)
-        b.ft(0x1A, 0x1F)
-        b.exit(0x1F, 0)
+        b.entry(0x100)
         b.ft(0x100, 0x110)
         b.exit(0x110, 0)
         return b.sr
