@@ -436,9 +436,10 @@ class HostService:
     """A ``dbr service`` with default settings and a private DBR_RUNTIME_DIR, started once
     and left running for the whole benchmark, as on a host that runs it all the time."""
 
-    def __init__(self) -> None:
+    def __init__(self, overrides: list[str] | None = None) -> None:
         self.rt: str | None = None
         self.proc: subprocess.Popen | None = None
+        self.overrides = list(overrides or [])
 
     def start(self, env: dict[str, str]) -> str | None:
         """None once it serves, else why it is unavailable."""
@@ -446,7 +447,8 @@ class HostService:
         import tempfile
 
         self.rt = tempfile.mkdtemp(prefix="dbr-bench-host-")
-        self.proc = subprocess.Popen([_dbr_exe(), "service"], env=dict(env, DBR_RUNTIME_DIR=self.rt),
+        args = [_dbr_exe(), "service"] + [a for o in self.overrides for a in ("-o", o)]
+        self.proc = subprocess.Popen(args, env=dict(env, DBR_RUNTIME_DIR=self.rt),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         atexit.register(self.stop)
         deadline = time.monotonic() + 30
@@ -608,6 +610,23 @@ class ThreadOnly(Config):
         return preload_env(env, self.lib)
 
 
+class DbrPreloadSampling(DbrPreload):
+    """``dbr-preload`` with the host service's patching off: the agent and the sampling
+    of a deployed host without any replacement code.  Next to ``dbr-preload`` it tells
+    what the installed regions themselves gain or cost."""
+
+    name = "dbr-preload-sampling"
+    what = "dbr-preload with the host service's patching disabled (agent + sampling only)"
+
+    def check(self, ctx, env, tmp):
+        override, why = sampling_only_override()
+        if override is None:
+            return why
+        self.host = HostService([override])
+        self.what = f"dbr-preload, host service with -o {override}"
+        return super().check(ctx, env, tmp)
+
+
 def default_configs() -> list[Config]:
     return [Native(), Dbr(), DbrHost(), DbrPreload(), ThreadOnly(), DbrSampling(), Perf(),
             Valgrind(), Pgo()]
@@ -616,6 +635,7 @@ def default_configs() -> list[Config]:
 EXTRA_CONFIGS: dict[str, Callable[[], Config]] = {
     "dbr-aggressive": lambda: _named(Dbr(flags=["--aggressive"]), "dbr-aggressive",
                                      "dbr run --embedded --aggressive"),
+    "dbr-preload-sampling": DbrPreloadSampling,
 }
 
 

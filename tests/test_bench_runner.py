@@ -230,6 +230,28 @@ def test_preload_and_thread_only_configs(tmp_path):
     assert preload.host.proc.poll() is not None
 
 
+def test_preload_sampling_config_runs_its_host_service_with_patching_off(tmp_path):
+    """dbr-preload-sampling: the same deployed form, its host service told not to patch
+    (the key comes from the service's configuration, as for dbr-sampling)."""
+    import os
+
+    from dbr_service.ctlclient import ControlClient
+
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    ctx = suite.Ctx(quick=True, cache=tmp_path / "cache", log=lambda m: None)
+    [cfg] = [c for c in compare.select_configs("dbr-preload-sampling") if c.name != "native"]
+    try:
+        assert cfg.check(ctx, env, tmp_path) is None, "the host service must start"
+        key, value = compare.sampling_only_override()[0].split("=")
+        got = ControlClient(cfg.host.rt).result("config_get", {"key": key})
+        assert str(got[key]).lower() == value, got
+        assert cfg.environ(env)["LD_PRELOAD"].endswith("libdbr_agent.so")
+    finally:
+        cfg.host.stop()
+    assert cfg.host.proc.poll() is not None
+
+
 def test_a_timed_out_run_records_what_its_threads_were_doing(tmp_path):
     """Before a run over its time is killed, every thread of its session is recorded
     (state, wait channel, syscall): the evidence for chasing a hang later."""
