@@ -322,8 +322,7 @@ def doomed_blocks(sr: SuperRegion) -> set[NodeKey]:
     g = sr.g
     doomed: set[NodeKey] = set()
     for k, bb in sr.blocks():
-        if bb.term == TermKind.HALT or (bb.term in _CALLS and bb.fallthrough is None
-                                        and not bb.unknown_target and bb.targets):
+        if bb.term == TermKind.HALT or bb.never_returns:
             doomed.add(k)
     changed = True
     while changed:
@@ -370,11 +369,10 @@ def _split_out_edges(sr: SuperRegion, u: NodeKey, cu: float, count_of,
         return
     if evidence is not None and any(v in doomed for v in outs) \
             and not all(v in doomed for v in outs):
-        for v in outs:
-            if v in doomed:
-                own = min(cu, evidence(v)[0])
-                _set_edge(sr, u, v, own)
-        cu = max(0.0, cu - sum(min(cu, evidence(v)[0]) for v in outs if v in doomed))
+        own = {v: min(cu, evidence(v)[0]) for v in outs if v in doomed}
+        for v, c in own.items():
+            _set_edge(sr, u, v, c)
+        cu = max(0.0, cu - sum(own.values()))
         outs = [v for v in outs if v not in doomed]
     body = [v for v in outs if v != END]
     if evidence is not None and body and all(evidence(v)[0] <= 0 for v in body):

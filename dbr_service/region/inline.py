@@ -67,14 +67,6 @@ def is_call_block(bb: BasicBlock) -> bool:
     return bb.term in CALL_TERMS
 
 
-def never_returns(bb: BasicBlock) -> bool:
-    """A call discovery knows never returns (``abort``, ``__cxa_throw``...: no
-    fall-through).  Such a site never waits on or rejects its function's inlining:
-    exiting to the call in original code loses nothing, nothing comes back."""
-    return is_call_block(bb) and bb.fallthrough is None and bool(bb.targets) \
-        and not bb.unknown_target
-
-
 class _Inliner:
     def __init__(self, regions: list[SuperRegion], hot_threshold: float, budget_ratio: float,
                  min_budget_bytes: int, counters: Counter) -> None:
@@ -95,7 +87,7 @@ class _Inliner:
         self.status: dict[Site, str] = {}
         for sr in regions:
             for k, bb in sr.blocks():
-                if is_call_block(bb) and bb.count >= self.thr and not never_returns(bb):
+                if is_call_block(bb) and bb.count >= self.thr and not bb.never_returns:
                     self.status[(sr.id, k)] = "pending"
 
     # ---- queries -------------------------------------------------------------
@@ -106,7 +98,7 @@ class _Inliner:
 
     def _site_state(self, sr: SuperRegion, k: NodeKey) -> str:
         bb = sr.block(k)
-        if not is_call_block(bb) or bb.count < self.thr or never_returns(bb):
+        if not is_call_block(bb) or bb.count < self.thr or bb.never_returns:
             return "cold"
         return self.status.get((sr.id, k), "pending")
 
@@ -338,7 +330,7 @@ def remove_call_blocks(sr: SuperRegion, inlined: set[NodeKey],
                 conts[v] += sr.g.edges[c, v]["count"]
         sr.g.remove_node(c)
         sites.setdefault(c, {"call_insn": bb.last_insn[0], "decision": "exit",
-                             "reason": "never-returns" if never_returns(bb) else "cold",
+                             "reason": "never-returns" if bb.never_returns else "cold",
                              "targets": list(bb.targets)})
         counters["call-blocks-removed"] += 1
     connect_terminals(sr, prefer=conts, counters=counters)

@@ -143,6 +143,13 @@ class BasicBlock:
     def last_insn(self) -> tuple[int, int]:
         return self.insns[-1]
 
+    @property
+    def never_returns(self) -> bool:
+        """A call discovery knows never returns (``abort``, ``__cxa_throw``...): it
+        gave the call no fall-through."""
+        return self.term in (TermKind.CALL, TermKind.ICALL) and self.fallthrough is None \
+            and bool(self.targets) and not self.unknown_target
+
     def contains(self, addr: int) -> bool:
         return self.start <= addr < self.end
 
