@@ -541,7 +541,6 @@ class Service:
                                       branches=window.branch_counts(s.pid),
                                       patched=s.patched_ranges(),
                                       quick=quick_job(s.jobs_done, bool(s.regions))))
-        queued: set[int] = set()
         if jobs and not self.paused:
             queued = set(self.scheduler.schedule(jobs, self.config.max_workers))
             for s in done:
