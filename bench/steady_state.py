@@ -37,6 +37,7 @@ from pathlib import Path
 
 import dbr_agent
 from bench.common import Results, machine, spread, write_results
+from bench.compare import HostService
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,31 +71,6 @@ WORKLOADS = {
 def _build(d: Path) -> None:
     subprocess.run(["gcc", "-O2", "-pthread", "-o", str(d / "threads"),
                     str(ROOT / "tests" / "e2e_progs" / "threads.c")], check=True)
-
-
-def _start_service(rt: Path, opts: list[str]) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "dbr_service.cli", "service"]
-    for o in opts:
-        argv += ["-o", o]
-    p = subprocess.Popen(argv, env=dict(os.environ, DBR_RUNTIME_DIR=str(rt)),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while not (rt / "control.sock").exists():
-        if time.monotonic() > deadline or p.poll() is not None:
-            p.kill()
-            raise SystemExit(f"dbr service ({' '.join(opts) or 'defaults'}) did not start")
-        time.sleep(0.05)
-    time.sleep(0.5)
-    return p
-
-
-def _stop(p: subprocess.Popen) -> None:
-    p.terminate()
-    try:
-        p.wait(15)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait(5)
 
 
 def _run(argv: list[str], env: dict[str, str], timeout: float) -> tuple[float, float, str, int]:
@@ -164,18 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dbr-steady-") as td:
         d = Path(td)
         _build(d)
-        rts = {"host": d / "rt-host", "host-fixed": d / "rt-fixed"}
-        for rt in rts.values():
-            rt.mkdir()
-        svcs = {"host": _start_service(rts["host"], []),
-                "host-fixed": _start_service(rts["host-fixed"], ["snapshot_backoff_max_s=0"])}
         base = dict(os.environ)
         base.pop("LD_PRELOAD", None)
-        envs = {"native": base,
-                **{k: dict(base, DBR_RUNTIME_DIR=str(rt), LD_PRELOAD=agent)
-                   for k, rt in rts.items()}}
-        configs = list(envs)
+        svcs = {"host": HostService(), "host-fixed": HostService(["snapshot_backoff_max_s=0"])}
         try:
+            for name, svc in svcs.items():
+                why = svc.start(base)
+                if why is not None:
+                    raise SystemExit(f"dbr service ({name}): {why}")
+            rts = {k: Path(svc.rt) for k, svc in svcs.items()}
+            envs = {"native": base,
+                    **{k: dict(base, DBR_RUNTIME_DIR=str(rt), LD_PRELOAD=agent)
+                       for k, rt in rts.items()}}
+            configs = list(envs)
             for w in names:
                 build, per_s = WORKLOADS[w]
                 cmd = build(int(per_s * secs), d)
@@ -215,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                         row["configs"][c]["service"] = info[c]
                 results["workloads"][w] = row
         finally:
-            for p in svcs.values():
-                _stop(p)
+            for svc in svcs.values():
+                svc.stop()
     md = _markdown(results)
     print(md)
     results["markdown"] = md
