@@ -479,6 +479,12 @@ def test_free_buffer_in_use_is_refused(svc, storm_exe):
     assert conn.patch(ps) == [P.Result.OK]
     assert conn.free_buffer(buf.buffer_id) == P.Result.E_IN_USE
     assert conn.unpatch(ps) == [P.Result.OK]
+    # as the service does before it frees code: no thread may still be inside (a
+    # worker preempted in the stub would resume in unmapped memory: CI saw SIGSEGV)
+    deadline = time.monotonic() + 10
+    while any(e.state == P.CENSUS_OK and buf.base <= e.pc < buf.base + buf.size
+              for e in conn.census(timeout_ms=300)):
+        assert time.monotonic() < deadline, "a thread stayed in the buffer after unpatch"
     assert conn.free_buffer(buf.buffer_id) == P.Result.OK
     rc, _ = client.finish()
     assert rc == 0
