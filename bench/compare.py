@@ -627,6 +627,19 @@ class DbrPreloadSampling(DbrPreload):
         return super().check(ctx, env, tmp)
 
 
+class DbrPreloadPthread(DbrPreload):
+    """``dbr-preload`` with the agent's thread made by pthread_create
+    (``DBR_AGENT_THREAD=pthread``), as before 2026-11-25: glibc then leaves its
+    single-threaded paths (stdio and malloc locks) for good.  Next to ``dbr-preload``
+    it tells what hiding the agent's thread from glibc saves."""
+
+    name = "dbr-preload-pthread"
+    what = "dbr-preload with DBR_AGENT_THREAD=pthread (the agent's thread known to glibc)"
+
+    def environ(self, env):
+        return {**super().environ(env), "DBR_AGENT_THREAD": "pthread"}
+
+
 def default_configs() -> list[Config]:
     return [Native(), Dbr(), DbrHost(), DbrPreload(), ThreadOnly(), DbrSampling(), Perf(),
             Valgrind(), Pgo()]
@@ -636,6 +649,7 @@ EXTRA_CONFIGS: dict[str, Callable[[], Config]] = {
     "dbr-aggressive": lambda: _named(Dbr(flags=["--aggressive"]), "dbr-aggressive",
                                      "dbr run --embedded --aggressive"),
     "dbr-preload-sampling": DbrPreloadSampling,
+    "dbr-preload-pthread": DbrPreloadPthread,
 }
 
 

@@ -169,6 +169,8 @@ C_PROGS = [
           what="hot loop calling a shared library (built by the suite) through the PLT"),
     CProg("branchy", ["branchy.c"], ["200"], ["40"], ["10"],
           what="branchy classifier whose common cases are marked unlikely (poor layout)"),
+    CProg("stdio", ["stdio.c"], ["40"], ["10"], ["2"],
+          what="character-at-a-time stdio: putc and getc through a temporary file"),
 ]
 
 

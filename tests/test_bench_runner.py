@@ -252,6 +252,21 @@ def test_preload_sampling_config_runs_its_host_service_with_patching_off(tmp_pat
     assert cfg.host.proc.poll() is not None
 
 
+def test_preload_pthread_config_asks_the_agent_for_a_pthread(tmp_path):
+    """dbr-preload-pthread: dbr-preload's environment plus DBR_AGENT_THREAD=pthread (the
+    agent as before its thread was hidden from glibc), so the two can be compared."""
+    import dbr_agent
+
+    [cfg] = [c for c in compare.select_configs("dbr-preload-pthread") if c.name != "native"]
+    cfg.agent = dbr_agent.agent_path()
+    env = cfg.environ({"PATH": "/usr/bin:/bin"})
+    assert env["DBR_AGENT_THREAD"] == "pthread"
+    assert env["LD_PRELOAD"].endswith("libdbr_agent.so")
+    plain = compare.DbrPreload()
+    plain.agent = cfg.agent
+    assert "DBR_AGENT_THREAD" not in plain.environ({"PATH": "/usr/bin:/bin"})
+
+
 def test_a_timed_out_run_records_what_its_threads_were_doing(tmp_path):
     """Before a run over its time is killed, every thread of its session is recorded
     (state, wait channel, syscall): the evidence for chasing a hang later."""
