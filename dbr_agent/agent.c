@@ -43,6 +43,7 @@ static int g_wake[2] = { -1, -1 };
 static int g_exiting;
 static int g_retired;        /* the agent stopped for good here (dbr_agent_retire) */
 static int g_thread_started; /* an agent thread was created (it may not have run yet) */
+static int g_bye_sent;       /* this session's BYE went out (g_send_mu) */
 static int g_forked;
 static int g_on_disconnect = DBR_DISCONNECT_KEEP;
 static uint32_t g_map_wait_ms;
@@ -138,6 +139,8 @@ int dbr_send(void *msg, uint32_t type, uint32_t len, int fd, int from_client)
         rc = DBR_E_PROTO;
         goto out;
     }
+    if (type == DBR_MSG_BYE && g_bye_sent)
+        goto out;      /* one BYE a session, whichever thread sends it */
     h->seq = ++g_seq;
     memset(&mh, 0, sizeof mh);
     iov.iov_base = msg;
@@ -161,6 +164,8 @@ int dbr_send(void *msg, uint32_t type, uint32_t len, int fd, int from_client)
     while (n < 0 && errno == EINTR);
     if (n != (ssize_t)len)
         rc = n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? DBR_E_TIMEOUT : DBR_E_PROTO;
+    else if (type == DBR_MSG_BYE)
+        g_bye_sent = 1;
 out:
     pthread_mutex_unlock(&g_send_mu);
     return rc;
@@ -502,7 +507,7 @@ static int handle(size_t n)
         struct dbr_patch_result *rep;
         size_t len = sizeof *rep + (size_t)b->n * sizeof rep->results[0];
 
-        rep = calloc(1, len);
+        rep = dbr_alloc(len);
         if (!rep) {
             send_error(DBR_E_NOMEM, h->seq, "out of memory");
             return END_ERROR;
@@ -513,7 +518,7 @@ static int handle(size_t n)
         dbr_patch_batch(b->sites, b->n, h->type == DBR_MSG_UNPATCH, rep->results);
         pthread_mutex_unlock(&g_agent_mu);
         rc = dbr_send(rep, DBR_MSG_PATCH_RESULT, (uint32_t)len, -1, 0);
-        free(rep);
+        dbr_free(rep);
         break;
     }
     case DBR_MSG_PC_CENSUS_REQ: {
@@ -613,7 +618,8 @@ static int send_hello(void)
     m.ppid = (uint32_t)getppid();
     m.uid = (uint32_t)getuid();
     m.flags = (g_sync_core ? DBR_HELLO_SYNC_CORE : 0) | (g_forked ? DBR_HELLO_FORKED : 0) |
-              (g_forked && dbr_any_installed() ? DBR_HELLO_INHERITED : 0);
+              (g_forked && dbr_any_installed() ? DBR_HELLO_INHERITED : 0) |
+              (dbr_thread_hidden() ? DBR_HELLO_HIDDEN_THREAD : 0);
     m.agent_version = DBR_AGENT_VERSION;
     m.n_threads = (uint32_t)dbr_count_threads();
     m.page_size = (uint32_t)dbr_page_size();
@@ -702,6 +708,20 @@ void dbr_agent_poke(void)
     errno = e;
 }
 
+/* The program changed its credentials and the agent's thread could not take
+ * the same ones: it must not go on with others.  The session ends with BYE
+ * (stopping()) and the thread returns, as when the agent steps aside. */
+static int creds_failed(void)
+{
+    if (dbr_thread_creds_result() == 0)
+        return 0;
+    if (!__atomic_exchange_n(&g_retired, 1, __ATOMIC_ACQ_REL)) {
+        dbr_log("cannot take the program's new credentials: the agent steps aside");
+        dbr_sampler_stop();
+    }
+    return 1;
+}
+
 /* Wait for readability of fd (-1: none) or the wake pipe.  1 readable, 0
  * timeout or woken.  The only place the agent thread sleeps between
  * requests, so it is also where it notices that the program has ended. */
@@ -729,6 +749,8 @@ static int wait_readable(int fd, int timeout_ms)
                     ;
             woken = 1;
         }
+        if (dbr_thread_apply_creds() && creds_failed())
+            return 0;
         now = dbr_now_ms();
         if (woken)
             g_watch_until = now + LONELY_WATCH_MS;
@@ -745,11 +767,27 @@ static void end_session(int fd, int how)
     int policy = g_cfg.on_disconnect_env >= 0 ? g_cfg.on_disconnect_env : g_on_disconnect;
     int was_ready = g_ready;
 
+    if (how == END_BYE && stopping()) {
+        /* the program thread that stopped the agent could not send BYE (the socket
+         * was busy: it only waits CLIENT_LOCK_WAIT_MS): the service must still hear it */
+        struct dbr_bye b;
+
+        memset(&b, 0, sizeof b);
+        dbr_send(&b, DBR_MSG_BYE, sizeof b, -1, 0);
+    }
     pthread_mutex_lock(&g_send_mu);
     __atomic_store_n(&g_ready, 0, __ATOMIC_RELEASE);
     g_sock = -1;
-    if (!g_sock_lost)
+    if (!g_sock_lost) {
+        /* A Unix socket closed with unread messages resets its peer, whose next
+         * read fails (ECONNRESET) even with our BYE still queued for it: read what
+         * the service sent and we will not handle (a HELLO_ACK not yet read) */
+        char sink[256];
+
+        while (recv(fd, sink, sizeof sink, MSG_DONTWAIT) > 0)
+            ;
         close(fd);
+    }
     pthread_mutex_unlock(&g_send_mu);
     map_waits_abort();
     dbr_log("session ended (%s)", how == END_BYE ? "bye" : how == END_EOF ? "eof" : "error");
@@ -777,6 +815,7 @@ static int session_run(void)
     g_sock_lost = 0;
     fd_id_take(fd, &g_sock_id);
     g_seq = 0;
+    g_bye_sent = 0;
     pthread_mutex_unlock(&g_send_mu);
     if (send_hello() != DBR_OK) {
         end_session(fd, END_ERROR);
@@ -787,7 +826,11 @@ static int session_run(void)
     for (;;) {
         uint64_t now = dbr_now_ms();
 
-        if (now >= deadline || stopping()) {
+        if (stopping()) {
+            end_session(fd, END_BYE);   /* the service has the session: it hears BYE */
+            return 0;
+        }
+        if (now >= deadline) {
             dbr_log("no HELLO_ACK");
             end_session(fd, END_ERROR);
             return 0;
@@ -869,6 +912,14 @@ static int session_run(void)
     return established && how != END_BYE;
 }
 
+static void *agent_main(void *arg);
+
+static int agent_main_hidden(void)
+{
+    agent_main(NULL);
+    return 0;
+}
+
 static void *agent_main(void *arg)
 {
     unsigned backoff = BACKOFF_MIN_MS;
@@ -947,6 +998,7 @@ int dbr_agent_retire(const char *why)
         }
         dbr_sleep_ms(1);
     }
+    dbr_thread_reap(RETIRE_WAIT_MS);   /* a hidden thread: its stack and TLS */
     __atomic_store_n(&g_agent_tid, 0, __ATOMIC_RELEASE);
     __atomic_store_n(&g_thread_started, 0, __ATOMIC_RELEASE);
     return 1;
@@ -966,7 +1018,11 @@ void dbr_agent_start_thread(int forked)
     pthread_sigmask(SIG_SETMASK, &all, &old);
     g_prog_sigmask = old;
     __atomic_store_n(&g_thread_started, 1, __ATOMIC_RELEASE);
-    if (dbr_real_pthread_create(&t, &attr, agent_main, NULL) != 0) {
+    if (dbr_thread_start_hidden(agent_main_hidden) == 0) {
+        dbr_log("agent thread hidden from glibc");
+    } else if (dbr_real_pthread_create(&t, &attr, agent_main, NULL) == 0) {
+        dbr_log("agent thread made by pthread_create (%s)", dbr_thread_mode());
+    } else {
         __atomic_store_n(&g_thread_started, 0, __ATOMIC_RELEASE);
         dbr_log("cannot start the agent thread");
     }
@@ -996,6 +1052,7 @@ static void init_wait_cv(void)
 
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_condattr_setpshared(&ca, PTHREAD_PROCESS_SHARED);   /* util.c: dbr_mutex_init */
     pthread_cond_init(&g_wait_cv, &ca);
     pthread_condattr_destroy(&ca);
 }
@@ -1005,8 +1062,8 @@ void dbr_fork_child_reset(void)
 {
     if (g_cfg.disabled)
         return;
-    pthread_mutex_init(&g_send_mu, NULL);
-    pthread_mutex_init(&g_wait_mu, NULL);
+    dbr_mutex_init(&g_send_mu);
+    dbr_mutex_init(&g_wait_mu);
     init_wait_cv();
     memset(g_waits, 0, sizeof g_waits);
     if (g_sock >= 0 && fd_is(g_sock, &g_sock_id))
@@ -1015,6 +1072,7 @@ void dbr_fork_child_reset(void)
     g_ready = 0;
     g_agent_tid = 0;
     g_thread_started = 0;
+    dbr_thread_fork_child();
     if (g_wake[0] >= 0 && fd_is(g_wake[0], &g_wake_id[0]))
         close(g_wake[0]);
     if (g_wake[1] >= 0 && fd_is(g_wake[1], &g_wake_id[1]))
@@ -1034,7 +1092,11 @@ __attribute__((constructor)) static void dbr_agent_init(void)
     dbr_config_load();
     if (g_cfg.disabled)
         return;
+    dbr_mutex_init(&g_agent_mu);
+    dbr_mutex_init(&g_send_mu);
+    dbr_mutex_init(&g_wait_mu);
     dbr_hooks_init();
+    dbr_thread_init();
     init_wait_cv();
     dbr_self_scan();
     register_sync_core();

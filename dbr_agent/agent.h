@@ -70,12 +70,23 @@ uint64_t dbr_now_ms(void);
 void dbr_sleep_ms(unsigned ms);
 void dbr_config_load(void);
 long dbr_page_size(void);
+/* memory and sorting without malloc (util.c: why) */
+void *dbr_alloc(size_t size);     /* zeroed; NULL if out of memory */
+void *dbr_realloc(void *p, size_t size);
+void dbr_free(void *p);
+/* Every mutex and condition variable the agent shares between threads is
+ * process-shared: glibc 2.34+ locks and unlocks a private mutex without atomics
+ * and without waking waiters while it believes the process has one thread, which
+ * it does beside the agent's hidden thread (thread.c). */
+void dbr_mutex_init(pthread_mutex_t *m);
+void dbr_sort(void *base, size_t n, size_t size, int (*cmp)(const void *, const void *));
 
 struct dbr_map_ent {
     uint64_t lo, hi;
     int prot;     /* PROT_* */
     int special;  /* [vdso], [vvar], [vsyscall]: never patched */
     int shared;   /* MAP_SHARED: writes would reach the file / other mappings */
+    uint64_t dev, ino;  /* the mapped file (device major:minor, inode); ino 0: anonymous */
 };
 struct dbr_maps {
     struct dbr_map_ent *e;
@@ -192,6 +203,17 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms);
 int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
                      uint32_t timeout_ms, struct dbr_transfer_result *res);
 void dbr_transfer_fork_child(void);   /* fork child: no transfer open, no handler inside */
+
+/* ---- thread.c ---- */
+void dbr_thread_init(void);                  /* constructor */
+int dbr_thread_start_hidden(int (*fn)(void)); /* 0, or -1: use pthread_create */
+int dbr_thread_hidden(void);                 /* the agent's thread is hidden and alive */
+int dbr_thread_reap(unsigned timeout_ms);    /* after it returned: free its stack and TLS */
+void dbr_thread_fork_child(void);
+const char *dbr_thread_mode(void);           /* "hidden", or why not */
+int dbr_thread_sync_creds(const char *what); /* program thread, after set*id/setgroups */
+int dbr_thread_apply_creds(void);            /* agent thread: 1 if it applied a change */
+int dbr_thread_creds_result(void);           /* agent thread: 0, or -errno of the last change */
 
 /* ---- sampler.c ---- */
 void dbr_sampler_init(void);

@@ -128,7 +128,7 @@ int dbr_buffer_alloc(uint64_t near, uint64_t size, uint32_t *id, uint64_t *base,
             prev = maps.e[i].hi;
     }
     dbr_maps_free(&maps);
-    qsort(cands, (size_t)nc, sizeof cands[0], cand_cmp);
+    dbr_sort(cands, (size_t)nc, sizeof cands[0], cand_cmp);
 
     fd = make_memfd();
     if (fd < 0 || ftruncate(fd, (off_t)size) < 0) {

@@ -178,9 +178,9 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms)
     unsigned nslots;
     uint32_t gen, k, sent;
 
-    tids = calloc(DBR_CENSUS_SLOTS, sizeof *tids);
-    state = calloc(DBR_CENSUS_SLOTS, 1);
-    msg = calloc(1, sizeof *msg + DBR_MAX_CENSUS * sizeof msg->entries[0]);
+    tids = dbr_alloc(DBR_CENSUS_SLOTS * sizeof *tids);
+    state = dbr_alloc(DBR_CENSUS_SLOTS);
+    msg = dbr_alloc(sizeof *msg + DBR_MAX_CENSUS * sizeof msg->entries[0]);
     if (!tids || !state || !msg) {
         rc = DBR_E_NOMEM;
         goto out;
@@ -236,9 +236,9 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms)
         sent += m;
     } while (rc == DBR_OK && sent < (uint32_t)n);
 out:
-    free(tids);
-    free(state);
-    free(msg);
+    dbr_free(tids);
+    dbr_free(state);
+    dbr_free(msg);
     return rc;
 }
 
@@ -310,11 +310,11 @@ int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uin
     /* a handler of an earlier transfer that passed its check may still read g_tp */
     if (wait_handlers_idle(TRANSFER_SETTLE_MS) != DBR_OK)
         return DBR_E_BUSY;
-    tids = calloc(DBR_CENSUS_SLOTS, sizeof *tids);
-    waiting = calloc(DBR_CENSUS_SLOTS, 1);
+    tids = dbr_alloc(DBR_CENSUS_SLOTS * sizeof *tids);
+    waiting = dbr_alloc(DBR_CENSUS_SLOTS);
     if (!tids || !waiting) {
-        free(tids);
-        free(waiting);
+        dbr_free(tids);
+        dbr_free(waiting);
         return DBR_E_NOMEM;
     }
     memcpy(g_tp, p, n * sizeof *p);
@@ -354,7 +354,7 @@ int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uin
         else
             res->no_reply++;
     }
-    free(tids);
-    free(waiting);
+    dbr_free(tids);
+    dbr_free(waiting);
     return DBR_OK;
 }

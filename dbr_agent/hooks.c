@@ -420,7 +420,7 @@ static void *start_wrapper(void *p)
     struct dbr_thread m;
     int oldstate;
 
-    free(p);
+    dbr_free(p);
     pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &oldstate);
     dbr_unblock_trap();
     if (g_thread_key_ok)
@@ -440,14 +440,14 @@ DBR_EXPORT int pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*
 
     if (g_cfg.disabled)
         return dbr_real_pthread_create(t, attr, start, arg);
-    w = malloc(sizeof *w);
+    w = dbr_alloc(sizeof *w);
     if (!w)
         return dbr_real_pthread_create(t, attr, start, arg);
     w->start = start;
     w->arg = arg;
     rc = dbr_real_pthread_create(t, attr, start_wrapper, w);
     if (rc != 0)
-        free(w);
+        dbr_free(w);
     return rc;
 }
 
@@ -519,6 +519,40 @@ DBR_EXPORT int setns(int fd, int nstype)
     }
     return f(fd, nstype);
 }
+
+/* ---------------- credentials ----------------
+ *
+ * glibc's set*id and setgroups change the credentials of every thread it
+ * knows of; the agent's hidden thread is not among them (thread.c), so after
+ * a successful call it is made to follow (dbr_thread_sync_creds). */
+
+#define CREDS_HOOK(name, params, args)                                  \
+    typedef int (*name##_fn) params;                                    \
+    static name##_fn real_##name##_p;                                   \
+    DBR_EXPORT int name params                                          \
+    {                                                                   \
+        name##_fn f = REAL(real_##name##_p, #name);                     \
+        int rc_;                                                        \
+                                                                        \
+        if (!f) {                                                       \
+            errno = ENOSYS;                                             \
+            return -1;                                                  \
+        }                                                               \
+        rc_ = f args;                                                   \
+        if (rc_ == 0 && !g_cfg.disabled)                                \
+            dbr_thread_sync_creds(#name);                               \
+        return rc_;                                                     \
+    }
+
+CREDS_HOOK(setuid, (uid_t u), (u))
+CREDS_HOOK(setgid, (gid_t g), (g))
+CREDS_HOOK(seteuid, (uid_t u), (u))
+CREDS_HOOK(setegid, (gid_t g), (g))
+CREDS_HOOK(setreuid, (uid_t r, uid_t e), (r, e))
+CREDS_HOOK(setregid, (gid_t r, gid_t e), (r, e))
+CREDS_HOOK(setresuid, (uid_t r, uid_t e, uid_t s), (r, e, s))
+CREDS_HOOK(setresgid, (gid_t r, gid_t e, gid_t s), (r, e, s))
+CREDS_HOOK(setgroups, (size_t n, const gid_t *list), (n, list))
 
 /* ---------------- fork ---------------- */
 

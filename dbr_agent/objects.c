@@ -1,13 +1,18 @@
 /*
  * objects.c — the loaded ELF objects: the main executable's GNU build-id,
  * the agent's own mapped range, and DBR_MAP_DLOPEN notices for objects that
- * appear during a session (found by polling dl_iterate_phdr's dlpi_adds from
- * the agent thread: interposing dlopen would change which object the loader
- * sees as the caller, and so its RUNPATH/$ORIGIN search).
+ * appear during a session, found by the agent's thread polling
+ * /proc/self/maps (interposing dlopen would change which object the loader
+ * sees as the caller, and so its RUNPATH/$ORIGIN search).  Not through
+ * dl_iterate_phdr: it takes the loader's lock, which program threads lock and
+ * unlock without atomics or wake-ups while glibc believes the process has
+ * one thread (thread.c).  An object is a run of mappings of one file with at
+ * least one executable part; it is known by the start of that run.
  */
 #include <dlfcn.h>
 #include <link.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "agent.h"
 
@@ -17,14 +22,8 @@ uint8_t g_build_id[DBR_BUILD_ID_MAX];
 uint32_t g_build_id_len;
 
 /* objects already known to the service (dlopen notices) */
-static uint64_t g_known_objs[KNOWN_OBJS_MAX];
+static struct { uint64_t lo, dev, ino; } g_known_objs[KNOWN_OBJS_MAX];
 static unsigned g_n_known;
-static unsigned long long g_dl_adds;
-
-struct obj_scan {
-    int mode;            /* 0: snapshot known set, 1: notify new ones */
-    unsigned long long adds;
-};
 
 void dbr_obj_range(struct dl_phdr_info *info, uint64_t *lo, uint64_t *hi)
 {
@@ -47,42 +46,58 @@ void dbr_obj_range(struct dl_phdr_info *info, uint64_t *lo, uint64_t *hi)
     }
 }
 
-static int obj_scan_cb(struct dl_phdr_info *info, size_t size, void *data)
+/* the agent's own code buffers are memfd mappings: never news */
+static int own_buffer(uint64_t lo, uint64_t hi)
 {
-    struct obj_scan *s = data;
-    uint64_t lo, hi;
-    unsigned i;
+    int r;
 
-    (void)size;
-    s->adds = info->dlpi_adds;
-    dbr_obj_range(info, &lo, &hi);
-    if (hi == 0)
-        return 0;
-    for (i = 0; i < g_n_known; i++)
-        if (g_known_objs[i] == lo)
-            return 0;
-    if (g_n_known < KNOWN_OBJS_MAX)
-        g_known_objs[g_n_known++] = lo;
-    if (s->mode == 1)
-        dbr_map_changed_advise(DBR_MAP_DLOPEN, lo, hi);
-    return 0;
+    pthread_mutex_lock(&g_agent_mu);
+    r = dbr_buffers_intersect(lo, hi);
+    pthread_mutex_unlock(&g_agent_mu);
+    return r;
 }
 
 static void objects_scan(int notify)
 {
-    struct obj_scan s = { notify, 0 };
+    struct dbr_maps m;
+    size_t i, j, k;
 
+    if (dbr_maps_read(&m) != DBR_OK)
+        return;
     if (!notify)
         g_n_known = 0;
-    dl_iterate_phdr(obj_scan_cb, &s);
-    g_dl_adds = s.adds;
-}
+    for (i = 0; i < m.n; i = j) {
+        int exec = 0;
+        unsigned n;
 
-static int adds_cb(struct dl_phdr_info *info, size_t size, void *data)
-{
-    (void)size;
-    *(unsigned long long *)data = info->dlpi_adds;
-    return 1;
+        for (j = i; j < m.n && m.e[j].ino == m.e[i].ino && m.e[j].dev == m.e[i].dev; j++)
+            exec |= m.e[j].prot & PROT_EXEC;
+        if (m.e[i].ino == 0 || !exec || m.e[i].special || own_buffer(m.e[i].lo, m.e[j - 1].hi))
+            continue;
+        for (n = 0; n < g_n_known && !(g_known_objs[n].lo == m.e[i].lo &&
+                                        g_known_objs[n].ino == m.e[i].ino &&
+                                        g_known_objs[n].dev == m.e[i].dev); n++)
+            ;
+        if (n < g_n_known)
+            continue;
+        if (g_n_known < KNOWN_OBJS_MAX) {
+            g_known_objs[g_n_known].lo = m.e[i].lo;
+            g_known_objs[g_n_known].dev = m.e[i].dev;
+            g_known_objs[g_n_known++].ino = m.e[i].ino;
+        }
+        if (notify)
+            dbr_map_changed_advise(DBR_MAP_DLOPEN, m.e[i].lo, m.e[j - 1].hi);
+    }
+    /* forget objects whose mappings are gone (dlclose): a later object there is new */
+    for (k = 0; k < g_n_known;) {
+        const struct dbr_map_ent *e = dbr_maps_find(&m, g_known_objs[k].lo);
+
+        if (e && e->ino == g_known_objs[k].ino && e->dev == g_known_objs[k].dev)
+            k++;
+        else
+            g_known_objs[k] = g_known_objs[--g_n_known];
+    }
+    dbr_maps_free(&m);
 }
 
 void dbr_objects_snapshot(void)
@@ -92,11 +107,7 @@ void dbr_objects_snapshot(void)
 
 void dbr_objects_poll(void)
 {
-    unsigned long long adds = 0;
-
-    dl_iterate_phdr(adds_cb, &adds);
-    if (adds != g_dl_adds)
-        objects_scan(1);
+    objects_scan(1);
 }
 
 struct self_scan {

@@ -265,8 +265,8 @@ static void write_ops(struct op *ops, size_t n, const struct dbr_maps *maps)
 
     if (n == 0)
         return;
-    addrs = malloc(2 * n * sizeof *addrs);
-    pages = malloc(2 * n * sizeof *pages);
+    addrs = dbr_alloc(2 * n * sizeof *addrs);
+    pages = dbr_alloc(2 * n * sizeof *pages);
     if (!addrs || !pages) {
         for (i = 0; i < n; i++)
             ops[i].rc = DBR_E_NOMEM;
@@ -276,7 +276,7 @@ static void write_ops(struct op *ops, size_t n, const struct dbr_maps *maps)
         addrs[na++] = ops[i].addr & ~(pg - 1);
         addrs[na++] = (ops[i].addr + DBR_PATCH_LEN - 1) & ~(pg - 1);
     }
-    qsort(addrs, na, sizeof *addrs, u64cmp);
+    dbr_sort(addrs, na, sizeof *addrs, u64cmp);
     for (i = 0; i < na; i++) {
         const struct dbr_map_ent *m;
 
@@ -348,8 +348,8 @@ static void write_ops(struct op *ops, size_t n, const struct dbr_maps *maps)
         if (pages[j].ok && dbr_sys_mprotect((void *)pages[j].addr, pg, pages[j].prot) < 0)
             dbr_log("cannot restore protection of page %#lx", (unsigned long)pages[j].addr);
 out:
-    free(addrs);
-    free(pages);
+    dbr_free(addrs);
+    dbr_free(pages);
 }
 
 /* ---------------- validation ---------------- */
@@ -465,7 +465,7 @@ void dbr_patch_batch(const struct dbr_patch_site *sites, uint32_t n, int unpatch
     }
     if (n == 0)
         goto out;
-    ops = calloc(n, sizeof *ops);
+    ops = dbr_alloc(n * sizeof *ops);
     if (!ops || dbr_maps_read(&maps) != DBR_OK)
         goto out;
 
@@ -535,7 +535,7 @@ void dbr_patch_batch(const struct dbr_patch_site *sites, uint32_t n, int unpatch
     dbr_log("%s batch: %u sites, %zu written", unpatch ? "unpatch" : "patch", n, nops);
 out:
     dbr_maps_free(&maps);
-    free(ops);
+    dbr_free(ops);
 }
 
 /* ---------------- agent-initiated unpatching ---------------- */
@@ -552,8 +552,8 @@ static int unpatch_selected(uint64_t lo, uint64_t hi, int with_exits, int all)
     n = __atomic_load_n(&g_n_sites, __ATOMIC_ACQUIRE);
     if (!dbr_any_installed() || n == 0)
         goto out;
-    req = calloc(n, sizeof *req);
-    res = calloc(n, sizeof *res);
+    req = dbr_alloc(n * sizeof *req);
+    res = dbr_alloc(n * sizeof *res);
     if (!req || !res)
         goto out;
     for (i = 0; i < n; i++) {
@@ -585,8 +585,8 @@ static int unpatch_selected(uint64_t lo, uint64_t hi, int with_exits, int all)
         dbr_log("agent-initiated unpatch: %u of %u sites restored", done, k);
 out:
     pthread_mutex_unlock(&g_agent_mu);
-    free(req);
-    free(res);
+    dbr_free(req);
+    dbr_free(res);
     return (int)done;
 }
 

@@ -67,6 +67,7 @@ static void sampler_handler(int sig, siginfo_t *si, void *ucv)
 
 void dbr_sampler_init(void)
 {
+    dbr_mutex_init(&g_sampler_mu);
     dbr_signal_install(g_cfg.sampler_sig, sampler_handler, SA_SIGINFO | SA_RESTART | SA_ONSTACK);
 }
 
@@ -163,7 +164,7 @@ int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, int *fd_out, ui
     __atomic_store_n(&g_ring, h, __ATOMIC_RELEASE);
     g_running = 1;
 
-    tids = calloc(DBR_TIMER_TABLE_MAX, sizeof *tids);
+    tids = dbr_alloc(DBR_TIMER_TABLE_MAX * sizeof *tids);
     if (!tids) {
         rc = DBR_E_NOMEM;
         goto out;
@@ -188,7 +189,7 @@ out:
     pthread_mutex_unlock(&g_sampler_mu);
     if (fd >= 0)
         close(fd);
-    free(tids);
+    dbr_free(tids);
     return rc;
 }
 
@@ -235,7 +236,7 @@ void dbr_sampler_thread_exit(void)
 /* fork child: POSIX timers are not inherited; the ring belongs to the parent */
 void dbr_sampler_fork_child(void)
 {
-    pthread_mutex_init(&g_sampler_mu, NULL);
+    dbr_mutex_init(&g_sampler_mu);
     memset(g_timers, 0, sizeof g_timers);
     __atomic_store_n(&g_ring, NULL, __ATOMIC_RELEASE);
     g_running = 0;

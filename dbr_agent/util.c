@@ -1,7 +1,6 @@
 /*
  * util.c — configuration, logging, /proc parsing, raw syscalls.
  */
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
@@ -122,12 +121,144 @@ void dbr_config_load(void)
         memcpy(g_cfg.sock_path, tmp, (size_t)n + 1);
 }
 
+/* ---- memory ----
+ *
+ * The agent never calls malloc.  Its thread is hidden from glibc (thread.c),
+ * and glibc's malloc takes no lock while glibc believes the process has one
+ * thread: the agent's thread must not share that heap.  Every block is its own
+ * anonymous mapping, made with raw syscalls (never through the agent's own
+ * hooks), preceded by a 16-byte header holding the mapping's length.  The
+ * agent allocates rarely (per request, per thread), so a page or more a block
+ * costs nothing that matters. */
+#define ALLOC_HDR 16u
+
+static size_t alloc_span(size_t size)
+{
+    size_t ps = (size_t)dbr_page_size();
+
+    if (size > SIZE_MAX - ALLOC_HDR - ps)
+        return 0;
+    return (size + ALLOC_HDR + ps - 1) & ~(ps - 1);
+}
+
+void *dbr_alloc(size_t size)
+{
+    size_t span = alloc_span(size);
+    long p;
+
+    if (!span)
+        return NULL;
+    p = syscall(SYS_mmap, NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == -1)    /* syscall(): -1 and errno on failure */
+        return NULL;
+    *(size_t *)p = span;
+    return (char *)p + ALLOC_HDR;
+}
+
+void dbr_free(void *ptr)
+{
+    char *base;
+
+    if (!ptr)
+        return;
+    base = (char *)ptr - ALLOC_HDR;
+    syscall(SYS_munmap, base, *(size_t *)base);
+}
+
+void *dbr_realloc(void *ptr, size_t size)
+{
+    char *base;
+    size_t span = alloc_span(size), old;
+    long p;
+
+    if (!ptr)
+        return dbr_alloc(size);
+    if (!span)
+        return NULL;
+    base = (char *)ptr - ALLOC_HDR;
+    old = *(size_t *)base;
+    if (span <= old)
+        return ptr;
+    p = syscall(SYS_mremap, base, old, span, MREMAP_MAYMOVE);
+    if (p == -1)    /* syscall(): -1 and errno on failure */
+        return NULL;
+    *(size_t *)p = span;
+    return (char *)p + ALLOC_HDR;
+}
+
+void dbr_mutex_init(pthread_mutex_t *m)
+{
+    pthread_mutexattr_t a;
+
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutex_init(m, &a);
+    pthread_mutexattr_destroy(&a);
+}
+
+/* heapsort: qsort may allocate with malloc */
+static void sort_swap(char *a, char *b, size_t size)
+{
+    while (size--) {
+        char t = *a;
+        *a++ = *b;
+        *b++ = t;
+    }
+}
+
+static void sort_sift(char *base, size_t root, size_t n, size_t size,
+                      int (*cmp)(const void *, const void *))
+{
+    for (;;) {
+        size_t child = 2 * root + 1;
+
+        if (child >= n)
+            return;
+        if (child + 1 < n && cmp(base + child * size, base + (child + 1) * size) < 0)
+            child++;
+        if (cmp(base + root * size, base + child * size) >= 0)
+            return;
+        sort_swap(base + root * size, base + child * size, size);
+        root = child;
+    }
+}
+
+void dbr_sort(void *base, size_t n, size_t size, int (*cmp)(const void *, const void *))
+{
+    char *b = base;
+    size_t i;
+
+    if (n < 2)
+        return;
+    for (i = n / 2; i-- > 0;)
+        sort_sift(b, i, n, size, cmp);
+    for (i = n - 1; i > 0; i--) {
+        sort_swap(b, b + i * size, size);
+        sort_sift(b, 0, i, size, cmp);
+    }
+}
+
+static const char *parse_hex(const char *p, uint64_t *v)
+{
+    const char *start = p;
+    uint64_t x = 0;
+
+    for (;; p++) {
+        int d = *p >= '0' && *p <= '9' ? *p - '0' : *p >= 'a' && *p <= 'f' ? *p - 'a' + 10 : -1;
+        if (d < 0 || p - start >= 16)
+            break;
+        x = x << 4 | (uint64_t)d;
+    }
+    *v = x;
+    return p > start ? p : NULL;
+}
+
 /* ---- /proc/self/maps ---- */
 
 static char *read_whole(const char *path, size_t *len)
 {
     size_t cap = 16384, n = 0;
-    char *buf = malloc(cap), *nb;
+    char *buf = dbr_alloc(cap), *nb;
     ssize_t k;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
 
@@ -135,7 +266,7 @@ static char *read_whole(const char *path, size_t *len)
         goto fail;
     for (;;) {
         if (n + 1 >= cap) {
-            nb = realloc(buf, cap * 2);
+            nb = dbr_realloc(buf, cap * 2);
             if (!nb)
                 goto fail;
             buf = nb;
@@ -157,7 +288,7 @@ static char *read_whole(const char *path, size_t *len)
 fail:
     if (fd >= 0)
         close(fd);
-    free(buf);
+    dbr_free(buf);
     return NULL;
 }
 
@@ -166,7 +297,7 @@ int dbr_maps_read(struct dbr_maps *m)
     size_t len, cap = 0;
     /* thread-self: after main's pthread_exit the leader is a zombie and
      * /proc/self/maps reads empty (before Linux 3.17: self) */
-    char *text = read_whole("/proc/thread-self/maps", &len), *line, *save = NULL;
+    char *text = read_whole("/proc/thread-self/maps", &len), *line, *next;
     struct dbr_map_ent *e = NULL, *ne;
     int rc = DBR_OK;
 
@@ -176,16 +307,39 @@ int dbr_maps_read(struct dbr_maps *m)
         text = read_whole("/proc/self/maps", &len);
     if (!text)
         return DBR_E_NOMEM;
-    for (line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
-        unsigned long lo, hi;
-        char perms[8] = "";
-        int off = 0;
+    for (line = text; line < text + len; line = next) {
+        uint64_t lo, hi, dev_major = 0, dev_minor = 0, ino = 0;
+        const char *p = line, *perms, *path;
+        char *nl = memchr(line, '\n', (size_t)(text + len - line));
+        int f;
 
-        if (sscanf(line, "%lx-%lx %7s %*s %*s %*s%n", &lo, &hi, perms, &off) < 3)
+        next = nl ? nl + 1 : text + len;
+        if (nl)
+            *nl = 0;
+        /* "lo-hi perms offset dev inode   path" */
+        if (!(p = parse_hex(p, &lo)) || *p++ != '-' || !(p = parse_hex(p, &hi)) || *p++ != ' ')
             continue;
+        perms = p;
+        if (strlen(perms) < 4)
+            continue;
+        for (f = 0, path = perms; f < 4 && path; f++) {   /* perms, offset, dev, inode */
+            path = strchr(path, ' ');
+            if (path)
+                path++;
+            if (f == 1 && path) {        /* dev "major:minor" in hex */
+                const char *q = parse_hex(path, &dev_major);
+                dev_minor = 0;
+                if (!q || *q != ':' || !parse_hex(q + 1, &dev_minor))
+                    dev_major = dev_minor = 0;
+            } else if (f == 2 && path) { /* inode, decimal */
+                const char *q = path;
+                for (ino = 0; *q >= '0' && *q <= '9'; q++)
+                    ino = ino * 10 + (uint64_t)(*q - '0');
+            }
+        }
         if (m->n == cap) {
             cap = cap ? cap * 2 : 256;
-            ne = realloc(e, cap * sizeof *e);
+            ne = dbr_realloc(e, cap * sizeof *e);
             if (!ne) {
                 rc = DBR_E_NOMEM;
                 goto out;
@@ -197,15 +351,17 @@ int dbr_maps_read(struct dbr_maps *m)
         e[m->n].prot = (perms[0] == 'r' ? PROT_READ : 0) | (perms[1] == 'w' ? PROT_WRITE : 0) |
                        (perms[2] == 'x' ? PROT_EXEC : 0);
         e[m->n].shared = perms[3] == 's';
-        e[m->n].special = off > 0 && (strstr(line + off, "[vdso]") || strstr(line + off, "[vvar]") ||
-                                      strstr(line + off, "[vsyscall]"));
+        e[m->n].dev = dev_major << 32 | dev_minor;
+        e[m->n].ino = ino;
+        e[m->n].special = path && (strstr(path, "[vdso]") || strstr(path, "[vvar]") ||
+                                   strstr(path, "[vsyscall]"));
         m->n++;
     }
 out:
-    free(text);
+    dbr_free(text);
     m->e = e;
     if (rc != DBR_OK) {
-        free(e);
+        dbr_free(e);
         m->e = NULL;
         m->n = 0;
     }
@@ -214,7 +370,7 @@ out:
 
 void dbr_maps_free(struct dbr_maps *m)
 {
-    free(m->e);
+    dbr_free(m->e);
     m->e = NULL;
     m->n = 0;
 }
@@ -235,28 +391,40 @@ const struct dbr_map_ent *dbr_maps_find(const struct dbr_maps *m, uint64_t addr)
     return NULL;
 }
 
+/* getdents64, not opendir: opendir allocates with malloc (see dbr_alloc) */
+struct dbr_dirent64 {
+    uint64_t d_ino;
+    int64_t d_off;
+    unsigned short d_reclen;
+    unsigned char d_type;
+    char d_name[];
+};
+
 int dbr_list_threads(pid_t *tids, int max)
 {
-    DIR *d = opendir("/proc/self/task");
-    struct dirent *de;
-    int n = 0;
+    char buf[4096] __attribute__((aligned(8)));
+    int fd = open("/proc/self/task", O_RDONLY | O_DIRECTORY | O_CLOEXEC), n = 0;
+    long k, off;
 
-    if (!d)
+    if (fd < 0)
         return 0;
-    while ((de = readdir(d)) != NULL) {
-        char *end;
-        long t;
+    while ((k = syscall(SYS_getdents64, fd, buf, sizeof buf)) > 0) {
+        for (off = 0; off < k; off += ((struct dbr_dirent64 *)(buf + off))->d_reclen) {
+            const char *name = ((struct dbr_dirent64 *)(buf + off))->d_name;
+            long t = 0;
 
-        if (de->d_name[0] < '0' || de->d_name[0] > '9')
-            continue;
-        t = strtol(de->d_name, &end, 10);
-        if (*end || t <= 0)
-            continue;
-        if (tids && n < max)
-            tids[n] = (pid_t)t;
-        n++;
+            if (*name < '0' || *name > '9')
+                continue;
+            for (; *name >= '0' && *name <= '9' && t < (1L << 31); name++)
+                t = t * 10 + (*name - '0');
+            if (*name || t <= 0 || t >= (1L << 31))
+                continue;
+            if (tids && n < max)
+                tids[n] = (pid_t)t;
+            n++;
+        }
     }
-    closedir(d);
+    close(fd);
     return n;
 }
 

@@ -701,6 +701,8 @@ class ClientSession:
         return {"pid": self.pid, "ppid": self.ppid, "uid": self.uid,
                 "session": self.session_id, "exe": self.exe, "build_id": self.build_id,
                 "state": self.state.value, "threads": len(self.threads),
+                "agent_thread": ("hidden" if self.hello_flags & P.HELLO_HIDDEN_THREAD
+                                 else "pthread"),
                 "samples": self.samples_total, "snapshots": self.snapshots,
                 "paused": self.paused, "source": self.source_name,
                 "map_changes": self.map_changes, "jobs_done": self.jobs_done,

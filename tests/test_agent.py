@@ -107,6 +107,40 @@ def test_patch_storm(svc, storm_exe, variant):
     assert int(rest[-1].split("=")[1]) > 0
 
 
+def _mapped_span(pid: int, path) -> tuple[int, int] | None:
+    spans = [tuple(int(x, 16) for x in ln.split()[0].split("-"))
+             for ln in open(f"/proc/{pid}/maps") if ln.rstrip().endswith(str(path))]
+    return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None
+
+
+def test_dlopen_notice_covers_the_new_library_and_code_buffers_are_not_news(dl_exes):
+    """The agent's thread finds new objects in /proc/self/maps (not dl_iterate_phdr,
+    whose loader lock program threads take without atomics beside a hidden thread).
+    Its own code buffers, memfd mappings, must not count as objects."""
+    svc = FakeService(map_wait_ms=300)
+    try:
+        exe, lib = dl_exes
+        client = svc.spawn([exe, lib])
+        client.out.expect("ready")
+        conn = svc.accept(pid=client.pid)
+        conn.code_buffer(near=_mapped_span(client.pid, lib)[0], size=4096)
+        assert recv_skipping_advisory(conn, timeout=1.0) is None  # 4 poll ticks: no news
+        client.send("close")          # nothing patched in it: no DLCLOSE notice
+        client.out.expect("closed 0", timeout=5)
+        time.sleep(0.6)               # a poll sees it gone (the same address comes back)
+        client.send("open")
+        client.out.expect("hot(5)=", timeout=5)
+        lo, hi = _mapped_span(client.pid, lib)
+        rec = recv_skipping_advisory(conn, timeout=5)
+        assert rec is not None and rec.type is P.MsgType.MAP_CHANGED, rec
+        mc = rec.msg.body
+        assert mc.kind == P.MapKind.DLOPEN and (mc.lo, mc.hi) == (lo, hi)
+        rc, rest = client.finish()
+        assert rc == 0 and rest[-1] == "ok", client.err.lines
+    finally:
+        svc.close()
+
+
 # ---- PC census -------------------------------------------------------------
 
 def test_pc_census_reports_every_thread(svc, storm_exe):

@@ -16,19 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-static int threads(void)
-{
-    DIR *d = opendir("/proc/self/task");
-    struct dirent *e;
-    int n = 0;
-
-    if (!d)
-        return -1;
-    while ((e = readdir(d)))
-        n += e->d_name[0] != '.';
-    closedir(d);
-    return n;
-}
+#include "tasks.h"
 
 static int call(const char *what)
 {
@@ -46,7 +34,7 @@ static int call(const char *what)
     if (rc)
         printf("%s: %s\n", what, strerror(errno));
     else
-        printf("%s: ok, threads %d\n", what, threads());
+        printf("%s: ok, threads %d\n", what, count_tasks());
     fflush(stdout);
     return rc ? 1 : 0;
 }

@@ -1,0 +1,110 @@
+/* alone MODE: what glibc believes about this process's threads, with the agent's
+ * thread running beside it.
+ *   single  print "single S tasks N": __libc_single_threaded (glibc's own word on
+ *           whether the process has had a second thread) and the threads the
+ *           kernel lists
+ *   fork    the same, from a fork child (after its agent thread has started)
+ *   creds   (root) drop to nobody with setgroups, setgid and setuid, then print
+ *           "creds same N" if every thread of the process has the same uid, gid
+ *           and groups as main (N threads), else "creds differ" and the lines
+ *   creds-res  the same with setresgid and setresuid
+ * Prints "ready", waits for a line on stdin (the test's session is up by then). */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <grp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include "tasks.h"
+
+extern char __libc_single_threaded;
+
+/* the Uid:, Gid: and Groups: lines of one thread */
+static void creds_of(const char *tid, char *out, size_t cap)
+{
+    char path[128], line[512];
+    FILE *f;
+
+    snprintf(path, sizeof path, "/proc/self/task/%s/status", tid);
+    out[0] = 0;
+    if (!(f = fopen(path, "r")))
+        return;
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "Uid:", 4) || !strncmp(line, "Gid:", 4) || !strncmp(line, "Groups:", 7))
+            strncat(out, line, cap - strlen(out) - 1);
+    fclose(f);
+}
+
+static int creds(int res)
+{
+    gid_t nobody = 65534;
+    char mine[1024], other[1024], self[32];
+    DIR *d;
+    struct dirent *e;
+    int n = 0;
+
+    if (setgroups(1, &nobody) != 0 || (res ? setresgid(nobody, nobody, nobody) : setgid(nobody)) != 0 ||
+        (res ? setresuid(nobody, nobody, nobody) : setuid(nobody)) != 0) {
+        perror("drop");
+        return 1;
+    }
+    snprintf(self, sizeof self, "%d", (int)syscall(SYS_gettid));
+    creds_of(self, mine, sizeof mine);
+    if (!(d = opendir("/proc/self/task")))
+        return 1;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.')
+            continue;
+        creds_of(e->d_name, other, sizeof other);
+        if (strcmp(mine, other) != 0) {
+            printf("creds differ\n%s---\n%s", mine, other);
+            return 1;
+        }
+        n++;
+    }
+    closedir(d);
+    printf("creds same %d\n", n);
+    return 0;
+}
+
+static void single(void)
+{
+    printf("single %d tasks %d\n", (int)__libc_single_threaded, count_tasks());
+}
+
+int main(int argc, char **argv)
+{
+    const char *mode = argc > 1 ? argv[1] : "single";
+    char line[64];
+
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    printf("ready\n");
+    if (!fgets(line, sizeof line, stdin))
+        return 2;
+    if (!strcmp(mode, "single")) {
+        single();
+    } else if (!strcmp(mode, "fork")) {
+        pid_t p = fork();
+        int st;
+
+        if (p == 0) {
+            for (int i = 0; i < 200 && count_tasks() < 2; i++)   /* the child's agent thread */
+                usleep(10000);
+            single();
+            fflush(stdout);
+            _exit(0);
+        }
+        if (p < 0 || waitpid(p, &st, 0) != p || !WIFEXITED(st) || WEXITSTATUS(st))
+            return 1;
+    } else if (!strcmp(mode, "creds") || !strcmp(mode, "creds-res")) {
+        return creds(!strcmp(mode, "creds-res"));
+    } else {
+        return 2;
+    }
+    return 0;
+}

@@ -1,0 +1,114 @@
+"""The agent's thread is hidden from glibc (dbr_agent/thread.c).
+
+glibc keeps unlocked fast paths (stdio, malloc, libstdc++'s reference counts) while it
+believes a process has one thread; a thread made with pthread_create ends them for good.
+These tests hold the agent to its claims: glibc still sees one thread with the agent
+running and in session (also in a fork child), the fallback (DBR_AGENT_THREAD=pthread)
+is what it says, credentials the program drops are dropped by the agent's thread too,
+and the agent library never calls the functions its hidden thread must not call.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+
+import dbr_agent
+from dbr_service import protocol as P
+from harness import FakeService, compile_c
+
+
+@pytest.fixture(scope="module")
+def alone_exe():
+    return compile_c(["alone.c"])
+
+
+def _run(alone_exe, mode: str, env: dict[str, str] | None = None, session: bool = True):
+    env = {"DBR_AGENT_THREAD": "", **(env or {})}   # the default, whatever the caller's is
+    svc = FakeService()
+    try:
+        if not session:
+            svc.stop_listening()
+        client = svc.spawn([alone_exe, mode], env=env)
+        client.out.expect("ready")
+        if session:
+            conn = svc.accept(pid=client.pid)
+            assert conn.hello.pid == client.pid
+        client.send("go")
+        rc, rest = client.finish(timeout=20)
+        return rc, rest, (conn.hello if session else None)
+    finally:
+        svc.close()
+
+
+def test_native_baseline(alone_exe):
+    p = subprocess.run([str(alone_exe), "single"], input="go\n", capture_output=True,
+                       text=True, timeout=20)
+    assert p.returncode == 0 and p.stdout.splitlines()[-1] == "single 1 tasks 1"
+
+
+@pytest.mark.parametrize("session", [True, False], ids=["in-session", "no-service"])
+def test_glibc_sees_one_thread_with_the_agent_running(alone_exe, session):
+    rc, rest, hello = _run(alone_exe, "single", session=session)
+    assert rc == 0
+    # the kernel lists the agent's thread; glibc never heard of it
+    assert rest == ["single 1 tasks 2"]
+    if session:
+        assert hello.flags & P.HELLO_HIDDEN_THREAD
+
+
+def test_fallback_thread_is_a_pthread(alone_exe):
+    """DBR_AGENT_THREAD=pthread: the agent's thread as before (and the check above is
+    one that can fail)."""
+    rc, rest, hello = _run(alone_exe, "single", env={"DBR_AGENT_THREAD": "pthread"})
+    assert rc == 0
+    assert rest == ["single 0 tasks 2"]
+    assert not hello.flags & P.HELLO_HIDDEN_THREAD
+
+
+def test_fork_child_agent_thread_is_hidden_too(alone_exe):
+    rc, rest, _ = _run(alone_exe, "fork")
+    assert rc == 0
+    assert rest == ["single 1 tasks 2"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
+@pytest.mark.parametrize("mode", ["creds", "creds-res"])
+@pytest.mark.parametrize("thread", ["hidden", "pthread"])
+def test_dropped_credentials_reach_the_agent_thread(alone_exe, mode, thread):
+    """Linux keeps credentials per thread and glibc changes them on the threads it knows;
+    the hidden thread must not keep root after the program dropped it."""
+    env = {"DBR_AGENT_THREAD": "pthread"} if thread == "pthread" else None
+    rc, rest, _ = _run(alone_exe, mode, env=env)
+    assert rc == 0, rest
+    assert rest == ["creds same 2"]
+
+
+def test_dropped_credentials_reach_a_dormant_agent_thread(alone_exe):
+    if os.geteuid() != 0:
+        pytest.skip("dropping privileges needs root")
+    rc, rest, _ = _run(alone_exe, "creds", session=False)
+    assert rc == 0, rest
+    assert rest == ["creds same 2"]
+
+
+# The hidden thread runs most of the agent.  While glibc sees one thread its heap and
+# stdio take no locks, so the agent must allocate without malloc and print without
+# stdio; opendir and qsort allocate with malloc.
+FORBIDDEN = {
+    "malloc", "calloc", "realloc", "free", "posix_memalign", "aligned_alloc", "memalign",
+    "valloc", "strdup", "strndup", "opendir", "fdopendir", "readdir", "closedir", "scandir",
+    "qsort", "fopen", "fdopen", "fclose", "fprintf", "printf", "vfprintf", "fputs", "puts",
+    "fwrite", "fread", "fgets", "getline", "sscanf", "asprintf", "vasprintf", "pthread_exit",
+}
+
+
+def test_agent_library_imports_nothing_its_hidden_thread_must_not_call():
+    out = subprocess.run(["nm", "-D", "--undefined-only", dbr_agent.agent_path()],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    imported = {re.sub(r"@.*", "", ln.split()[-1]) for ln in out.splitlines() if ln.strip()}
+    assert "clock_gettime" in imported   # the listing is what it seems
+    assert not imported & FORBIDDEN, sorted(imported & FORBIDDEN)
