@@ -4,8 +4,9 @@
  * Every symbol here is hidden (-fvisibility=hidden); only the interposed
  * libc functions in hooks.c are exported (DBR_EXPORT).
  *
- * Locking: g_agent_mu ("the agent mutex") guards the site table, the code
- * buffer table, the region table and every write to client text.  g_send_mu
+ * Locking (every mutex is process-shared: dbr_mutex_init says why):
+ * g_agent_mu ("the agent mutex") guards the site table, the code buffer
+ * table, the region table and every write to client text.  g_send_mu
  * guards the session socket (sending, closing).  Signal handlers never take a
  * lock: the site table is append-only (entries become historical, never
  * removed) and published with release stores so the SIGTRAP handler can read
@@ -24,7 +25,9 @@
  *    PROTECT, MISMATCH.  UNPATCH: NOT_PATCHED, NOSYNC, NOT_EXEC, MISMATCH,
  *    then PROTECT; only `site` is read, the recorded variant is used.
  *  - When every program thread has ended (main's pthread_exit, then the
- *    others), the agent thread calls exit(0), as glibc would have.
+ *    others), the process ends: glibc ends it, since it never counted the
+ *    agent's hidden thread (thread.c); with the pthread fallback the agent
+ *    thread calls exit(0), as glibc would have.
  *  - MAP_CHANGED (DLCLOSE/MUNMAP/MPROTECT) carries a fresh non-zero req_id;
  *    the service answers ACK {req_id, DBR_OK} once done.  Before the call
  *    proceeds the agent restores any site still installed in the range or
