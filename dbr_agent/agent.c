@@ -652,7 +652,9 @@ static int stopping(void)
  * thread is left, it calls exit(0) itself.  Threads that end through
  * pthread_exit or by returning poke it (the thread-exit key's destructor), and
  * it then looks every LONELY_POLL_MS for LONELY_WATCH_MS; it also looks at
- * every idle wake-up. */
+ * every idle wake-up.  A hidden agent thread (thread.c) is not counted, so
+ * glibc ends the process itself: only the idle look remains, for threads that
+ * end without glibc (a raw exit). */
 #define LONELY_POLL_MS   5
 #define LONELY_WATCH_MS  2000u
 
@@ -752,7 +754,7 @@ static int wait_readable(int fd, int timeout_ms)
         if (dbr_thread_apply_creds() && creds_failed())
             return 0;
         now = dbr_now_ms();
-        if (woken)
+        if (woken && !dbr_thread_hidden())   /* glibc ends the process itself then */
             g_watch_until = now + LONELY_WATCH_MS;
         if (r > 0 && fd >= 0 && (p[0].revents & (POLLIN | POLLHUP | POLLERR)))
             return 1;
