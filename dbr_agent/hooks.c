@@ -10,6 +10,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <link.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sched.h>
@@ -31,6 +32,7 @@ typedef int (*dlclose_fn)(void *);
 typedef int (*pthread_create_fn)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
 typedef int (*unshare_fn)(int);
 typedef int (*setns_fn)(int, int);
+typedef long (*syscall_fn)(long, ...);
 
 static sigaction_fn real_sigaction_p;
 static signal_fn real_signal_p;
@@ -40,6 +42,7 @@ static dlclose_fn real_dlclose_p;
 static pthread_create_fn real_pthread_create_p;
 static unshare_fn real_unshare_p;
 static setns_fn real_setns_p;
+static syscall_fn real_syscall_p;
 
 static void *resolve(void **slot, const char *name)
 {
@@ -465,6 +468,7 @@ void dbr_hooks_init(void)
     REAL(real_pthread_create_p, "pthread_create");
     REAL(real_unshare_p, "unshare");
     REAL(real_setns_p, "setns");
+    REAL(real_syscall_p, "syscall");
     g_thread_key_ok = pthread_key_create(&g_thread_key, thread_exit_notice) == 0;
     /* the thread that loads the agent (main) too: pthread_exit from main must poke */
     if (g_thread_key_ok)
@@ -553,6 +557,44 @@ CREDS_HOOK(setregid, (gid_t r, gid_t e), (r, e))
 CREDS_HOOK(setresuid, (uid_t r, uid_t e, uid_t s), (r, e, s))
 CREDS_HOOK(setresgid, (gid_t r, gid_t e, gid_t s), (r, e, s))
 CREDS_HOOK(setgroups, (size_t n, const gid_t *list), (n, list))
+
+/* ---------------- seccomp ----------------
+ *
+ * A seccomp filter binds the thread that installs it, and with
+ * SECCOMP_FILTER_FLAG_TSYNC every thread of the process: the agent's too,
+ * which then dies by the filter's action at its next forbidden call (or the
+ * synchronisation fails, naming the agent's thread, because it lacks
+ * no_new_privs).  glibc has no seccomp() wrapper: programs (libseccomp) call
+ * syscall(SYS_seccomp, ...), interposed here; the agent steps aside first, as
+ * for unshare.  A filter installed with a raw syscall instruction is not seen. */
+
+#ifndef SECCOMP_SET_MODE_FILTER
+#define SECCOMP_SET_MODE_FILTER 1
+#endif
+#ifndef SECCOMP_FILTER_FLAG_TSYNC
+#define SECCOMP_FILTER_FLAG_TSYNC 1
+#endif
+
+DBR_EXPORT long syscall(long n, ...)
+{
+    syscall_fn f = REAL(real_syscall_p, "syscall");
+    long a[6];
+    va_list ap;
+    int i;
+
+    va_start(ap, n);
+    for (i = 0; i < 6; i++)   /* as glibc's syscall: six argument registers, used or not */
+        a[i] = va_arg(ap, long);
+    va_end(ap);
+    if (!f) {
+        errno = ENOSYS;
+        return -1;
+    }
+    if (n == SYS_seccomp && a[0] == SECCOMP_SET_MODE_FILTER && (a[1] & SECCOMP_FILTER_FLAG_TSYNC) &&
+        !g_cfg.disabled)
+        dbr_agent_retire("seccomp with TSYNC");
+    return f(n, a[0], a[1], a[2], a[3], a[4], a[5]);
+}
 
 /* ---------------- fork ---------------- */
 

@@ -86,6 +86,30 @@ static int env_signal(const char *name, int def)
     return (int)s;
 }
 
+/* The seccomp mode of the calling thread ("Seccomp:" of /proc/thread-self/status):
+ * 0 none, 1 strict, 2 filter, -1 unknown. */
+static int seccomp_mode(void)
+{
+    char buf[4096];
+    const char *p;
+    ssize_t n;
+    int fd = open("/proc/thread-self/status", O_RDONLY | O_CLOEXEC);
+
+    if (fd < 0)
+        return -1;
+    n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return -1;
+    buf[n] = 0;
+    p = strstr(buf, "\nSeccomp:");
+    if (!p)
+        return -1;
+    for (p += 9; *p == ' ' || *p == '\t'; p++)
+        ;
+    return *p >= '0' && *p <= '9' ? *p - '0' : -1;
+}
+
 void dbr_config_load(void)
 {
     const char *v, *dir;
@@ -96,6 +120,14 @@ void dbr_config_load(void)
     g_cfg.disabled = v && strcmp(v, "1") == 0;
     v = getenv("DBR_AGENT_DEBUG");
     g_cfg.debug = v && strcmp(v, "1") == 0;
+    /* A seccomp filter inherited across exec (systemd's SystemCallFilter=, a
+     * sandbox launcher) binds the agent's thread too, and its default action is
+     * often to kill the process.  Which calls it allows cannot be known here:
+     * the agent stays inert rather than risk the program. */
+    if (!g_cfg.disabled && seccomp_mode() > 0) {
+        g_cfg.disabled = 1;
+        dbr_log("a seccomp filter is in force: the agent stays inert");
+    }
     v = getenv("DBR_ON_DISCONNECT");
     g_cfg.on_disconnect_env = -1;
     if (v && strcmp(v, "revert") == 0)

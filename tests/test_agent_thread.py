@@ -112,3 +112,56 @@ def test_agent_library_imports_nothing_its_hidden_thread_must_not_call():
     imported = {re.sub(r"@.*", "", ln.split()[-1]) for ln in out.splitlines() if ln.strip()}
     assert "clock_gettime" in imported   # the listing is what it seems
     assert not imported & FORBIDDEN, sorted(imported & FORBIDDEN)
+
+
+# ---- seccomp filters bind the agent's thread too ----------------------------
+
+@pytest.fixture(scope="module")
+def seccomp_exe():
+    return compile_c(["seccomp.c"])
+
+
+def test_seccomp_filter_with_tsync_steps_the_agent_aside(seccomp_exe):
+    """A filter installed with SECCOMP_FILTER_FLAG_TSYNC binds every thread; this one
+    kills the process at the next poll, which the agent's thread makes every 0.25 s in
+    session.  The agent steps aside first (BYE, its thread ends) and the program lives."""
+    native = subprocess.run([str(seccomp_exe), "tsync"], input="go\n", capture_output=True,
+                            text=True, timeout=20)
+    if native.returncode != 0:
+        pytest.skip(f"seccomp filters are refused here natively: {native.stdout.strip()}")
+    svc = FakeService()
+    try:
+        client = svc.spawn([seccomp_exe, "tsync"])
+        client.out.expect("ready")
+        conn = svc.accept(pid=client.pid)
+        client.send("go")
+        rc, rest = client.finish(timeout=20)
+        assert rc == 0, (rc, rest)
+        assert rest == ["alive, threads 1"]
+        rec = conn.recv(timeout=5)
+        while rec is not None and rec.type in (P.MsgType.THREAD_NEW, P.MsgType.THREAD_EXIT):
+            rec = conn.recv(timeout=5)
+        assert rec is not None and rec.type is P.MsgType.BYE
+    finally:
+        svc.close()
+
+
+def test_inherited_seccomp_filter_leaves_the_agent_inert(seccomp_exe, alone_exe):
+    """A filter inherited across exec (systemd's SystemCallFilter=) may kill at any call
+    the agent makes; this one kills at membarrier, which the agent calls as it loads.
+    The agent sees the filter and stays inert: no thread, no session, program intact."""
+    native = subprocess.run([str(seccomp_exe), "inherited", str(alone_exe), "single"],
+                            input="go\n", capture_output=True, text=True, timeout=20)
+    if native.returncode != 0:
+        pytest.skip(f"seccomp filters are refused here natively: {native.stdout.strip()}")
+    assert native.stdout.splitlines()[-1] == "single 1 tasks 1"
+    svc = FakeService()
+    try:
+        client = svc.spawn([seccomp_exe, "inherited", alone_exe, "single"])
+        client.out.expect("ready")
+        client.send("go")
+        rc, rest = client.finish(timeout=20)
+        assert rc == 0, (rc, rest)
+        assert rest == ["single 1 tasks 1"]
+    finally:
+        svc.close()
