@@ -1092,6 +1092,7 @@ void dbr_fork_child_reset(void)
 __attribute__((constructor)) static void dbr_agent_init(void)
 {
     dbr_config_load();
+    dbr_hooks_resolve();
     if (g_cfg.disabled)
         return;
     dbr_mutex_init(&g_agent_mu);

@@ -111,6 +111,7 @@ int dbr_membarrier_sync(void);
 int dbr_real_sigaction(int sig, const struct sigaction *act, struct sigaction *old);
 int dbr_real_pthread_create(pthread_t *t, const pthread_attr_t *attr,
                             void *(*start)(void *), void *arg);
+void dbr_hooks_resolve(void);          /* constructor, inert or not */
 void dbr_hooks_init(void);
 /* Install the agent's handler for `sig` (recording what the program had),
  * `handler` is the agent's SA_SIGINFO handler. */

@@ -454,10 +454,11 @@ DBR_EXPORT int pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*
     return rc;
 }
 
-void dbr_hooks_init(void)
+/* Resolve every real function now, also for an inert agent: dlsym is not
+ * async-signal-safe, and the signal handlers' chaining path calls
+ * pthread_sigmask and sigaction (the program's handlers may call syscall). */
+void dbr_hooks_resolve(void)
 {
-    /* resolve everything now: dlsym is not async-signal-safe, and the signal
-     * handlers' chaining path calls pthread_sigmask and sigaction */
     REAL(real_sigaction_p, "sigaction");
     REAL(real_signal_p, "signal");
     REAL(real_sigprocmask_p, "sigprocmask");
@@ -469,6 +470,10 @@ void dbr_hooks_init(void)
     REAL(real_unshare_p, "unshare");
     REAL(real_setns_p, "setns");
     REAL(real_syscall_p, "syscall");
+}
+
+void dbr_hooks_init(void)
+{
     g_thread_key_ok = pthread_key_create(&g_thread_key, thread_exit_notice) == 0;
     /* the thread that loads the agent (main) too: pthread_exit from main must poke */
     if (g_thread_key_ok)
