@@ -219,14 +219,6 @@ int dbr_thread_reap(unsigned timeout_ms)
     return 1;
 }
 
-/* fork child: the hidden thread was not copied; its stack and TLS were */
-void dbr_thread_fork_child(void)
-{
-    __atomic_store_n(&g_alive, 0, __ATOMIC_RELEASE);
-    g_started_hidden = 0;
-    release();
-}
-
 const char *dbr_thread_mode(void)
 {
     return g_unusable ? g_unusable : "hidden";
@@ -323,4 +315,15 @@ int dbr_thread_sync_creds(const char *what)
                 rc == -ETIMEDOUT ? "; it will at its next wake-up" : "");
     errno = e;
     return rc;
+}
+
+/* fork child: the hidden thread was not copied; its stack and TLS were */
+void dbr_thread_fork_child(void)
+{
+    dbr_mutex_init(&g_creds_mu);   /* another thread may have held it at fork */
+    g_creds.applied = g_creds.posted;   /* the child's thread starts with the forker's */
+    g_creds.result = 0;
+    __atomic_store_n(&g_alive, 0, __ATOMIC_RELEASE);
+    g_started_hidden = 0;
+    release();
 }
