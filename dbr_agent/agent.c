@@ -710,20 +710,6 @@ void dbr_agent_poke(void)
     errno = e;
 }
 
-/* The program changed its credentials and the agent's thread could not take
- * the same ones: it must not go on with others.  The session ends with BYE
- * (stopping()) and the thread returns, as when the agent steps aside. */
-static int creds_failed(void)
-{
-    if (dbr_thread_creds_result() == 0)
-        return 0;
-    if (!__atomic_exchange_n(&g_retired, 1, __ATOMIC_ACQ_REL)) {
-        dbr_log("cannot take the program's new credentials: the agent steps aside");
-        dbr_sampler_stop();
-    }
-    return 1;
-}
-
 /* Wait for readability of fd (-1: none) or the wake pipe.  1 readable, 0
  * timeout or woken.  The only place the agent thread sleeps between
  * requests, so it is also where it notices that the program has ended. */
@@ -751,8 +737,12 @@ static int wait_readable(int fd, int timeout_ms)
                     ;
             woken = 1;
         }
-        if (dbr_thread_apply_creds() && creds_failed())
+        if (dbr_thread_apply_creds() < 0) {
+            /* the program's new credentials could not be taken: the agent must
+             * not go on with others; it steps aside (its own thread: no wait) */
+            dbr_agent_retire("the program's new credentials cannot be taken");
             return 0;
+        }
         now = dbr_now_ms();
         if (woken && !dbr_thread_hidden())   /* glibc ends the process itself then */
             g_watch_until = now + LONELY_WATCH_MS;
@@ -966,7 +956,10 @@ static void *agent_main(void *arg)
  * caller waits, bounded, until the kernel no longer counts that thread.
  * Installed patches stay, as on a disconnect with `keep`: the map-change
  * hooks still restore sites before their code goes away.  Fork children of
- * such a process start no agent thread either; an exec loads a new agent. */
+ * such a process start no agent thread either; an exec loads a new agent.
+ * The same happens before a seccomp filter with TSYNC (hooks.c), and when the
+ * agent's thread cannot take the program's new credentials (called on that
+ * thread: nothing to wait for). */
 #define RETIRE_WAIT_MS 3000u
 
 int dbr_agent_retire(const char *why)
@@ -978,7 +971,7 @@ int dbr_agent_retire(const char *why)
     if (g_cfg.disabled)
         return 1;
     if (!__atomic_exchange_n(&g_retired, 1, __ATOMIC_ACQ_REL)) {
-        dbr_log("%s needs a single-threaded process: the agent steps aside", why);
+        dbr_log("%s: the agent steps aside", why);
         /* also mid-handshake (HELLO sent, HELLO_ACK not yet read by the agent's
          * thread): the service has the session by then and must hear it end */
         memset(&b, 0, sizeof b);

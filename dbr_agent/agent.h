@@ -216,8 +216,7 @@ int dbr_thread_reap(unsigned timeout_ms);    /* after it returned: free its stac
 void dbr_thread_fork_child(void);
 const char *dbr_thread_mode(void);           /* "hidden", or why not */
 int dbr_thread_sync_creds(const char *what); /* program thread, after set*id/setgroups */
-int dbr_thread_apply_creds(void);            /* agent thread: 1 if it applied a change */
-int dbr_thread_creds_result(void);           /* agent thread: 0, or -errno of the last change */
+int dbr_thread_apply_creds(void);            /* agent thread: 1 applied, 0 none, -1 failed */
 
 /* ---- sampler.c ---- */
 void dbr_sampler_init(void);

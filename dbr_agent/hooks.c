@@ -503,7 +503,7 @@ DBR_EXPORT int unshare(int flags)
         return -1;
     }
     if (!g_cfg.disabled && (flags & NEEDS_ALONE_UNSHARE))
-        dbr_agent_retire("unshare");
+        dbr_agent_retire("unshare needs a single-threaded process");
     return f(flags);
 }
 
@@ -524,7 +524,7 @@ DBR_EXPORT int setns(int fd, int nstype)
             errno = e;
         }
         if (type & NEEDS_ALONE_SETNS)
-            dbr_agent_retire("setns");
+            dbr_agent_retire("setns needs a single-threaded process");
     }
     return f(fd, nstype);
 }

@@ -265,13 +265,7 @@ int dbr_thread_apply_creds(void)
     g_creds.result = r == 0 ? 0 : -errno;
     __atomic_store_n(&g_creds.applied, seq, __ATOMIC_RELEASE);
     syscall(SYS_futex, &g_creds.applied, FUTEX_WAKE, 1 << 30, NULL, NULL, 0);
-    return 1;
-}
-
-/* agent thread: the result of the last change it applied (0 or -errno) */
-int dbr_thread_creds_result(void)
-{
-    return g_creds.result;
+    return r == 0 ? 1 : -1;
 }
 
 int dbr_thread_sync_creds(const char *what)

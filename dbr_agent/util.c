@@ -158,8 +158,8 @@ void dbr_config_load(void)
  * The agent never calls malloc.  Its thread is hidden from glibc (thread.c),
  * and glibc's malloc takes no lock while glibc believes the process has one
  * thread: the agent's thread must not share that heap.  Every block is its own
- * anonymous mapping, made with raw syscalls (never through the agent's own
- * hooks), preceded by a 16-byte header holding the mapping's length.  The
+ * anonymous mapping, made through syscall() (never through the agent's mmap
+ * and munmap hooks), preceded by a 16-byte header holding the mapping's length.  The
  * agent allocates rarely (per request, per thread), so a page or more a block
  * costs nothing that matters. */
 #define ALLOC_HDR 16u
