@@ -248,20 +248,36 @@ static struct {
     gid_t groups[65536];        /* NGROUPS_MAX */
 } g_creds;
 
-int dbr_thread_apply_creds(void)
+/* groups, gids, uids in that order, or the uids first too */
+static long set_creds(int uid_first)
 {
-    uint32_t seq = __atomic_load_n(&g_creds.posted, __ATOMIC_ACQUIRE);
     long r = 0;
 
-    if (seq == __atomic_load_n(&g_creds.applied, __ATOMIC_RELAXED))
-        return 0;
-    /* groups and gids while the thread may still hold the privilege to set them */
-    if (g_creds.ngroups >= 0)
+    if (uid_first)
+        r = syscall(SYS_setresuid, g_creds.uid[0], g_creds.uid[1], g_creds.uid[2]);
+    if (r == 0 && g_creds.ngroups >= 0)
         r = syscall(SYS_setgroups, (size_t)g_creds.ngroups, g_creds.groups);
     if (r == 0)
         r = syscall(SYS_setresgid, g_creds.gid[0], g_creds.gid[1], g_creds.gid[2]);
     if (r == 0)
         r = syscall(SYS_setresuid, g_creds.uid[0], g_creds.uid[1], g_creds.uid[2]);
+    return r;
+}
+
+int dbr_thread_apply_creds(void)
+{
+    uint32_t seq = __atomic_load_n(&g_creds.posted, __ATOMIC_ACQUIRE);
+    long r;
+
+    if (seq == __atomic_load_n(&g_creds.applied, __ATOMIC_RELAXED))
+        return 0;
+    /* A drop: groups and gids while the thread still holds the privilege to set
+     * them, uids last.  A drop undone (seteuid(0) back through the saved uid):
+     * the thread has no capabilities until its uids are back, so the groups
+     * fail with EPERM before anything changed; then the uids go first. */
+    r = set_creds(0);
+    if (r != 0 && errno == EPERM)
+        r = set_creds(1);
     g_creds.result = r == 0 ? 0 : -errno;
     __atomic_store_n(&g_creds.applied, seq, __ATOMIC_RELEASE);
     syscall(SYS_futex, &g_creds.applied, FUTEX_WAKE, 1 << 30, NULL, NULL, 0);

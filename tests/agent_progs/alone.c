@@ -8,6 +8,8 @@
  *           "creds same N" if every thread of the process has the same uid, gid
  *           and groups as main (N threads), else "creds differ" and the lines
  *   creds-res  the same with setresgid and setresuid
+ *   creds-temp (root) seteuid(nobody), compare, seteuid(0) (back through the saved
+ *           uid), compare: prints "creds same N" after each step
  * Prints "ready", waits for a line on stdin (the test's session is up by then). */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -40,19 +42,14 @@ static void creds_of(const char *tid, char *out, size_t cap)
     fclose(f);
 }
 
-static int creds(int res)
+/* print "creds same N" if every thread has main's uid, gid and groups */
+static int compare_creds(void)
 {
-    gid_t nobody = 65534;
     char mine[1024], other[1024], self[32];
     DIR *d;
     struct dirent *e;
     int n = 0;
 
-    if (setgroups(1, &nobody) != 0 || (res ? setresgid(nobody, nobody, nobody) : setgid(nobody)) != 0 ||
-        (res ? setresuid(nobody, nobody, nobody) : setuid(nobody)) != 0) {
-        perror("drop");
-        return 1;
-    }
     snprintf(self, sizeof self, "%d", (int)syscall(SYS_gettid));
     creds_of(self, mine, sizeof mine);
     if (!(d = opendir("/proc/self/task")))
@@ -63,6 +60,7 @@ static int creds(int res)
         creds_of(e->d_name, other, sizeof other);
         if (strcmp(mine, other) != 0) {
             printf("creds differ\n%s---\n%s", mine, other);
+            closedir(d);
             return 1;
         }
         n++;
@@ -70,6 +68,35 @@ static int creds(int res)
     closedir(d);
     printf("creds same %d\n", n);
     return 0;
+}
+
+static int creds(int res)
+{
+    gid_t nobody = 65534;
+
+    if (setgroups(1, &nobody) != 0 || (res ? setresgid(nobody, nobody, nobody) : setgid(nobody)) != 0 ||
+        (res ? setresuid(nobody, nobody, nobody) : setuid(nobody)) != 0) {
+        perror("drop");
+        return 1;
+    }
+    return compare_creds();
+}
+
+/* a privilege drop undone: the way back needs the saved uid, not the capabilities
+ * the thread no longer has */
+static int creds_temp(void)
+{
+    if (seteuid(65534) != 0) {
+        perror("seteuid(nobody)");
+        return 1;
+    }
+    if (compare_creds())
+        return 1;
+    if (seteuid(0) != 0) {
+        perror("seteuid(0)");
+        return 1;
+    }
+    return compare_creds();
 }
 
 static void single(void)
@@ -103,6 +130,8 @@ int main(int argc, char **argv)
             return 1;
     } else if (!strcmp(mode, "creds") || !strcmp(mode, "creds-res")) {
         return creds(!strcmp(mode, "creds-res"));
+    } else if (!strcmp(mode, "creds-temp")) {
+        return creds_temp();
     } else {
         return 2;
     }
