@@ -109,6 +109,42 @@ def spread(xs: Sequence[float]) -> dict:
             "max": xs[-1]}
 
 
+def ratio_ci(pairs: Sequence[tuple[float, float]], level: float = 0.95,
+             resamples: int = 4000, seed: int = 1) -> tuple[float, float] | None:
+    """Bootstrap confidence interval of median(a) / median(b) over paired rounds
+    ``(a, b)``: rounds are resampled whole, so what hit both runs of a round (load,
+    drift) stays paired.  Percentile method, fixed seed (the same data give the same
+    interval).  None with fewer than 5 rounds: too few to say anything."""
+    import random
+
+    pairs = [(a, b) for a, b in pairs if b > 0]
+    if len(pairs) < 5:
+        return None
+    rng = random.Random(seed)
+    n = len(pairs)
+    stats = []
+    for _ in range(resamples):
+        sample = [pairs[rng.randrange(n)] for _ in range(n)]
+        mb = statistics.median(b for _, b in sample)
+        stats.append(statistics.median(a for a, _ in sample) / mb)
+    stats.sort()
+    tail = (1.0 - level) / 2
+    return stats[int(tail * (resamples - 1))], stats[int((1 - tail) * (resamples - 1))]
+
+
+def verdict(ci: tuple[float, float] | None, limit: float) -> str:
+    """Whether a ratio is within ``limit`` (e.g. 1.01), from its confidence interval:
+    ``met`` (the whole interval at or under), ``missed`` (the whole interval over),
+    ``undecided`` (the interval spans the limit: more or quieter rounds needed)."""
+    if ci is None:
+        return "undecided"
+    if ci[1] <= limit:
+        return "met"
+    if ci[0] > limit:
+        return "missed"
+    return "undecided"
+
+
 def _read(path: str) -> str | None:
     try:
         return Path(path).read_text().strip()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.common import verdict
+
 CONFIG_ORDER = ["dbr", "dbr-host", "dbr-preload", "thread-only", "dbr-aggressive", "dbr-sampling",
                 "perf", "valgrind", "pgo"]
 
@@ -76,6 +78,40 @@ def _fmt_load(la: Any) -> str:
     return "/".join(f"{x:.2f}" for x in la) if la else "?"
 
 
+def _target_md(c: dict, rows: list[dict]) -> list[str]:
+    """The slowdown target, judged by each ratio's bootstrap interval, not its median."""
+    t = c.get("target") or {}
+    limit, cfgs = t.get("limit"), [n for n in t.get("configs", [])
+                                   if any(n in r.get("configs", {}) for r in rows)]
+    if not limit or not cfgs:
+        return []
+    out = ["", f"## Target: no workload slower than native by more than "
+           f"{100 * (limit - 1):.0f} %", "",
+           f"Ratio of medians with its {100 * t.get('level', 0.95):.0f} % bootstrap interval "
+           "(rounds resampled whole, so each round's native and dbr runs stay paired). "
+           f"*met*: the whole interval ≤ {limit}; *missed*: the whole interval above it; "
+           "*undecided*: the interval spans it (the noise of this run is larger than the "
+           "difference: more rounds or a quieter machine are needed to tell).", "",
+           "| workload | config | ratio | 95 % interval | verdict |", "|---|---|---|---|---|"]
+    tally: dict[str, int] = {}
+    for r in rows:
+        for n in cfgs:
+            cj = r.get("configs", {}).get(n)
+            if not cj:
+                continue
+            if cj.get("status") != "ok" or "ratio" not in cj:
+                v = cj.get("status", "?")
+                out.append(f"| {r['name']} | {n} | – | – | {v} |")
+            else:
+                ci = cj.get("ratio_ci95")
+                v = verdict(tuple(ci) if ci else None, limit)
+                ci_s = f"{ci[0]:.3f}–{ci[1]:.3f}" if ci else "– (under 5 rounds)"
+                out.append(f"| {r['name']} | {n} | {cj['ratio']:.3f} | {ci_s} | **{v}** |")
+            tally[v] = tally.get(v, 0) + 1
+    out += ["", "Verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(tally.items())) + "."]
+    return out
+
+
 def _compare_md(c: dict) -> list[str]:
     st = c.get("settings", {})
     out = ["## Configurations", "", "| config | what | status |", "|---|---|---|"]
@@ -112,6 +148,7 @@ def _compare_md(c: dict) -> list[str]:
         out.append(f"| {r['name']} | {nat_s} | "
                    + " | ".join(_cell(r.get("configs", {}).get(n)) for n in names)
                    + f" | {share_s} | {status} |")
+    out += _target_md(c, rows)
     # dbr metrics
     dbr_names = [n for n in names if n.startswith("dbr")]
     out += ["", "## What dbr did", "",

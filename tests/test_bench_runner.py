@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import compare, suite
-from bench.common import Results, spread
+from bench.common import Results, ratio_ci, spread, verdict
 
 SH = "/bin/sh"
 
@@ -153,6 +153,56 @@ def test_ratio_and_pgo_share_arithmetic():
     assert (s["min"], s["max"], s["median"], s["n"]) == (1.0, 4.0, 2.5, 4)
     assert s["q1"] <= s["median"] <= s["q3"]
     assert statistics.median([1.0, 2.0]) == 1.5
+
+
+def _noisy_pairs(ratio: float, n: int, noise: float, seed: int) -> list[tuple[float, float]]:
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        load = 1 + rng.random() * 0.3          # what hits both runs of a round alike
+        base = load * (1 + rng.uniform(-noise, noise))
+        out.append((ratio * load * (1 + rng.uniform(-noise, noise)), base))
+    return out
+
+
+def test_ratio_interval_and_the_verdict_it_gives():
+    # a clear 5 % slowdown over 41 rounds of 1 % noise: missed, the interval holds 1.05
+    ci = ratio_ci(_noisy_pairs(1.05, 41, 0.01, 1))
+    assert ci[0] < 1.05 < ci[1] and ci[0] > 1.01
+    assert verdict(ci, 1.01) == "missed"
+    # no difference, little noise: met
+    ci = ratio_ci(_noisy_pairs(1.0, 41, 0.002, 2))
+    assert ci[0] <= 1.0 <= ci[1] < 1.01 and verdict(ci, 1.01) == "met"
+    # no difference but 10 % noise and few rounds: the interval spans the limit
+    ci = ratio_ci(_noisy_pairs(1.0, 7, 0.10, 3))
+    assert ci[0] < 1.01 < ci[1] and verdict(ci, 1.01) == "undecided"
+    # deterministic, and silent below 5 rounds
+    assert ratio_ci(_noisy_pairs(1.0, 9, 0.05, 4)) == ratio_ci(_noisy_pairs(1.0, 9, 0.05, 4))
+    assert ratio_ci([(1.0, 1.0)] * 4) is None and verdict(None, 1.01) == "undecided"
+
+
+def test_cell_json_carries_the_interval_and_the_report_judges_by_it():
+    nat, b = compare.Cell(compare.Native()), compare.Cell(Wrapped("dbr-preload"))
+    pairs = _noisy_pairs(1.05, 21, 0.01, 5)
+    nat.runs = [_run(n) for _, n in pairs]
+    b.runs = [_run(x) for x, _ in pairs]
+    rounds = [[("native", n), ("dbr-preload", x)] for x, n in pairs]
+    cj = compare.cell_json(b, nat, rounds)
+    lo, hi = cj["ratio_ci95"]
+    assert lo <= cj["ratio"] <= hi and lo > 1.01
+    data = {"benchmarks": {"compare": {
+        "settings": {}, "target": compare.TARGET, "configs": {},
+        "workloads": [{"name": "w", "status": "ok",
+                       "configs": {"native": compare.cell_json(nat, None, rounds),
+                                   "dbr-preload": cj}}]}}}
+    from bench import report
+
+    md = report.markdown(data)
+    assert "## Target: no workload slower than native by more than 1 %" in md
+    assert f"| w | dbr-preload | {cj['ratio']:.3f} | {lo:.3f}–{hi:.3f} | **missed** |" in md
+    assert "Verdicts: missed 1." in md
 
 
 def test_summarize_dbr_report():
