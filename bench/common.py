@@ -228,7 +228,8 @@ class Results:
              directory: Path | None = None) -> "Results":
         session = os.environ.get("DBR_BENCH_SESSION") or f"{os.getpid()}-{time.time():.0f}"
         cmd = os.environ.get("DBR_BENCH_COMMAND")
-        return cls(directory or RESULTS, session, quick,
+        where = directory or Path(os.environ.get("DBR_BENCH_RESULTS") or RESULTS)
+        return cls(where, session, quick,
                    cmd.split() if cmd else list(command or ["python", "-m", "bench"]))
 
     def update(self, section: str, payload: dict) -> None:

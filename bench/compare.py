@@ -786,6 +786,7 @@ def cell_json(cell: Cell, native: Cell | None, rounds: list[list[tuple[str, floa
                 pairs.append((d[cell.cfg.name], d[native.cfg.name]))
         if pairs:
             out["paired_ratio"] = spread([a / b for a, b in pairs])
+            out["paired_walls"] = [[round(a, 6), round(b, 6)] for a, b in pairs]  # raw data
             ci = ratio_ci(pairs)
             if ci is not None:
                 out["ratio_ci95"] = list(ci)
@@ -1033,6 +1034,10 @@ def select_configs(spec: str | None) -> list[Config]:
     return out
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1042,6 +1047,9 @@ def main(argv: list[str] | None = None) -> int:
                     + ", ".join(EXTRA_CONFIGS))
     ap.add_argument("workloads", nargs="*", help="subset of the workloads")
     args = ap.parse_args(argv)
+    # SIGTERM as SIGINT: unwind, so the current run is killed, the partial results are
+    # written and the host services stop (atexit), instead of dying with them orphaned
+    signal.signal(signal.SIGTERM, _terminated)
     ws = suite.registry()
     if args.workloads:
         unknown = set(args.workloads) - {w.name for w in ws}

@@ -9,15 +9,19 @@ i starts at configuration i mod 3, after one unrecorded warm-up round):
                  default settings (quiet clients are sampled less: up to one 0.2 s
                  window per ``snapshot_backoff_max_s`` = 8 s);
 * ``host-fixed`` the same with ``snapshot_backoff_max_s=0``: one window every second
-                 for the whole run, as before the backoff.
+                 for the whole run, as before the backoff;
+* ``host-sampling`` ``host`` with ``patching=false``: the agent and the sampling
+                 without replacement code, so ``host`` minus this is what the installed
+                 regions gain or cost.
 
 Both services run throughout (their start-up is not billed to a client), each on its
 own runtime dir; only one program runs at a time.  Every run's stdout is compared
 with native's: a difference is a FAILURE, never a data point.  Reported per
 configuration: median wall and CPU seconds (user + system of the program, from
 wait4), their ratios to native (median over median, and the range of per-round
-paired ratios), and what the service did for the program (windows sampled, samples,
-its sampling interval at the end, patches installed).
+paired ratios, and the 95 % bootstrap interval of the wall ratio), and what the
+service did for the program (windows sampled, samples, its sampling interval at the
+end, patches installed).
 
 usage: python -m bench.steady_state [--quick] [--runs N] [--seconds S] [WORKLOAD...]
 """
@@ -36,7 +40,7 @@ import time
 from pathlib import Path
 
 import dbr_agent
-from bench.common import Results, machine, spread, write_results
+from bench.common import Results, machine, ratio_ci, spread, write_results
 from bench.compare import HostService
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,12 +69,22 @@ WORKLOADS = {
     "perl": (lambda n, d: ["perl", "-e", PERL, str(n)], 7_000_000),
     "python3": (lambda n, d: [sys.executable, "-c", PYTHON, str(n)], 3_100_000),
     "threads": (lambda n, d: [str(d / "threads"), str(n), "1"], 510),
+    # xz -1 (one thread) of the suite's generated text, repeated: a real, stripped,
+    # memory-bound program whose hot loops dbr patches (liblzma's match finder)
+    "xz": (lambda n, d: ["sh", "-c", f'i=0; while [ $i -lt {max(1, n)} ]; do cat "{d / "text"}"; '
+                         'i=$((i+1)); done | xz -T1 -1 -c'], 0.8),
 }
 
 
-def _build(d: Path) -> None:
+def _build(d: Path, names: list[str]) -> None:
     subprocess.run(["gcc", "-O2", "-pthread", "-o", str(d / "threads"),
                     str(ROOT / "tests" / "e2e_progs" / "threads.c")], check=True)
+    if "xz" in names:
+        from bench import suite
+
+        # 24 MB of the suite's text (cached): about 1.25 s of xz -1 per copy
+        src = suite.text_input(suite.Ctx(quick=False, log=lambda m: None), 24_000_000)
+        os.symlink(src, d / "text")
 
 
 def _run(argv: list[str], env: dict[str, str], timeout: float) -> tuple[float, float, str, int]:
@@ -139,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"machine": machine(), "seconds": secs, "runs": runs, "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="dbr-steady-") as td:
         d = Path(td)
-        _build(d)
+        _build(d, names)
         base = dict(os.environ)
         base.pop("LD_PRELOAD", None)
-        svcs = {"host": HostService(), "host-fixed": HostService(["snapshot_backoff_max_s=0"])}
+        svcs = {"host": HostService(), "host-fixed": HostService(["snapshot_backoff_max_s=0"]),
+                "host-sampling": HostService(["patching=false"])}
         try:
             for name, svc in svcs.items():
                 why = svc.start(base)
@@ -186,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                         "wall_ratio": statistics.median(wall[c]) / statistics.median(wall["native"]),
                         "cpu_ratio": statistics.median(cpu[c]) / statistics.median(cpu["native"]),
                         "wall_paired": _paired(wall["native"], wall[c]),
+                        "wall_ci95": ratio_ci(list(zip(wall[c], wall["native"]))),
                         "cpu_paired": _paired(cpu["native"], cpu[c]),
                         "wall_all": wall[c], "cpu_all": cpu[c]}
                     if c in info:
@@ -209,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
 def _markdown(res: dict) -> str:
     out = [f"# steady state: {res['seconds']:.0f} s runs, {res['runs']} alternated rounds "
            f"(medians; paired ratio range in brackets)", "",
-           "| workload | config | wall s | wall ratio | CPU ratio | windows sampled | samples "
-           "| interval at end s | patches |", "|---|---|---|---|---|---|---|---|---|"]
+           "| workload | config | wall s | wall ratio | 95 % interval | CPU ratio | windows sampled "
+           "| samples | interval at end s | patches |", "|---|---|---|---|---|---|---|---|---|---|"]
     for w, row in res["workloads"].items():
         for c, v in row["configs"].items():
             sv = v.get("service") or []
@@ -219,9 +235,11 @@ def _markdown(res: dict) -> str:
                 xs = [s[k] for s in sv if isinstance(s.get(k), (int, float))]
                 return f"{statistics.median(xs):g}" if xs else "–"
             wp, cp = v["wall_paired"], v["cpu_paired"]
+            ci = v.get("wall_ci95")
+            ci_s = f"{ci[0]:.3f}–{ci[1]:.3f}" if ci and c != "native" else "–"
             out.append(
                 f"| {w} | {c} | {v['wall_s']['median']:.2f} | {v['wall_ratio']:.3f} "
-                f"[{wp.get('min', 0):.3f}-{wp.get('max', 0):.3f}] | {v['cpu_ratio']:.3f} "
+                f"[{wp.get('min', 0):.3f}-{wp.get('max', 0):.3f}] | {ci_s} | {v['cpu_ratio']:.3f} "
                 f"[{cp.get('min', 0):.3f}-{cp.get('max', 0):.3f}] | {med('snapshots')} | "
                 f"{med('samples')} | {med('sampling_interval_s')} | {med('patches_installed')} |")
     return "\n".join(out) + "\n"

@@ -280,6 +280,55 @@ def test_preload_and_thread_only_configs(tmp_path):
     assert preload.host.proc.poll() is not None
 
 
+def test_sigterm_takes_down_the_run_and_the_host_service_and_keeps_the_results(tmp_path):
+    """A benchmark stopped with SIGTERM (timeout(1), CI, kill) must not leave its host
+    `dbr service` behind, and what it measured so far is still written."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    env = dict(os.environ, DBR_BENCH_RESULTS=str(tmp_path / "results"),
+               DBR_BENCH_SESSION="sigterm-test")
+    env.pop("LD_PRELOAD", None)
+    p = subprocess.Popen([sys.executable, "-m", "bench.compare", "--quick", "--runs", "50",
+                          "--configs", "dbr-preload", "interp"],
+                         cwd=Path(compare.REPO), env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        svc = None
+        deadline = time.monotonic() + 120
+        while svc is None and time.monotonic() < deadline and p.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for c in psutil.Process(p.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        if "service" in c.cmdline():
+                            svc = c
+            time.sleep(0.2)
+        assert svc is not None, "the benchmark never started its host service"
+        time.sleep(1.5)   # into the alternated runs
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+        svc_gone = False
+        for _ in range(100):
+            if not svc.is_running() or svc.status() == psutil.STATUS_ZOMBIE:
+                svc_gone = True
+                break
+            time.sleep(0.1)
+        assert svc_gone, "the host dbr service outlived the benchmark"
+        data = json.loads((tmp_path / "results" / "latest.json").read_text())
+        assert data["finished"] and "compare" in data["benchmarks"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+
+
 def test_preload_sampling_config_runs_its_host_service_with_patching_off(tmp_path):
     """dbr-preload-sampling: the same deployed form, its host service told not to patch
     (the key comes from the service's configuration, as for dbr-sampling)."""
@@ -334,11 +383,12 @@ def test_a_timed_out_run_records_what_its_threads_were_doing(tmp_path):
     assert compare.cell_json(cell, None, [])["hung_threads"] == r.hung
 
 
-def test_steady_state_runs_all_three_ways_and_reports_what_the_service_did(tmp_path,
-                                                                          monkeypatch):
-    """bench.steady_state on one short workload: native, host and host-fixed all ran
-    with native's output, ratios are medians over medians, and the service's view
-    of each run (windows sampled, interval) came back by pid."""
+def test_steady_state_runs_all_four_ways_and_reports_what_the_service_did(tmp_path,
+                                                                         monkeypatch):
+    """bench.steady_state on one short workload: native, host, host-fixed and
+    host-sampling all ran with native's output, ratios are medians over medians, and
+    the service's view of each run (windows sampled, interval) came back by pid;
+    host-sampling never patches."""
     import bench.common
     from bench import steady_state
 
@@ -346,7 +396,7 @@ def test_steady_state_runs_all_three_ways_and_reports_what_the_service_did(tmp_p
     assert steady_state.main(["--runs", "2", "--seconds", "0.6", "threads"]) == 0
     res = json.loads((tmp_path / "steady_state.json").read_text())
     row = res["workloads"]["threads"]["configs"]
-    assert set(row) == {"native", "host", "host-fixed"}
+    assert set(row) == {"native", "host", "host-fixed", "host-sampling"}
     for name, c in row.items():
         assert len(c["wall_all"]) == len(c["cpu_all"]) == 2
         assert c["wall_ratio"] == pytest.approx(
@@ -354,6 +404,7 @@ def test_steady_state_runs_all_three_ways_and_reports_what_the_service_did(tmp_p
         if name != "native":
             assert len(c["service"]) == 2 and all("missing" not in s for s in c["service"])
             assert all(s["sampling_interval_s"] in (0.0, 1.0) for s in c["service"])
+    assert all(not s.get("patches_installed") for s in row["host-sampling"]["service"])
     assert "| threads | host-fixed |" in res["markdown"]
     assert json.loads((tmp_path / "latest.json").read_text())["benchmarks"]["steady_state"]
 
