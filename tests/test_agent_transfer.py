@@ -49,17 +49,19 @@ def test_spinning_threads_are_moved(svc, spin_exe, threads):
     client, conn, spin, buf = start(svc, spin_exe, threads)
     announce(conn, 7, buf.base, buf.base + 64)
     points = {spin + o: buf.base + o for o in OFFSETS}
-    moved = 0
+    moved = most = 0
     for _ in range(20):     # a thread may still be starting (not yet in the loop)
         res = conn.transfer(7, points, timeout_ms=500)
         assert res.result == P.Result.OK
-        # running threads are signalled: the spinners, not main (asleep in read())
-        assert res.threads == threads and res.no_reply == 0
+        # running threads are signalled: the spinners, not main (asleep in read()); a
+        # spinner still inside pthread's start-up may be asleep on its creator's lock
+        assert res.threads <= threads and res.no_reply == 0
+        most = max(most, res.threads)
         moved += res.moved
         if moved == threads:
             break
     # a moved thread is in the copy: never moved twice
-    assert moved == threads
+    assert moved == threads and most == threads
     # a census sees them in the copy, main elsewhere
     pcs = [e.pc for e in conn.census(500) if e.state == P.CENSUS_OK]
     assert sum(buf.base <= pc < buf.base + 8 for pc in pcs) == threads
