@@ -125,6 +125,8 @@ class RegionRecord:
     dot: str | None = None
     #: Free-form details from the pipeline (loops, trip counts, ...).
     info: dict[str, Any] = field(default_factory=dict)
+    #: Original code an installed region replaces ([lo, hi) byte ranges).
+    orig_ranges: list[tuple[int, int]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "module": self.module, "entries": list(self.entries),
@@ -520,14 +522,35 @@ class ClientSession:
         inst = self.installer
         return [] if inst is None else inst.patched_ranges()
 
+    def covered(self, module: str, entries: list[int]) -> bool:
+        """Whether every entry of a region lies in original code that an installed
+        region of the same module already replaces.  Such a region is a variant of
+        one that is live (sampling noise moves a loop's entries by a block from job to
+        job): it is not installed, and selecting it is no news (the client may turn
+        quiet).  Once the covering region is removed, it is installable again."""
+        if not entries:
+            return False
+        with self.lock:
+            ranges = [rg for r in self.regions.values()
+                      if r.state is RegionState.INSTALLED and r.module == module
+                      for rg in r.orig_ranges]
+        return all(any(lo <= e < hi for lo, hi in ranges) for e in entries)
+
     def install_selected(self, srs: list[Any], ids: list[str]) -> int:
-        """Session thread: emit and install the regions not yet installed; regions
-        installed.  One region's failure is recorded; the others go on."""
+        """Session thread: emit and install the regions not yet installed (nor covered
+        by an installed one); regions installed.  One region's failure is recorded;
+        the others go on."""
         inst = self._get_installer()
-        todo = [(rid, sr) for rid, sr in zip(ids, srs)
-                if rid not in self.blocked_regions
-                and (rid not in self.regions or self.regions[rid].state
-                     not in (RegionState.INSTALLED,))]
+        todo = []
+        for rid, sr in zip(ids, srs):
+            rec = self.regions.get(rid)
+            if rid in self.blocked_regions or (rec is not None and
+                                               rec.state is RegionState.INSTALLED):
+                continue
+            if rec is not None and self.covered(rec.module, rec.entries):
+                rec.info["not_installed"] = "its entries are in code an installed region replaces"
+                continue
+            todo.append((rid, sr))
         if not todo:
             return 0
         live = [r for r in inst.regions.values() if r.state is InstallState.INSTALLED]
@@ -552,6 +575,7 @@ class ClientSession:
                     continue
                 rec.state = RegionState.INSTALLED
                 rec.sites = reg.patched_sites
+                rec.orig_ranges = list(reg.orig_ranges)
                 rec.code_bytes = reg.gen.size
                 rec.info.update(install_id=reg.region_id, code_at=hex(reg.chunk.addr),
                                 sites=len(reg.patched_sites), transferred=reg.transferred,

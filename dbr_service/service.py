@@ -589,15 +589,19 @@ class Service:
         ids = [] if res.regions is None else [s.region_id(d["module"], d["entries"])
                                               for d in res.regions]
         with s.lock:
+            # a region whose entries are all in code an installed region replaces is a
+            # variant of it, not news (ClientSession.covered); nor is it installed
+            news = [rid for rid, d in zip(ids, res.regions or [])
+                    if not s.covered(d["module"], d["entries"])]
             pending = self.config.patching and any(
                 rid not in s.blocked_regions and (
                     rid not in s.regions or s.regions[rid].state is not RegionState.INSTALLED)
-                for rid in ids)
+                for rid in news)
             # a client's first jobs (quick ones among them) see few samples: what they
             # do not find is no sign that nothing is left to find
-            changed = pending or frozenset(ids) != s.last_selected or \
+            changed = pending or frozenset(news) != s.last_selected or \
                 s.jobs_done <= QUICK_JOBS + 1
-            s.last_selected = frozenset(ids)
+            s.last_selected = frozenset(news)
         self._judge_quiet(s, changed)
         if res.regions is not None:
             with s.lock:

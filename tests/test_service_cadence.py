@@ -87,3 +87,31 @@ def test_quiet_client_is_sampled_less_until_code_is_mapped():
     finally:
         kill(client)
         svc.stop()
+
+
+def test_a_region_inside_code_already_replaced_is_covered():
+    """Sampling noise moves a loop's entries by a block from job to job; a region
+    whose entries all lie in code an installed region replaces is a variant of it:
+    not installed again, and no news for the quiet judgement (service._apply_result).
+    Once the installed region is removed, the variant is installable."""
+    import threading
+
+    from dbr_service.clients import ClientSession, RegionRecord, RegionState
+
+    live = RegionRecord("r1", "/lib/liblzma.so", [0x19F7], 11, 203,
+                        state=RegionState.INSTALLED, orig_ranges=[(0x19A0, 0x1A30)])
+    other = RegionRecord("r2", "/lib/libc.so", [0x5000], 3, 50,
+                         state=RegionState.INSTALLED, orig_ranges=[(0x5000, 0x5040)])
+    s = SimpleNamespace(lock=threading.RLock(), regions={"r1": live, "r2": other})
+
+    def covered(module, entries):
+        return ClientSession.covered(s, module, entries)
+
+    assert covered("/lib/liblzma.so", [0x1A17])              # a block further on
+    assert covered("/lib/liblzma.so", [0x19A3, 0x1A2F])      # every entry inside
+    assert not covered("/lib/liblzma.so", [0x19A3, 0x1A30])  # one entry outside: news
+    assert not covered("/lib/liblzma.so", [0x1990])
+    assert not covered("/lib/libc.so", [0x1A17])             # another module's range
+    assert not covered("/lib/liblzma.so", [])
+    live.state = RegionState.REMOVED                         # not effective, say
+    assert not covered("/lib/liblzma.so", [0x1A17])
