@@ -90,6 +90,31 @@ def test_dropped_credentials_reach_the_agent_thread(alone_exe, mode, thread):
     assert rest == ["creds same 2"] * (2 if mode == "creds-temp" else 1)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
+def test_credentials_the_agent_thread_cannot_take_make_it_step_aside(alone_exe):
+    """The program keeps capabilities across a drop (PR_SET_KEEPCAPS is per thread),
+    raises CAP_SETUID and goes back to root: the hidden thread, which lost every
+    capability with the drop, cannot follow.  It must not stay behind as nobody next
+    to a root program, nor take the process down: it ends its session and its thread,
+    and the program goes on.  (glibc's own threads would abort the process here: its
+    set*id treats a thread that cannot follow as fatal; hence no pthread variant.)"""
+    svc = FakeService()
+    try:
+        client = svc.spawn([alone_exe, "creds-fail"], env={"DBR_AGENT_THREAD": ""})
+        client.out.expect("ready")
+        conn = svc.accept(pid=client.pid)
+        client.send("go")
+        rc, rest = client.finish(timeout=20)
+        assert rc == 0, (rest, client.err.lines)
+        assert rest == ["creds same 2", "creds same 1"]
+        rec = conn.recv(timeout=5)      # it said BYE before its thread ended
+        while rec is not None and rec.type in (P.MsgType.THREAD_NEW, P.MsgType.THREAD_EXIT):
+            rec = conn.recv(timeout=5)
+        assert rec is not None and rec.type is P.MsgType.BYE
+    finally:
+        svc.close()
+
+
 def test_dropped_credentials_reach_a_dormant_agent_thread(alone_exe):
     if os.geteuid() != 0:
         pytest.skip("dropping privileges needs root")

@@ -10,10 +10,16 @@
  *   creds-res  the same with setresgid and setresuid
  *   creds-temp (root) seteuid(nobody), compare, seteuid(0) (back through the saved
  *           uid), compare: prints "creds same N" after each step
+ *   creds-fail (root) keep capabilities (PR_SET_KEEPCAPS, a per-thread flag) across
+ *           setresuid(nobody), compare, raise CAP_SETUID again and setresuid(0):
+ *           a thread without the flag cannot follow.  Waits (bounded) for one
+ *           task, then compares
  * Prints "ready", waits for a line on stdin (the test's session is up by then). */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <grp.h>
+#include <linux/capability.h>
+#include <sys/prctl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -104,6 +110,32 @@ static void single(void)
     printf("single %d tasks %d\n", (int)__libc_single_threaded, count_tasks());
 }
 
+/* the agent's hidden thread cannot take these credentials: it must step aside */
+static int creds_fail(void)
+{
+    struct __user_cap_header_struct h = { _LINUX_CAPABILITY_VERSION_3, 0 };
+    struct __user_cap_data_struct d[2];
+
+    if (prctl(PR_SET_KEEPCAPS, 1L, 0L, 0L, 0L) != 0 || setresuid(65534, 65534, 65534) != 0) {
+        perror("keepcaps/setresuid(nobody)");
+        return 1;
+    }
+    if (compare_creds())
+        return 1;
+    if (syscall(SYS_capget, &h, d) != 0) {
+        perror("capget");
+        return 1;
+    }
+    d[0].effective |= 1u << CAP_SETUID;    /* still permitted: KEEPCAPS */
+    if (syscall(SYS_capset, &h, d) != 0 || setresuid(0, 0, 0) != 0) {
+        perror("capset/setresuid(0)");
+        return 1;
+    }
+    for (int i = 0; i < 300 && count_tasks() > 1; i++)
+        usleep(10000);
+    return compare_creds();
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "single";
@@ -132,6 +164,8 @@ int main(int argc, char **argv)
         return creds(!strcmp(mode, "creds-res"));
     } else if (!strcmp(mode, "creds-temp")) {
         return creds_temp();
+    } else if (!strcmp(mode, "creds-fail")) {
+        return creds_fail();
     } else {
         return 2;
     }
