@@ -522,15 +522,19 @@ class ClientSession:
         inst = self.installer
         return [] if inst is None else inst.patched_ranges()
 
-    def covered(self, module: str, entries: list[int]) -> bool:
-        """Whether every entry of a region lies in original code that an installed
-        region of the same module already replaces.  Such a region is a variant of
-        one that is live (sampling noise moves a loop's entries by a block from job to
-        job): it is not installed, and selecting it is no news (the client may turn
-        quiet).  Once the covering region is removed, it is installable again."""
+    def covered(self, rid: str, module: str, entries: list[int]) -> bool:
+        """Whether region ``rid``, not installed itself, has every entry in original
+        code that an installed region of the same module already replaces.  Such a
+        region is a variant of one that is live (sampling noise moves a loop's
+        entries by a block from job to job): it is not installed, and selecting it
+        is no news (the client may turn quiet).  Once the covering region is
+        removed, it is installable again."""
         if not entries:
             return False
         with self.lock:
+            rec = self.regions.get(rid)
+            if rec is not None and rec.state is RegionState.INSTALLED:
+                return False
             ranges = [rg for r in self.regions.values()
                       if r.state is RegionState.INSTALLED and r.module == module
                       for rg in r.orig_ranges]
@@ -547,7 +551,7 @@ class ClientSession:
             if rid in self.blocked_regions or (rec is not None and
                                                rec.state is RegionState.INSTALLED):
                 continue
-            if rec is not None and self.covered(rec.module, rec.entries):
+            if rec is not None and self.covered(rid, rec.module, rec.entries):
                 rec.info["not_installed"] = "its entries are in code an installed region replaces"
                 continue
             todo.append((rid, sr))

@@ -592,7 +592,7 @@ class Service:
             # a region whose entries are all in code an installed region replaces is a
             # variant of it, not news (ClientSession.covered); nor is it installed
             news = [rid for rid, d in zip(ids, res.regions or [])
-                    if not s.covered(d["module"], d["entries"])]
+                    if not s.covered(rid, d["module"], d["entries"])]
             pending = self.config.patching and any(
                 rid not in s.blocked_regions and (
                     rid not in s.regions or s.regions[rid].state is not RegionState.INSTALLED)

@@ -104,8 +104,8 @@ def test_a_region_inside_code_already_replaced_is_covered():
                          state=RegionState.INSTALLED, orig_ranges=[(0x5000, 0x5040)])
     s = SimpleNamespace(lock=threading.RLock(), regions={"r1": live, "r2": other})
 
-    def covered(module, entries):
-        return ClientSession.covered(s, module, entries)
+    def covered(module, entries, rid="r9"):
+        return ClientSession.covered(s, rid, module, entries)
 
     assert covered("/lib/liblzma.so", [0x1A17])              # a block further on
     assert covered("/lib/liblzma.so", [0x19A3, 0x1A2F])      # every entry inside
@@ -113,5 +113,7 @@ def test_a_region_inside_code_already_replaced_is_covered():
     assert not covered("/lib/liblzma.so", [0x1990])
     assert not covered("/lib/libc.so", [0x1A17])             # another module's range
     assert not covered("/lib/liblzma.so", [])
+    # an installed region is not a variant of itself: it stays news as before
+    assert not covered("/lib/liblzma.so", [0x19F7], rid="r1")
     live.state = RegionState.REMOVED                         # not effective, say
     assert not covered("/lib/liblzma.so", [0x1A17])
