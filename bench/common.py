@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -115,8 +116,6 @@ def ratio_ci(pairs: Sequence[tuple[float, float]], level: float = 0.95,
     ``(a, b)``: rounds are resampled whole, so what hit both runs of a round (load,
     drift) stays paired.  Percentile method, fixed seed (the same data give the same
     interval).  None with fewer than 5 rounds: too few to say anything."""
-    import random
-
     pairs = [(a, b) for a, b in pairs if b > 0]
     if len(pairs) < 5:
         return None

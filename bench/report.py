@@ -92,7 +92,8 @@ def _target_md(c: dict, rows: list[dict]) -> list[str]:
            f"*met*: the whole interval ≤ {limit}; *missed*: the whole interval above it; "
            "*undecided*: the interval spans it (the noise of this run is larger than the "
            "difference: more rounds or a quieter machine are needed to tell).", "",
-           "| workload | config | ratio | 95 % interval | verdict |", "|---|---|---|---|---|"]
+           f"| workload | config | ratio | {100 * t.get('level', 0.95):.0f} % interval | verdict |",
+           "|---|---|---|---|---|"]
     tally: dict[str, int] = {}
     for r in rows:
         for n in cfgs:

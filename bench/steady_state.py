@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,7 @@ import time
 from pathlib import Path
 
 import dbr_agent
+from bench import suite
 from bench.common import Results, machine, ratio_ci, spread, write_results
 from bench.compare import HostService
 
@@ -92,13 +94,8 @@ def _build(d: Path, names: list[str]) -> None:
     subprocess.run(["gcc", "-O2", "-pthread", "-o", str(d / "threads"),
                     str(ROOT / "tests" / "e2e_progs" / "threads.c")], check=True)
     if "xz" in names:
-        import shutil
-
-        from bench import suite
-
         if not shutil.which("xz"):
             raise SystemExit("steady_state xz: no xz on PATH (apt-get install xz-utils)")
-
         # 24 MB of the suite's text (cached): about 1.25 s of xz -1 per copy
         src = suite.text_input(suite.Ctx(quick=False, log=lambda m: None), 24_000_000)
         os.symlink(src, d / "text")
