@@ -583,7 +583,7 @@ class ClientSession:
                 rec.code_bytes = reg.gen.size
                 rec.info.update(install_id=reg.region_id, code_at=hex(reg.chunk.addr),
                                 sites=len(reg.patched_sites), transferred=reg.transferred,
-                                transfer_only=not reg.sites)
+                                transfer_only=not reg.sites, layout=reg.gen.layout_kind)
                 reg.name = rid
                 n += 1
                 self.activity += 1

@@ -765,3 +765,121 @@ def test_loop_entered_at_its_exit_test_is_rotated() -> None:
         (end_a, sa), (end_b, sb) = runs
         assert end_a == end_b == exit_at
         assert sa.regs == sb.regs and sa.rflags == sb.rflags
+
+
+def _tree_walk_sr(to_a: float, to_b: float) -> tuple[SuperRegion, bytes, dict[str, int]]:
+    """The shape of xz's binary-tree match finder (liblzma bt_find_func): a loop whose
+    body branches two ways that meet again at the exit test.  The compiler's layout
+    ``A T H B`` takes one branch an iteration on either side (``jb A`` or ``jmp T``).
+    Entered at its head H, ``to_a``/``to_b`` iterations going each way."""
+    src = """
+           jmp head                          ; 0x400000 (not in the region)
+    a:     mov r13d, eax
+           lea r11, [rbx + 4]
+    t:     mov ecx, r9d
+           sub ecx, esi
+           cmp ecx, r14d
+           jb out
+    head:  movzx r10d, byte ptr [rdi + rcx]
+           add esi, 3
+           cmp r10b, r8b
+           jb a
+    b:     mov r12d, eax
+           add rbx, 8
+           jmp t
+    out:   ret
+    """
+    o = 0x40_0000
+    code = asm("\n".join(line.split(";")[0] for line in src.splitlines()), o)
+    bl = build_blocks(code, o)
+    a, t, head, b = sorted(k for k in bl if k != o)[:4]
+    assert bl[a].term is TermKind.FALLTHROUGH and bl[t].term is TermKind.JCC
+    assert bl[head].term is TermKind.JCC and bl[b].term is TermKind.JMP
+    sr = SuperRegion("tree-walk")
+    for k in (a, t, head, b):
+        sr.add_block(bl[k])
+    n = to_a + to_b
+    sr.add_edge(START, head, EdgeKind.ENTRY, 1)
+    sr.add_edge(head, a, EdgeKind.FLOW, to_a)
+    sr.add_edge(head, b, EdgeKind.FALLTHROUGH, to_b)
+    sr.add_edge(a, t, EdgeKind.FALLTHROUGH, to_a)
+    sr.add_edge(b, t, EdgeKind.FLOW, to_b)
+    sr.add_edge(t, head, EdgeKind.FALLTHROUGH, n - 1)
+    sr.add_edge(t, END, EdgeKind.EXIT, 1, target=bl[t].targets[0])
+    sr.verify()
+    return sr, code, {"a": a, "t": t, "head": head, "b": b}
+
+
+def test_the_compilers_layout_is_kept_when_chains_do_not_beat_it() -> None:
+    """The chains glue the hotter side (b) between head and exit test and leave a
+    behind: the back edge and both of a's edges become jumps (1.9 taken branches an
+    iteration here).  The compiler's order costs one, so it is the one emitted, and
+    the region still runs like the original."""
+    from dbr_service.codegen.layout import chain_order, layout_cost, original_order
+
+    sr, code, k = _tree_walk_sr(45, 55)
+    assert original_order(sr) == [k["a"], k["t"], k["head"], k["b"]]
+    assert layout_cost(sr, original_order(sr)) == 45 + 55          # jb a / jmp t
+    assert layout_cost(sr, chain_order(sr)) > 1.5 * 100
+    lay = compute_layout(sr)
+    assert lay.kind == "original" and lay.order == original_order(sr)
+    base = 0x1000_0000
+    gen = emit_region(sr, base)
+    assert gen.layout_kind == "original"
+    insns = linear(gen.code[:gen.data_start], gen.base)
+    jumps = [i.mnemonic for i in insns if i.mnemonic.startswith("j")]
+    assert jumps == ["jb", "jb", "jmp"], jumps                  # as the compiler had it
+    out = sr.block(k["t"]).targets[0]
+    rng = random.Random(11)
+    for _ in range(6):
+        st = random_state(rng, 0x50_0800, {0x50_0000: 0x100},
+                          {"rdi": 0x50_0000, "rcx": rng.randrange(0, 0x40),
+                           "r9": rng.randrange(0x40, 0x60), "rsi": rng.randrange(0, 8),
+                           "r14": rng.randrange(1, 0x10)})
+        runs = []
+        for start, inside in ((k["head"], lambda x: k["a"] <= x < out),
+                              (gen.entries[k["head"]], lambda x: base <= x < base + gen.size)):
+            m = Machine([(0x40_0000, len(code)), (base, gen.size), (0x50_0000, 0x1000)])
+            m.write(0x40_0000, code)
+            m.write(base, gen.code)
+            m.set_state(st)
+            runs.append((m.run(start, inside), m.snapshot([])))
+        (end_a, sa), (end_b, sb) = runs
+        assert end_a == end_b == out
+        assert sa.regs == sb.regs and sa.rflags == sb.rflags
+
+
+def test_chains_win_where_the_compiler_put_a_rare_block_in_the_hot_path() -> None:
+    """``head: ...; jnz l`` taken 99 times in 100 with the rare block as its
+    fall-through (a -O0 or profile-less layout): the chains let head fall into l (the
+    jcc inverted), one taken branch an iteration instead of two."""
+    from dbr_service.codegen.layout import layout_cost, original_order
+
+    src = """
+    head:  add eax, 1
+           test eax, 0xff
+           jnz l
+    rare:  xor ebx, eax
+    l:     dec ecx
+           jnz head
+           ret
+    """
+    o = 0x40_0000
+    code = asm("\n".join(line.split(";")[0] for line in src.splitlines()), o)
+    bl = build_blocks(code, o)
+    head, rare, l = sorted(bl)[:3]
+    sr = SuperRegion("rare-fallthrough")
+    for x in (head, rare, l):
+        sr.add_block(bl[x])
+    sr.add_edge(START, head, EdgeKind.ENTRY, 1)
+    sr.add_edge(head, l, EdgeKind.FLOW, 99)
+    sr.add_edge(head, rare, EdgeKind.FALLTHROUGH, 1)
+    sr.add_edge(rare, l, EdgeKind.FALLTHROUGH, 1)
+    sr.add_edge(l, head, EdgeKind.FLOW, 99)
+    sr.add_edge(l, END, EdgeKind.EXIT, 1, target=bl[l].end)
+    sr.verify()
+    lay = compute_layout(sr)
+    assert lay.kind == "chains" and lay.order == [head, l, rare]
+    assert layout_cost(sr, lay.order) == 99 + 1 + 1 < layout_cost(sr, original_order(sr))
+    gen = emit_region(sr, 0x1000_0000)
+    assert gen.layout_kind == "chains"

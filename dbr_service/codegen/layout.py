@@ -7,6 +7,14 @@ loop is laid out head first, its latch branches back to an aligned head and its 
 through, the classic compiler shape); a loop whose head is its exit test is then rotated
 so that the head comes last (one branch an iteration, not two).  The chain holding the
 hottest entry comes first, then the other chains by heat, cold chains (no count) last.
+That order competes with the original one (the compiler's own layout: blocks in address
+order, each inlined callee's clones right after its call site, blocks without counts
+moved last): the emitter gets whichever costs fewer taken branches and inserted jumps
+by the edge counts (:func:`layout_cost`), the original unless the chains are clearly
+better (``CHAIN_MARGIN``).  The counts are inferred from IP samples, so a chain order
+that only ties the compiler's would trade a known layout for a guess: on xz's
+binary-tree match finder the chains turned a loop of one taken branch an iteration
+into one of two on average, and the replacement code ran slower than the original.
 A loop head (target of a back edge of a depth-first search from START) is aligned when
 it pays: its back edges run at least ``ALIGN_RATIO`` times as often as its layout
 predecessor falls into it (the padding NOPs run only on that fall-in; when the back edge
@@ -21,6 +29,9 @@ from dbr_service.region.model import END, START, CloneKey, EdgeKind, NodeKey, Su
 
 ALIGN = 16
 ALIGN_RATIO = 4.0
+#: The chain order replaces the original one only when it costs at most this fraction
+#: of the original's taken branches (inferred counts: a near tie is no evidence).
+CHAIN_MARGIN = 0.9
 
 #: Terminators after which the next laid-out block can be reached without a jump.
 _CHAINABLE = {TermKind.FALLTHROUGH, TermKind.JMP, TermKind.JCC, TermKind.CALL, TermKind.RET}
@@ -33,6 +44,11 @@ class Layout:
     order: list[NodeKey]
     #: Blocks whose start is aligned to ``ALIGN``.
     aligned: set[NodeKey] = field(default_factory=set)
+    #: Which order won: "chains" (from the edge counts) or "original" (the compiler's);
+    #: "given" for an order made elsewhere.
+    kind: str = "given"
+    #: Expected taken branches and jumps of each candidate order, by the edge counts.
+    costs: dict[str, float] = field(default_factory=dict)
 
     def next_of(self) -> dict[NodeKey, NodeKey | None]:
         """Each block's successor in the layout (None for the last)."""
@@ -67,6 +83,60 @@ def _sort_key(k: NodeKey) -> tuple:
 
 
 def compute_layout(sr: SuperRegion) -> Layout:
+    """The chain order or the original one, whichever costs fewer taken branches."""
+    chains = chain_order(sr)
+    orig = original_order(sr)
+    costs = {"chains": layout_cost(sr, chains), "original": layout_cost(sr, orig)}
+    if costs["chains"] < CHAIN_MARGIN * costs["original"]:
+        return Layout(chains, _aligned(sr, chains), "chains", costs)
+    return Layout(orig, _aligned(sr, orig), "original", costs)
+
+
+def layout_cost(sr: SuperRegion, order: list[NodeKey]) -> float:
+    """Taken branches and inserted jumps the edge counts expect of ``order``: every body
+    edge costs its count unless its target is laid out right after its source and the
+    emitter can drop the jump (:func:`can_fall_into`).  Exits cost the same in any
+    order, so they are left out."""
+    nxt = {k: (order[i + 1] if i + 1 < len(order) else None) for i, k in enumerate(order)}
+    cost = 0.0
+    for u, v, d in sr.body_edges():
+        c = d.get("count", 0.0)
+        if c > 0 and not (nxt.get(u) == v and u != v and can_fall_into(sr, u, v)):
+            cost += c
+    return cost
+
+
+def original_order(sr: SuperRegion) -> list[NodeKey]:
+    """The compiler's layout: original blocks in address order, the clones of each
+    inlined call right after the block that makes the call (in their own address
+    order, nested calls after their caller's clones), blocks no count reaches last."""
+    nodes = sr.body_nodes()
+    plain = sorted((k for k in nodes if not isinstance(k, CloneKey)), key=_sort_key)
+    clones = sorted((k for k in nodes if isinstance(k, CloneKey)), key=lambda k: (k.path, k.start))
+    after: dict[NodeKey, list[NodeKey]] = {}
+    for k in clones:
+        site = _block_holding(sr, plain, k.path[0]) if k.path else None
+        after.setdefault(site, []).append(k)
+    order: list[NodeKey] = []
+    for k in plain:
+        order.append(k)
+        order.extend(after.pop(k, []))
+    for rest in after.values():          # a call site outside the region's blocks
+        order.extend(rest)
+    heat = {k: sum(d.get("count", 0.0) for _, _, d in sr.g.in_edges(k, data=True))
+            for k in order}
+    return [k for k in order if heat[k] > 0] + [k for k in order if heat[k] <= 0]
+
+
+def _block_holding(sr: SuperRegion, plain: list[NodeKey], addr: int) -> NodeKey | None:
+    for k in plain:
+        bb = sr.block(k)
+        if bb.start <= addr < bb.end:
+            return k
+    return None
+
+
+def chain_order(sr: SuperRegion) -> list[NodeKey]:
     """Chains from hot fall-through-able edges, then chains ordered by heat."""
     nodes = sorted(sr.body_nodes(), key=_sort_key)
     chain_of: dict[NodeKey, list[NodeKey]] = {k: [k] for k in nodes}
@@ -94,8 +164,7 @@ def compute_layout(sr: SuperRegion) -> Layout:
         return (c is not first, h <= 0, -h, _sort_key(c[0]))
 
     chains.sort(key=chain_key)
-    order = [k for c in chains for k in c]
-    return Layout(order, _aligned(sr, order))
+    return [k for c in chains for k in c]
 
 
 def _rotate_loop(sr: SuperRegion, c: list[NodeKey], back: set[tuple[NodeKey, NodeKey]]) -> None:
