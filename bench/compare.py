@@ -627,6 +627,19 @@ class DbrPreloadSampling(DbrPreload):
         return super().check(ctx, env, tmp)
 
 
+class DbrPreloadYoung(DbrPreload):
+    """``dbr-preload`` with ``min_client_age_s=0``: programs sampled from the service's
+    first snapshot after they start, as before 2026-11-25 (night).  Next to
+    ``dbr-preload`` it tells what leaving sub-second programs alone saves them."""
+
+    name = "dbr-preload-young"
+    what = "dbr-preload with -o min_client_age_s=0 (young programs sampled too)"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host = HostService(["min_client_age_s=0"])
+
+
 class DbrPreloadPthread(DbrPreload):
     """``dbr-preload`` with the agent's thread made by pthread_create
     (``DBR_AGENT_THREAD=pthread``), as before 2026-11-25: glibc then leaves its
@@ -650,6 +663,7 @@ EXTRA_CONFIGS: dict[str, Callable[[], Config]] = {
                                      "dbr run --embedded --aggressive"),
     "dbr-preload-sampling": DbrPreloadSampling,
     "dbr-preload-pthread": DbrPreloadPthread,
+    "dbr-preload-young": DbrPreloadYoung,
 }
 
 

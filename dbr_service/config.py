@@ -50,6 +50,10 @@ class Config:
         "longest interval between a quiet client's snapshots: a client whose last "
         "snapshots changed nothing is sampled half as often each time, up to this "
         "(<= snapshot_interval_s: never backs off)", min=0.0))
+    min_client_age_s: float = field(default=1.0, metadata=_doc(
+        "seconds a client must have run before its first sampling window: a program "
+        "that ends sooner could not gain from replacement code, so it pays nothing for "
+        "sampling (0: from its first snapshot)", min=0.0))
     continuous_sampling: bool = field(default=False, metadata=_doc(
         "sample all the time instead of one window per interval"))
     sample_period_us: int = field(default=1000, metadata=_doc(
@@ -163,6 +167,7 @@ AGGRESSIVE: dict[str, Any] = {
     "snapshot_interval_s": 0.15,
     "snapshot_window_s": 0.1,
     "snapshot_backoff_max_s": 0.15,
+    "min_client_age_s": 0.0,
     "sample_period_us": 500,
     "hot_threshold": 0.002,
     "min_loop_trip_count": 2,

@@ -455,6 +455,13 @@ class Service:
         for s in self.live_sessions():
             if s.paused or self._resting(s, now):
                 continue
+            if now - s.connected_mono < cfg.min_client_age_s:
+                # Young: a program that ends within min_client_age_s could not gain
+                # from replacement code; it is sampled from its first snapshot after.
+                if not s.samples_total:
+                    s.region_status = (f"not sampled yet: younger than min_client_age_s "
+                                       f"({cfg.min_client_age_s:g} s)")
+                continue
             if cfg.continuous_sampling and s.source is not None:
                 snap.begun[s.session_id] = None  # already sampling
                 continue

@@ -117,3 +117,38 @@ def test_a_region_inside_code_already_replaced_is_covered():
     assert not covered("/lib/liblzma.so", [0x19F7], rid="r1")
     live.state = RegionState.REMOVED                         # not effective, say
     assert not covered("/lib/liblzma.so", [0x1A17])
+
+
+def test_defaults_leave_young_clients_alone_and_aggressive_does_not():
+    assert Config().min_client_age_s >= 0.5
+    assert Config(**AGGRESSIVE).min_client_age_s == 0
+
+
+@pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
+def test_a_young_client_is_not_sampled():
+    """A client is first sampled once it has run min_client_age_s (a program that
+    ends sooner could not gain from replacement code), then as any other; until then
+    `dbr ctl clients`/`regions` say why it has no samples."""
+    prog = compile_c(["cpuloop.c"], flags=["-O2"])
+    svc = ServiceProc("snapshot_interval_s=0.1", "snapshot_window_s=0.05",
+                      "min_client_age_s=1.5").wait_ready()
+    client = None
+    try:
+        client = spawn_client(svc.dir, [str(prog), "100000"])
+        c = svc.wait_for(lambda: _client(svc, client.pid), 10.0, "the client connecting")
+        seen_young = 0
+        while time.time() - c["connected_at"] < 1.2:
+            c = _client(svc, client.pid)
+            assert c["samples"] == 0 and c["snapshots"] == 0, c
+            seen_young += 1
+            time.sleep(0.1)
+        assert seen_young >= 5          # the service snapshotted meanwhile (every 0.1 s)
+        regions = svc.call("regions", {"pid": client.pid})
+        assert "younger than min_client_age_s" in regions["status"], regions
+        c = svc.wait_for(lambda: (c := _client(svc, client.pid)) and c["samples"] > 0 and c,
+                         10.0, "the first samples")
+        assert time.time() - c["connected_at"] >= 1.5
+        assert client.poll() is None
+    finally:
+        kill(client)
+        svc.stop()
