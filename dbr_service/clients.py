@@ -310,7 +310,8 @@ class ClientSession:
         self.build_id = bytes(hello.build_id[: min(hello.build_id_len, P.BUILD_ID_MAX)]).hex()
         self.hello_flags = hello.flags
         self._refresh_threads()
-        self._refresh_maps()
+        # The memory map is read when the first sampling window opens (begin_window):
+        # a client that ends before (min_client_age_s) never costs a parse of it.
 
     def _loop(self) -> None:
         sock_fd = self.conn.fileno()
@@ -384,7 +385,12 @@ class ClientSession:
             self._thread_notice(t, rec.msg.body.tid)
         elif t is P.MsgType.MAP_CHANGED:
             body = rec.msg.body
-            self._refresh_maps()
+            if self.source is None and self.installer is None and not self.snapshots:
+                # Never sampled yet (a young client loading its libraries): the map is
+                # read when its first window opens; nothing here would use it before.
+                self.map_changes += 1
+            else:
+                self._refresh_maps()
             lo, hi, req_id, kind = body.lo, body.hi, body.req_id, int(body.kind)
             if self.installer is not None and self.installer.affected_by(lo, hi):
                 # Unpatching needs requests of its own: never from inside another
