@@ -3,6 +3,8 @@ census-gated reuse, invalidation on map changes, refusal handling."""
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 
 import pytest
@@ -83,7 +85,16 @@ def test_install_uninstall_and_census_gated_reuse(client_conn):
     # Quarantine: not reusable before the period and two clean censuses.
     assert inst.reclaim() == 0
     clock.t += 1.0
-    assert inst.reclaim() == 1
+    # A census finds a storm thread still inside the buffer when it was preempted
+    # there, or times out under load: not clean, so the service tries again at its
+    # next snapshot.  Here: again, a bounded number of times.
+    freed = []
+    for _ in range(40):
+        freed.append(inst.reclaim())
+        if freed[-1]:
+            break
+        time.sleep(0.02)
+    assert sum(freed) == 1 and freed[-1] == 1, freed
     again = inst.reserve(64, reach=sites[:2])
     assert again.addr == chunk.addr
     # Reused space was int3-filled before reuse.
