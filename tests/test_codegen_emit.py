@@ -752,19 +752,27 @@ def test_loop_entered_at_its_exit_test_is_rotated() -> None:
     exit_at = sr.block(latch).end
     rng = random.Random(7)
     for _ in range(5):
-        runs = []
         st = random_state(rng, 0x50_0800, {0x50_0000: 0x40},
                           {"rdi": 0x50_0000, "rdx": rng.randrange(0, 0x40)})
-        for start, inside in ((latch, lambda a: body <= a < exit_at),
-                              (gen.entries[latch], lambda a: base <= a < base + gen.size)):
-            m = Machine([(0x40_0000, len(code)), (base, gen.size), (0x50_0000, 0x1000)])
-            m.write(0x40_0000, code)
-            m.write(base, gen.code)
-            m.set_state(st)
-            runs.append((m.run(start, inside), m.snapshot([])))
-        (end_a, sa), (end_b, sb) = runs
-        assert end_a == end_b == exit_at
-        assert sa.regs == sb.regs and sa.rflags == sb.rflags
+        _same_exit_state(code, gen, st, latch, (body, exit_at))
+
+
+def _same_exit_state(code: bytes, gen, st, entry: int, orig: tuple[int, int]) -> None:
+    """Run the original code at 0x400000 from ``entry`` while the PC stays in ``orig``
+    ([lo, hi), hi the exit), and the replacement from ``entry``'s patch site while it
+    stays in the buffer, both from state ``st``: same exit, same registers and flags."""
+    base = gen.base
+    runs = []
+    for start, inside in ((entry, lambda a: orig[0] <= a < orig[1]),
+                          (gen.entries[entry], lambda a: base <= a < base + gen.size)):
+        m = Machine([(0x40_0000, len(code)), (base, gen.size), (0x50_0000, 0x1000)])
+        m.write(0x40_0000, code)
+        m.write(base, gen.code)
+        m.set_state(st)
+        runs.append((m.run(start, inside), m.snapshot([])))
+    (end_a, sa), (end_b, sb) = runs
+    assert end_a == end_b == orig[1]
+    assert sa.regs == sb.regs and sa.rflags == sb.rflags
 
 
 def _tree_walk_sr(to_a: float, to_b: float) -> tuple[SuperRegion, bytes, dict[str, int]]:
@@ -836,17 +844,7 @@ def test_the_compilers_layout_is_kept_when_chains_do_not_beat_it() -> None:
                           {"rdi": 0x50_0000, "rcx": rng.randrange(0, 0x40),
                            "r9": rng.randrange(0x40, 0x60), "rsi": rng.randrange(0, 8),
                            "r14": rng.randrange(1, 0x10)})
-        runs = []
-        for start, inside in ((k["head"], lambda x: k["a"] <= x < out),
-                              (gen.entries[k["head"]], lambda x: base <= x < base + gen.size)):
-            m = Machine([(0x40_0000, len(code)), (base, gen.size), (0x50_0000, 0x1000)])
-            m.write(0x40_0000, code)
-            m.write(base, gen.code)
-            m.set_state(st)
-            runs.append((m.run(start, inside), m.snapshot([])))
-        (end_a, sa), (end_b, sb) = runs
-        assert end_a == end_b == out
-        assert sa.regs == sb.regs and sa.rflags == sb.rflags
+        _same_exit_state(code, gen, st, k["head"], (k["a"], out))
 
 
 def test_chains_win_where_the_compiler_put_a_rare_block_in_the_hot_path() -> None:
