@@ -612,8 +612,12 @@ class Service:
         self._judge_quiet(s, changed)
         if res.regions is not None:
             with s.lock:
-                keep = {k: r for k, r in s.regions.items()   # with their history
-                        if r.state in (RegionState.INSTALLED, RegionState.REMOVED)}
+                # with their history: live and removed regions, and those whose
+                # installation failed (a job on the client's last window that selects
+                # nothing must not erase why nothing was installed)
+                keep = {k: r for k, r in s.regions.items()
+                        if r.state in (RegionState.INSTALLED, RegionState.REMOVED)
+                        or r.info.get("install_failures")}
                 for d in res.regions:
                     rid = s.region_id(d["module"], d["entries"])
                     if rid not in keep:
