@@ -305,9 +305,15 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
     from dbr_service.ctlclient import ControlClient
 
     clients = collect_report(ControlClient(runtime_dir), proc.pid) if served else []
+    extra = {}
+    if embedded is not None and served and not clients and not args.aggressive:
+        # The service started beside PROG (above): a PROG that ended within its
+        # start-up left before its agent's connection was taken.
+        extra["note"] = ("PROG ended before the embedded service (started beside it) took "
+                         "its agent's connection; --aggressive starts the service first")
     rep = run_report(prog, exit_code, wall, clients,
                      service="embedded" if embedded is not None else "host",
-                     runtime_dir=str(runtime_dir))
+                     runtime_dir=str(runtime_dir), **extra)
     if not args.quiet:
         print(format_report(rep), file=sys.stderr)
     if args.report:

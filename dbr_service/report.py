@@ -65,6 +65,8 @@ def format_report(rep: dict[str, Any]) -> str:
               f"{t['patches_installed']} patches, {t['regions_installed']} regions installed")]
     if rep.get("service"):
         lines[0] += f" ({rep['service']} service)"
+    if rep.get("note"):
+        lines.append(f"dbr:   {rep['note']}")
     for c in rep["clients"]:
         lines.append(f"dbr:   pid {c['pid']} {c['exe']}: {c['samples']} samples "
                      f"via {c.get('sampling_source') or 'none'}, "

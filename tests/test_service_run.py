@@ -162,3 +162,15 @@ def test_unshare_user_namespace_works_under_dbr_run(noservice_env):
         pytest.skip(f"user namespaces are refused here natively: {native.stderr.strip()}")
     r = _run("--embedded", "--", "unshare", "-Ur", "id", "-u", env=noservice_env)
     assert (r.returncode, r.stdout) == (0, native.stdout), r.stderr
+
+
+def test_a_program_gone_before_the_embedded_service_is_explained(noservice_env, tmp_path):
+    """By default the embedded service starts beside PROG: `true` exits long before
+    the service takes its agent's connection, and the report says so instead of
+    leaving a bare "0 client(s)"."""
+    rep_path = tmp_path / "rep.json"
+    r = _run("--embedded", "--report", str(rep_path), "--", "true", env=noservice_env)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(rep_path.read_text())
+    assert rep["clients"] == [] and "before the embedded service" in rep["note"]
+    assert "before the embedded service" in r.stderr
