@@ -296,7 +296,9 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
             # Worker processes started while PROG runs compete with it for the CPUs: a
             # PROG that ends within 0.25 s never pays for them.
             served = _start_embedded(args, embedded, warm_delay_s=0.25)
+        up_at = time.monotonic()
         returncode = proc.wait()
+        ended_at = time.monotonic()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
@@ -306,11 +308,16 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
 
     clients = collect_report(ControlClient(runtime_dir), proc.pid) if served else []
     extra = {}
-    if embedded is not None and served and not clients and not args.aggressive:
-        # The service started beside PROG (above): a PROG that ended within its
-        # start-up left before its agent's connection was taken.
-        extra["note"] = ("PROG ended before the embedded service (started beside it) took "
-                         "its agent's connection; --aggressive starts the service first")
+    if served and not clients:
+        if embedded is not None and not args.aggressive and ended_at - up_at < 0.25:
+            # The service started beside PROG (above): a PROG that ended within its
+            # start-up left before its agent's connection was taken.
+            extra["note"] = ("PROG ended as the embedded service (started beside it) came "
+                             "up, before its agent's connection was taken; --aggressive "
+                             "starts the service first")
+        else:
+            extra["note"] = ("no agent connected: a static or setuid program, one that "
+                             "clears LD_PRELOAD, or DBR_AGENT_DISABLE=1")
     rep = run_report(prog, exit_code, wall, clients,
                      service="embedded" if embedded is not None else "host",
                      runtime_dir=str(runtime_dir), **extra)

@@ -172,5 +172,12 @@ def test_a_program_gone_before_the_embedded_service_is_explained(noservice_env, 
     r = _run("--embedded", "--report", str(rep_path), "--", "true", env=noservice_env)
     assert r.returncode == 0, r.stderr
     rep = json.loads(rep_path.read_text())
-    assert rep["clients"] == [] and "before the embedded service" in rep["note"]
-    assert "before the embedded service" in r.stderr
+    assert rep["clients"] == [] and "as the embedded service" in rep["note"]
+    assert "as the embedded service" in r.stderr
+    # no agent at all: a different reason
+    env = dict(noservice_env, DBR_AGENT_DISABLE="1")
+    r = _run("--embedded", "--aggressive", "--report", str(rep_path), "--", "sleep", "0.3",
+             env=env)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(rep_path.read_text())
+    assert rep["clients"] == [] and rep["note"].startswith("no agent connected")
