@@ -117,10 +117,8 @@ class GeneratedCode:
     block_addr: dict[NodeKey, int] = field(default_factory=dict)
     #: The block order used.
     layout: list[NodeKey] = field(default_factory=list)
-    #: Which order it is ("chains" or "original", see codegen.layout) and the taken
-    #: branches the edge counts expect of each candidate.
+    #: Which order it is ("chains", "original" or "given", see codegen.layout).
     layout_kind: str = ""
-    layout_costs: dict[str, float] = field(default_factory=dict)
     #: True: every rel32 reaches its target (emission raises otherwise).
     reach_ok: bool = True
     #: Original target -> its far-exit stub (targets beyond rel32 reach of the code).
@@ -464,7 +462,7 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
                        plans, slots.get)
     out = bytearray()
     gen = GeneratedCode(b"", base, {}, [], [], block_addr=block_addr, layout=list(lay.order),
-                        layout_kind=lay.kind, layout_costs=dict(lay.costs))
+                        layout_kind=lay.kind)
     ambiguous: set[int] = set()
     for k in lay.order:
         if pads[k]:

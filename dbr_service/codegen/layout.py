@@ -47,8 +47,6 @@ class Layout:
     #: Which order won: "chains" (from the edge counts) or "original" (the compiler's);
     #: "given" for an order made elsewhere.
     kind: str = "given"
-    #: Expected taken branches and jumps of each candidate order, by the edge counts.
-    costs: dict[str, float] = field(default_factory=dict)
 
     def next_of(self) -> dict[NodeKey, NodeKey | None]:
         """Each block's successor in the layout (None for the last)."""
@@ -86,10 +84,9 @@ def compute_layout(sr: SuperRegion) -> Layout:
     """The chain order or the original one, whichever costs fewer taken branches."""
     chains = chain_order(sr)
     orig = original_order(sr)
-    costs = {"chains": layout_cost(sr, chains), "original": layout_cost(sr, orig)}
-    if costs["chains"] < CHAIN_MARGIN * costs["original"]:
-        return Layout(chains, _aligned(sr, chains), "chains", costs)
-    return Layout(orig, _aligned(sr, orig), "original", costs)
+    if layout_cost(sr, chains) < CHAIN_MARGIN * layout_cost(sr, orig):
+        return Layout(chains, _aligned(sr, chains), "chains")
+    return Layout(orig, _aligned(sr, orig), "original")
 
 
 def layout_cost(sr: SuperRegion, order: list[NodeKey]) -> float:
@@ -97,7 +94,7 @@ def layout_cost(sr: SuperRegion, order: list[NodeKey]) -> float:
     edge costs its count unless its target is laid out right after its source and the
     emitter can drop the jump (:func:`can_fall_into`).  Exits cost the same in any
     order, so they are left out."""
-    nxt = {k: (order[i + 1] if i + 1 < len(order) else None) for i, k in enumerate(order)}
+    nxt = Layout(order).next_of()
     cost = 0.0
     for u, v, d in sr.body_edges():
         c = d.get("count", 0.0)
@@ -123,9 +120,14 @@ def original_order(sr: SuperRegion) -> list[NodeKey]:
         order.extend(after.pop(k, []))
     for rest in after.values():          # a call site outside the region's blocks
         order.extend(rest)
-    heat = {k: sum(d.get("count", 0.0) for _, _, d in sr.g.in_edges(k, data=True))
-            for k in order}
+    heat = _heat(sr, order)
     return [k for k in order if heat[k] > 0] + [k for k in order if heat[k] <= 0]
+
+
+def _heat(sr: SuperRegion, nodes: list[NodeKey]) -> dict[NodeKey, float]:
+    """Each block's count: the sum over the edges into it."""
+    return {k: sum(d.get("count", 0.0) for _, _, d in sr.g.in_edges(k, data=True))
+            for k in nodes}
 
 
 def _block_holding(sr: SuperRegion, plain: list[NodeKey], addr: int) -> NodeKey | None:
@@ -154,8 +156,7 @@ def chain_order(sr: SuperRegion) -> list[NodeKey]:
     chains = list({id(c): c for c in chain_of.values()}.values())
     for c in chains:
         _rotate_loop(sr, c, back)
-    heat = {k: sum(d.get("count", 0.0) for _, _, d in sr.g.in_edges(k, data=True))
-            for k in nodes}
+    heat = _heat(sr, nodes)
     entries = sorted(sr.entry_edges(), key=lambda e: (-e[1], _sort_key(e[0])))
     first = chain_of[entries[0][0]] if entries else None
 
