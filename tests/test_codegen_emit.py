@@ -607,6 +607,11 @@ def test_perf_map_and_nops() -> None:
         assert sum(i.size for i in ins) == n and all(i.mnemonic == "nop" for i in ins)
 
 
+def asm_commented(src: str, at: int) -> bytes:
+    """Assemble ``src`` at ``at``, each line's ``; comment`` dropped."""
+    return asm("\n".join(line.split(";")[0] for line in src.splitlines()), at)
+
+
 def _small_loop_sr(entry_count: float = 1) -> SuperRegion:
     src = """
     main: mov ecx, 0x10          ; 0x400000  b9 10 00 00 00
@@ -620,7 +625,7 @@ def _small_loop_sr(entry_count: float = 1) -> SuperRegion:
           jmp main
     """
     o = 0x40_0000
-    code = asm("\n".join(line.split(";")[0] for line in src.splitlines()), o)
+    code = asm_commented(src, o)
     assert code.hex() == "b91000000001c83d000100007305ffc975f3c3b801000000ebe6"
     bl = build_blocks(code, o)
     sr = SuperRegion("golden")
@@ -719,7 +724,7 @@ def _latch_entry_sr() -> tuple[SuperRegion, bytes, int, int]:
            ret
     """
     o = 0x40_0000
-    code = asm("\n".join(line.split(";")[0] for line in src.splitlines()), o)
+    code = asm_commented(src, o)
     bl = build_blocks(code, o)
     body, latch = sorted(a for a in bl if a != o)[:2]
     assert bl[latch].term is TermKind.JCC and bl[body].term is TermKind.FALLTHROUGH
@@ -798,7 +803,7 @@ def _tree_walk_sr(to_a: float, to_b: float) -> tuple[SuperRegion, bytes, dict[st
     out:   ret
     """
     o = 0x40_0000
-    code = asm("\n".join(line.split(";")[0] for line in src.splitlines()), o)
+    code = asm_commented(src, o)
     bl = build_blocks(code, o)
     a, t, head, b = sorted(k for k in bl if k != o)[:4]
     assert bl[a].term is TermKind.FALLTHROUGH and bl[t].term is TermKind.JCC
@@ -863,7 +868,7 @@ def test_chains_win_where_the_compiler_put_a_rare_block_in_the_hot_path() -> Non
            ret
     """
     o = 0x40_0000
-    code = asm("\n".join(line.split(";")[0] for line in src.splitlines()), o)
+    code = asm_commented(src, o)
     bl = build_blocks(code, o)
     head, rare, l = sorted(bl)[:3]
     sr = SuperRegion("rare-fallthrough")
