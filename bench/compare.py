@@ -874,7 +874,7 @@ def run_workload(w: suite.Workload, configs: list[Config], ctx: suite.Ctx, st: S
                    traceback=traceback.format_exc()[-2000:])
         return row
     row["argv"] = prep.argv
-    wenv = dict(env, **prep.env)
+    wenv = prep.environ(env)
     # Reference run (also the native warm-up): its exit code and output hash are
     # what every configuration must reproduce.
     ref = run_once(prep.argv, wenv, work / "run", prep.outputs, timeout=max(600, st.min_timeout))

@@ -46,7 +46,18 @@ class Prepared:
     pgo_argv: list[str] | None = None      # the PGO build, same arguments (C workloads)
     small_argv: list[str] | None = None    # smaller input (valgrind in quick mode)
     env: dict[str, str] = field(default_factory=dict)  # extra environment
+    #: Variables of the caller's environment this workload must not see: names, or
+    #: prefixes ending in "*" ("PYTHON*"); ``env`` is applied after the removal.
+    unset: list[str] = field(default_factory=list)
     note: str = ""
+
+    def environ(self, base: dict[str, str]) -> dict[str, str]:
+        """``base`` without the ``unset`` variables, plus ``env``."""
+        def dropped(k: str) -> bool:
+            return any(k.startswith(u[:-1]) if u.endswith("*") else k == u for u in self.unset)
+        out = {k: v for k, v in base.items() if not dropped(k)}
+        out.update(self.env)
+        return out
 
 
 @dataclass
@@ -301,9 +312,11 @@ def _python(ctx: Ctx) -> Prepared:
     exe = _real_python(ctx.which("python3"))
     script = str(SRC / "pywork.py")
     inp = text_input(ctx, 1_000_000 if ctx.quick else 8_000_000)
-    return Prepared([exe, "-S", "-E", script, str(inp), "1" if ctx.quick else "2"],
-                    small_argv=[exe, "-S", "-E", script, str(text_input(ctx, 300_000)), "1"],
-                    env={"PYTHONHASHSEED": "0"})
+    # Not -E: it would ignore PYTHONHASHSEED too.  The caller's other PYTHON*
+    # variables are removed instead, so the run is the same wherever it starts.
+    return Prepared([exe, "-S", script, str(inp), "1" if ctx.quick else "2"],
+                    small_argv=[exe, "-S", script, str(text_input(ctx, 300_000)), "1"],
+                    env={"PYTHONHASHSEED": "0"}, unset=["PYTHON*"])
 
 
 def registry() -> list[Workload]:

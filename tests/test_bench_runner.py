@@ -235,6 +235,19 @@ def test_workload_sources_exist():
     assert (Path(suite.SRC) / "spin.c").exists()
 
 
+def test_a_workload_environment_drops_what_it_must_not_see(tmp_path):
+    """The python3 workload runs with a fixed hash seed and none of the caller's other
+    PYTHON* variables (-E would have ignored the seed as well)."""
+    ctx = suite.Ctx(quick=True, cache=tmp_path)
+    prep = {w.name: w for w in suite.registry()}["python3"].prepare(ctx)
+    assert "-E" not in prep.argv
+    env = prep.environ({"PATH": "/bin", "PYTHONPATH": "/x", "PYTHONHOME": "/y",
+                        "PYTHONHASHSEED": "random", "MYPYTHON": "kept"})
+    assert env == {"PATH": "/bin", "PYTHONHASHSEED": "0", "MYPYTHON": "kept"}
+    plain = suite.Prepared(["true"], env={"A": "1"})
+    assert plain.environ({"PYTHONPATH": "/x"}) == {"PYTHONPATH": "/x", "A": "1"}
+
+
 def test_preload_and_thread_only_configs(tmp_path):
     """dbr-preload runs PROG itself with the agent under a host service and gets what dbr
     did from the service by pid; thread-only's library really starts one extra thread
