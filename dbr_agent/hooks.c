@@ -403,7 +403,40 @@ void dbr_unblock_trap(void)
 struct start_wrap {
     void *(*start)(void *);
     void *arg;
+    int in_use;                 /* a slot of g_wraps taken (atomic) */
 };
+
+/* The wrapper's two words for a thread being started.  A slot of this table,
+ * not dbr_alloc: that is an mmap in pthread_create and an munmap in the new
+ * thread, and an munmap in a process whose other threads run on other CPUs
+ * interrupts them all to flush their TLBs (and takes the mmap lock their page
+ * faults need), once per thread the program starts.  More threads starting at
+ * once than slots fall back to dbr_alloc. */
+#define START_WRAP_SLOTS 64
+static struct start_wrap g_wraps[START_WRAP_SLOTS];
+
+static struct start_wrap *wrap_take(void)
+{
+    unsigned i;
+    int free_ = 0;
+
+    for (i = 0; i < START_WRAP_SLOTS; i++)
+        if (!__atomic_load_n(&g_wraps[i].in_use, __ATOMIC_RELAXED) &&
+            __atomic_compare_exchange_n(&g_wraps[i].in_use, &free_, 1, 0, __ATOMIC_ACQUIRE,
+                                        __ATOMIC_RELAXED))
+            return &g_wraps[i];
+        else
+            free_ = 0;
+    return dbr_alloc(sizeof(struct start_wrap));
+}
+
+static void wrap_put(struct start_wrap *w)
+{
+    if (w >= g_wraps && w < g_wraps + START_WRAP_SLOTS)
+        __atomic_store_n(&w->in_use, 0, __ATOMIC_RELEASE);
+    else
+        dbr_free(w);
+}
 
 static void thread_exit_notice(void *v)
 {
@@ -414,7 +447,12 @@ static void thread_exit_notice(void *v)
     memset(&m, 0, sizeof m);
     m.tid = (uint32_t)dbr_gettid();
     dbr_send(&m, DBR_MSG_THREAD_EXIT, sizeof m, -1, 1);
-    dbr_agent_poke();   /* if it was the last program thread, the agent ends the process */
+    /* If it was the last program thread, the agent's thread must end the process,
+     * as glibc would, when glibc counts it (DBR_AGENT_THREAD=pthread).  A hidden
+     * agent thread is not counted: glibc ends the process itself, and a wake-up
+     * per ending thread (a look at /proc/self/task each) would be for nothing. */
+    if (!dbr_thread_hidden())
+        dbr_agent_poke();
 }
 
 static void *start_wrapper(void *p)
@@ -423,7 +461,7 @@ static void *start_wrapper(void *p)
     struct dbr_thread m;
     int oldstate;
 
-    dbr_free(p);
+    wrap_put(p);
     pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &oldstate);
     dbr_unblock_trap();
     if (g_thread_key_ok)
@@ -443,14 +481,14 @@ DBR_EXPORT int pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*
 
     if (g_cfg.disabled)
         return dbr_real_pthread_create(t, attr, start, arg);
-    w = dbr_alloc(sizeof *w);
+    w = wrap_take();
     if (!w)
         return dbr_real_pthread_create(t, attr, start, arg);
     w->start = start;
     w->arg = arg;
     rc = dbr_real_pthread_create(t, attr, start_wrapper, w);
     if (rc != 0)
-        dbr_free(w);
+        wrap_put(w);
     return rc;
 }
 
@@ -616,6 +654,8 @@ static void atfork_parent(void)
 static void atfork_child(void)
 {
     pthread_mutex_unlock(&g_agent_mu);
+    /* threads the parent was starting do not exist here: their slots are free */
+    memset(g_wraps, 0, sizeof g_wraps);
     dbr_fork_child_reset();
 }
 

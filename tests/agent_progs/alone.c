@@ -14,11 +14,15 @@
  *           setresuid(nobody), compare, raise CAP_SETUID again and setresuid(0):
  *           a thread without the flag cannot follow.  Waits (bounded) for one
  *           task, then compares
+ *   spawn   start and join 300 threads one after another; print "spawn woke N": how
+ *           often the agent's thread went to sleep meanwhile (its
+ *           voluntary_ctxt_switches), or "spawn no agent thread"
  * Prints "ready", waits for a line on stdin (the test's session is up by then). */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <grp.h>
 #include <linux/capability.h>
+#include <pthread.h>
 #include <sys/prctl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -136,6 +140,57 @@ static int creds_fail(void)
     return compare_creds();
 }
 
+static void *nothing(void *arg)
+{
+    return arg;
+}
+
+/* voluntary_ctxt_switches of the one thread other than main, -1 if none */
+static long agent_thread_switches(void)
+{
+    char path[128], line[256];
+    DIR *d = opendir("/proc/self/task");
+    struct dirent *e;
+    long n = -1;
+    int tid = 0;
+    FILE *f;
+
+    if (!d)
+        return -1;
+    while ((e = readdir(d)))
+        if (e->d_name[0] != '.' && atoi(e->d_name) != (int)getpid())
+            tid = atoi(e->d_name);
+    closedir(d);
+    if (!tid)
+        return -1;
+    snprintf(path, sizeof path, "/proc/self/task/%d/status", tid);
+    if (!(f = fopen(path, "r")))
+        return -1;
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, "voluntary_ctxt_switches:", 24))
+            n = atol(line + 24);
+    fclose(f);
+    return n;
+}
+
+static int spawn(void)
+{
+    long before = agent_thread_switches(), after;
+
+    for (int i = 0; i < 300; i++) {
+        pthread_t t;
+
+        if (pthread_create(&t, NULL, nothing, NULL) != 0 || pthread_join(t, NULL) != 0)
+            return 1;
+    }
+    after = agent_thread_switches();
+    if (before < 0 || after < 0)
+        printf("spawn no agent thread\n");
+    else
+        printf("spawn woke %ld\n", after - before);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "single";
@@ -166,6 +221,8 @@ int main(int argc, char **argv)
         return creds_temp();
     } else if (!strcmp(mode, "creds-fail")) {
         return creds_fail();
+    } else if (!strcmp(mode, "spawn")) {
+        return spawn();
     } else {
         return 2;
     }
