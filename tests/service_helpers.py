@@ -3,6 +3,7 @@ dir, talk to it, fake agents in Python, build the examples.  Every wait is bound
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -106,6 +107,10 @@ class ServiceProc:
                 pass
         kill(self.proc)
         self.log.close()
+        # the log served while the service ran (wait_for quotes its tail); it was
+        # left behind in /tmp, 17 of them per `make test`
+        with contextlib.suppress(OSError):
+            os.unlink(self.log.name)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

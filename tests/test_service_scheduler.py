@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import tempfile
 import threading
 
@@ -103,6 +104,7 @@ def test_agent_timer_fallback_when_perf_refused(monkeypatch):
         kill(client)
         svc.request_stop("test done")
         t.join(5)
+        shutil.rmtree(rdir, ignore_errors=True)
         assert not t.is_alive()
 
 
