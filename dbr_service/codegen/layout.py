@@ -112,7 +112,8 @@ def original_order(sr: SuperRegion) -> list[NodeKey]:
     clones = sorted((k for k in nodes if isinstance(k, CloneKey)), key=lambda k: (k.path, k.start))
     after: dict[NodeKey, list[NodeKey]] = {}
     for k in clones:
-        site = _block_holding(sr, plain, k.path[0]) if k.path else None
+        site = next((b for b in plain if sr.block(b).contains(k.path[0])), None) \
+            if k.path else None
         after.setdefault(site, []).append(k)
     order: list[NodeKey] = []
     for k in plain:
@@ -128,14 +129,6 @@ def _heat(sr: SuperRegion, nodes: list[NodeKey]) -> dict[NodeKey, float]:
     """Each block's count: the sum over the edges into it."""
     return {k: sum(d.get("count", 0.0) for _, _, d in sr.g.in_edges(k, data=True))
             for k in nodes}
-
-
-def _block_holding(sr: SuperRegion, plain: list[NodeKey], addr: int) -> NodeKey | None:
-    for k in plain:
-        bb = sr.block(k)
-        if bb.start <= addr < bb.end:
-            return k
-    return None
 
 
 def chain_order(sr: SuperRegion) -> list[NodeKey]:
