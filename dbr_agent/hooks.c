@@ -418,15 +418,11 @@ static struct start_wrap g_wraps[START_WRAP_SLOTS];
 static struct start_wrap *wrap_take(void)
 {
     unsigned i;
-    int free_ = 0;
 
-    for (i = 0; i < START_WRAP_SLOTS; i++)
+    for (i = 0; i < START_WRAP_SLOTS; i++)   /* a plain look first: no write to busy slots */
         if (!__atomic_load_n(&g_wraps[i].in_use, __ATOMIC_RELAXED) &&
-            __atomic_compare_exchange_n(&g_wraps[i].in_use, &free_, 1, 0, __ATOMIC_ACQUIRE,
-                                        __ATOMIC_RELAXED))
+            !__atomic_exchange_n(&g_wraps[i].in_use, 1, __ATOMIC_ACQUIRE))
             return &g_wraps[i];
-        else
-            free_ = 0;
     return dbr_alloc(sizeof(struct start_wrap));
 }
 
