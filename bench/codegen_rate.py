@@ -47,7 +47,7 @@ def measure(w: suite.Workload, ctx: suite.Ctx, passes: int) -> dict:
 
     prep = w.prepare(ctx)
     with tempfile.TemporaryDirectory() as d:
-        env = prep.environ(dict(os.environ))
+        env = prep.environ(os.environ)
         env.pop("LD_PRELOAD", None)
         p = subprocess.Popen(prep.argv, cwd=d, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)

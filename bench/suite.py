@@ -25,7 +25,7 @@ import sqlite3
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE / "workloads"
@@ -51,7 +51,7 @@ class Prepared:
     unset: list[str] = field(default_factory=list)
     note: str = ""
 
-    def environ(self, base: dict[str, str]) -> dict[str, str]:
+    def environ(self, base: Mapping[str, str]) -> dict[str, str]:
         """``base`` without the ``unset`` variables, plus ``env``."""
         def dropped(k: str) -> bool:
             return any(k.startswith(u[:-1]) if u.endswith("*") else k == u for u in self.unset)
