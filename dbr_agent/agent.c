@@ -802,6 +802,11 @@ static int session_run(void)
     fd = connect_service();
     if (fd < 0)
         return 0;
+    if (dbr_thread_leave_idle() < 0) {   /* before the first lock it shares with program threads */
+        close(fd);
+        dbr_agent_retire("the agent's thread cannot leave SCHED_IDLE");
+        return 0;
+    }
     pthread_mutex_lock(&g_send_mu);
     g_sock = fd;
     g_sock_lost = 0;

@@ -44,12 +44,15 @@
  */
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <linux/capability.h>
 #include <linux/futex.h>
 
 #include "agent.h"
@@ -150,6 +153,130 @@ static void release(void)
     g_tcb = NULL;
 }
 
+#define HIDDEN_FLAGS (CLONE_VM | CLONE_FS | CLONE_FILES | CLONE_SIGHAND | CLONE_THREAD | CLONE_SYSVSEM | \
+                      CLONE_SETTLS | CLONE_PARENT_SETTID | CLONE_CHILD_CLEARTID)
+
+/* ---- born at SCHED_IDLE ----
+ *
+ * A new thread starts with a guess of its CPU use that the scheduler takes as
+ * real: about half of the spare capacity of the CPU it is placed on, for a
+ * thread of normal weight, decaying with a 32 ms half-life while it sleeps.
+ * The agent's thread, made in the constructor, sleeps almost at once, but for
+ * the next ~100 ms its CPU looks half busy: a program that starts more
+ * threads than there are CPUs at once (bench `threads`) had them placed 3:1
+ * on two CPUs until the load balancer moved them, 5-10 ms of wall time per
+ * run (design-notes, "What an unsampled program still pays").  The guess is
+ * scaled by the thread's weight when it starts; at SCHED_IDLE (weight 3 of
+ * 1024) it is next to nothing.  So the agent's thread is born at SCHED_IDLE:
+ * the creating thread sets itself to SCHED_IDLE for the clone alone (a new
+ * thread inherits its creator's policy) and takes its own back at once.  The
+ * agent's thread takes the same policy back before it does any work
+ * (dbr_thread_leave_idle): once it has connected to a service, or when it
+ * must take the program's new credentials.  A dormant agent (no service)
+ * stays at SCHED_IDLE, where it only sleeps and tries to connect.
+ *
+ * Leaving SCHED_IDLE needs privilege: CAP_SYS_NICE, or an RLIMIT_NICE that
+ * allows the thread's nice value.  A program thread left at SCHED_IDLE would
+ * be harmed, so the birth is done only when that is certain: the policy is
+ * SCHED_OTHER or SCHED_BATCH, and the rlimit allows it, or the thread just
+ * lowered its nice value by one and raised it back (the kernel checks the same
+ * privilege for both, the capability through the security modules too, which
+ * may refuse a capability the thread holds).  And only while a CPU is free:
+ * at SCHED_IDLE the creating thread yields to any other runnable thread on its
+ * CPU (a_cpu_is_free).  Otherwise (most unprivileged processes, a busy
+ * machine) the agent's thread is born as before.  DBR_AGENT_IDLE_BIRTH=0
+ * turns this off; =1 skips the free-CPU check (tests). */
+
+static int g_born_idle;            /* the current hidden thread was born at SCHED_IDLE */
+static int g_left_idle;            /* ... and has left it */
+static int g_birth_policy;         /* the policy it takes back */
+
+/* CAP_SYS_NICE in the effective set, in the initial user namespace (the
+ * kernel's capable(); that namespace's id is fixed, PROC_USER_INIT_INO) */
+static int sys_nice_held(void)
+{
+    struct __user_cap_header_struct h = { _LINUX_CAPABILITY_VERSION_3, 0 };
+    struct __user_cap_data_struct d[2];
+    char ns[64];
+    ssize_t n;
+
+    if (syscall(SYS_capget, &h, d) != 0 || !(d[CAP_SYS_NICE / 32].effective & (1u << (CAP_SYS_NICE % 32))))
+        return 0;
+    n = readlink("/proc/self/ns/user", ns, sizeof ns - 1);
+    if (n <= 0)
+        return 0;
+    ns[n] = 0;
+    return strcmp(ns, "user:[4026531837]") == 0;
+}
+
+/* Fewer runnable threads on the machine than CPUs this thread may use (the
+ * count in /proc/loadavg includes the caller).  Else a thread at SCHED_IDLE
+ * gives its CPU away to the first other one there and waits behind it: on two
+ * CPUs kept busy by four others, a trivial program's start took 3.2 ms at the
+ * median instead of 0.8. */
+static int a_cpu_is_free(void)
+{
+    char buf[128], *slash;
+    cpu_set_t set;
+    ssize_t n;
+    long running;
+    int fd;
+
+    if (sched_getaffinity(0, sizeof set, &set) != 0)
+        return 0;
+    fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    /* "0.20 0.18 0.12 1/80 11206": the fourth field is running/total */
+    slash = strchr(buf, '/');
+    if (!slash)
+        return 0;
+    while (slash > buf && slash[-1] >= '0' && slash[-1] <= '9')
+        slash--;
+    running = strtol(slash, NULL, 10);
+    return running >= 1 && running <= CPU_COUNT(&set);
+}
+
+/* 1 if the calling thread can go to SCHED_IDLE and come back; g_birth_policy set */
+static int idle_birth_allowed(void)
+{
+    const char *v = getenv("DBR_AGENT_IDLE_BIRTH");
+    pid_t self = dbr_gettid();
+    int always = v && strcmp(v, "1") == 0;   /* even with no CPU free (tests) */
+    struct rlimit rl;
+    int p, nice;
+
+    if (v && strcmp(v, "0") == 0)
+        return 0;
+    p = sched_getscheduler(0);
+    if (p != SCHED_OTHER && p != SCHED_BATCH)   /* also: SCHED_RESET_ON_FORK set */
+        return 0;
+    g_birth_policy = p;
+    errno = 0;
+    nice = getpriority(PRIO_PROCESS, (id_t)self);
+    if (nice == -1 && errno)
+        return 0;
+    if (!always && !a_cpu_is_free())
+        return 0;
+    if (getrlimit(RLIMIT_NICE, &rl) == 0 &&
+        (rl.rlim_cur == RLIM_INFINITY || (rlim_t)(20 - nice) <= rl.rlim_cur))
+        return 1;
+    if (nice <= -20 || !sys_nice_held())
+        return 0;
+    if (setpriority(PRIO_PROCESS, (id_t)self, nice - 1) != 0)
+        return 0;
+    if (setpriority(PRIO_PROCESS, (id_t)self, nice) != 0) {   /* raising it: always allowed */
+        dbr_log("cannot restore nice %d of thread %d (errno %d)", nice, (int)self, errno);
+        return 0;
+    }
+    return 1;
+}
+
 /* Start fn on a hidden thread; the caller has blocked every signal (the new
  * thread inherits that mask).  0, or -1 (use pthread_create). */
 int dbr_thread_start_hidden(int (*fn)(void))
@@ -186,16 +313,57 @@ int dbr_thread_start_hidden(int (*fn)(void))
     g_fn = fn;
     g_started_hidden = 1;    /* before the thread runs: it says so in HELLO */
     __atomic_store_n(&g_alive, 1, __ATOMIC_RELEASE);
-    tid = clone(hidden_main, (char *)stk + HIDDEN_STACK + guard,
-                CLONE_VM | CLONE_FS | CLONE_FILES | CLONE_SIGHAND | CLONE_THREAD | CLONE_SYSVSEM |
-                CLONE_SETTLS | CLONE_PARENT_SETTID | CLONE_CHILD_CLEARTID,
+    g_born_idle = idle_birth_allowed();
+    g_left_idle = 0;
+    if (g_born_idle) {
+        struct sched_param sp;
+
+        memset(&sp, 0, sizeof sp);
+        g_born_idle = sched_setscheduler(0, SCHED_IDLE, &sp) == 0;
+        dbr_log("agent thread born at SCHED_IDLE: %s", g_born_idle ? "yes" : "no");
+    }
+    tid = clone(hidden_main, (char *)stk + HIDDEN_STACK + guard, HIDDEN_FLAGS,
                 NULL, (pid_t *)((char *)t + g_tid_off), (void *)t, (pid_t *)&g_alive);
+    if (g_born_idle) {
+        struct sched_param sp;
+
+        memset(&sp, 0, sizeof sp);
+        if (sched_setscheduler(0, g_birth_policy, &sp) != 0 && sched_setscheduler(0, g_birth_policy, &sp) != 0)
+            dbr_log("thread %d cannot leave SCHED_IDLE (errno %d)", (int)dbr_gettid(), errno);
+    }
     if (tid < 0) {
         __atomic_store_n(&g_alive, 0, __ATOMIC_RELEASE);
         g_started_hidden = 0;
+        g_born_idle = 0;
         release();
         return -1;
     }
+    return 0;
+}
+
+/* On the agent's thread, before anything but sleeping and connecting: a
+ * thread born at SCHED_IDLE takes the policy the program's thread that
+ * started it had (its nice value it already has).  0 (nothing to do, or
+ * done), -1 (the kernel refused: the agent must not work at SCHED_IDLE, where
+ * a lock it held could keep program threads waiting). */
+int dbr_thread_leave_idle(void)
+{
+    struct sched_param sp;
+    int p;
+
+    if (!g_born_idle || g_left_idle)
+        return 0;
+    p = sched_getscheduler(0);
+    if (p < 0 || (p & ~SCHED_RESET_ON_FORK) != SCHED_IDLE) {
+        g_left_idle = 1;
+        return 0;
+    }
+    memset(&sp, 0, sizeof sp);
+    if (sched_setscheduler(0, g_birth_policy, &sp) != 0) {
+        dbr_log("the agent's thread cannot leave SCHED_IDLE (errno %d)", errno);
+        return -1;
+    }
+    g_left_idle = 1;
     return 0;
 }
 
@@ -271,6 +439,10 @@ int dbr_thread_apply_creds(void)
 
     if (seq == __atomic_load_n(&g_creds.applied, __ATOMIC_RELAXED))
         return 0;
+    /* with the old credentials, which may be what allows it; a thread that
+     * cannot leave SCHED_IDLE ends, as one that cannot take the new ones */
+    if (dbr_thread_leave_idle() < 0)
+        return -1;
     /* A drop: groups and gids while the thread still holds the privilege to set
      * them, uids last.  A drop undone (seteuid(0) back through the saved uid):
      * the thread has no capabilities until its uids are back, so the groups
@@ -335,5 +507,6 @@ void dbr_thread_fork_child(void)
     g_creds.result = 0;
     __atomic_store_n(&g_alive, 0, __ATOMIC_RELEASE);
     g_started_hidden = 0;
+    g_born_idle = 0;
     release();
 }

@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import keystone
 
@@ -196,9 +196,12 @@ class FakeService:
         env.update(extra or {})
         return env
 
-    def spawn(self, argv: list[str], env: dict[str, str] | None = None) -> Client:
+    def spawn(self, argv: list[str], env: dict[str, str] | None = None,
+              preexec: Callable[[], None] | None = None) -> Client:
+        """``preexec``: run in the child before it execs (what a prefix command such as
+        chrt would do, without a process of its own that loads the agent)."""
         proc = subprocess.Popen([str(a) for a in argv], env=self.env(env), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=preexec)
         c = Client(proc)
         self.clients.append(c)
         return c

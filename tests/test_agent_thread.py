@@ -144,6 +144,75 @@ def test_dropped_credentials_reach_a_dormant_agent_thread(alone_exe):
     assert rest == ["creds same 2"]
 
 
+SCHED_OTHER, SCHED_BATCH, SCHED_IDLE = 0, 3, 5
+
+
+def _batch_nice5():
+    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    os.nice(5)
+
+
+_LAUNCH = {"other": (None, SCHED_OTHER, 0), "batch-nice5": (_batch_nice5, SCHED_BATCH, 5)}
+
+
+def _policies(alone_exe, preexec, session, birth="1", prefix=()):
+    """(main, others) as (policy, nice) pairs, from alone's "policy" lines."""
+    svc = FakeService()
+    try:
+        if not session:
+            svc.stop_listening()
+        client = svc.spawn([*prefix, alone_exe, "policy"], preexec=preexec,
+                           env={"DBR_AGENT_THREAD": "", "DBR_AGENT_IDLE_BIRTH": birth})
+        client.out.expect("ready")
+        if session:
+            svc.accept(pid=client.pid)
+        client.send("go")
+        rc, rest = client.finish(timeout=20)
+        assert rc == 0, (rest, client.err.lines)
+    finally:
+        svc.close()
+    pairs = [tuple(int(x) for x in line.split()[1:]) for line in rest if line.startswith("policy ")]
+    return pairs[0], pairs[1:]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="leaving SCHED_IDLE needs CAP_SYS_NICE")
+@pytest.mark.parametrize("launch", sorted(_LAUNCH))
+@pytest.mark.parametrize("session", [True, False], ids=["in-session", "no-service"])
+def test_agent_thread_is_born_idle_and_takes_the_program_policy_to_work(alone_exe, launch, session):
+    """thread.c, "born at SCHED_IDLE": the agent's thread starts at SCHED_IDLE (its CPU
+    then does not look busy to the scheduler placing the program's next threads),
+    stays there while dormant, and takes the program's policy and nice value once it
+    has a service to work for.  The program's own thread must end as it started."""
+    preexec, policy, nice = _LAUNCH[launch]
+    main, others = _policies(alone_exe, preexec, session)
+    assert main == (policy, nice)
+    assert others == [(policy if session else SCHED_IDLE, nice)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop a capability")
+@pytest.mark.parametrize("birth", ["1", "0"])
+def test_agent_thread_that_could_not_leave_idle_is_born_as_before(alone_exe, birth):
+    """Without CAP_SYS_NICE (and with RLIMIT_NICE 0, the default) no thread may leave
+    SCHED_IDLE: the agent's thread is born with the program's policy, and
+    DBR_AGENT_IDLE_BIRTH=0 asks for that too."""
+    if birth == "1":
+        prefix = ["setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice"]
+    else:
+        prefix = []
+    main, others = _policies(alone_exe, None, session=False, birth=birth, prefix=prefix)
+    assert main == (SCHED_OTHER, 0) and others == [(SCHED_OTHER, 0)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
+def test_dormant_idle_agent_thread_leaves_idle_before_dropping_privileges(alone_exe):
+    """The credentials a program drops reach a dormant agent's thread born at
+    SCHED_IDLE: it leaves SCHED_IDLE first, while it still may (as nobody it could
+    not), and follows the program to nobody."""
+    rc, rest, _ = _run(alone_exe, "creds-policy", env={"DBR_AGENT_IDLE_BIRTH": "1"}, session=False)
+    assert rc == 0, rest
+    assert rest == ["creds same 2", f"policy {SCHED_OTHER} 0", f"policy {SCHED_OTHER} 0"]
+
+
 # The hidden thread runs most of the agent.  While glibc sees one thread its heap and
 # stdio take no locks, so the agent must allocate without malloc and print without
 # stdio; opendir and qsort allocate with malloc.

@@ -17,13 +17,19 @@
  *   spawn   start and join 300 threads one after another; print "spawn woke N": how
  *           often the agent's thread went to sleep meanwhile (its
  *           voluntary_ctxt_switches), or "spawn no agent thread"
+ *   policy  print "policy P N" for main, then for every other thread: its
+ *           scheduling policy (sched_getscheduler) and nice value
+ *   creds-policy  creds, then policy
  * Prints "ready", waits for a line on stdin (the test's session is up by then). */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <errno.h>
 #include <grp.h>
 #include <linux/capability.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -191,6 +197,30 @@ static int spawn(void)
     return 0;
 }
 
+static void policy_of(pid_t tid)
+{
+    errno = 0;
+    int nice = getpriority(PRIO_PROCESS, (id_t)tid);
+
+    printf("policy %d %d\n", sched_getscheduler(tid), errno ? 99 : nice);
+}
+
+static int policy(void)
+{
+    pid_t self = (pid_t)syscall(SYS_gettid);
+    DIR *d = opendir("/proc/self/task");
+    struct dirent *e;
+
+    if (!d)
+        return 1;
+    policy_of(self);
+    while ((e = readdir(d)))
+        if (e->d_name[0] != '.' && atoi(e->d_name) != self)
+            policy_of(atoi(e->d_name));
+    closedir(d);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "single";
@@ -223,6 +253,10 @@ int main(int argc, char **argv)
         return creds_fail();
     } else if (!strcmp(mode, "spawn")) {
         return spawn();
+    } else if (!strcmp(mode, "policy")) {
+        return policy();
+    } else if (!strcmp(mode, "creds-policy")) {
+        return creds(0) || policy();
     } else {
         return 2;
     }
