@@ -158,16 +158,16 @@ static void release(void)
 
 /* ---- born at SCHED_IDLE ----
  *
- * A new thread starts with a guess of its CPU use that the scheduler takes as
- * real: about half of the spare capacity of the CPU it is placed on, for a
- * thread of normal weight, decaying with a 32 ms half-life while it sleeps.
- * The agent's thread, made in the constructor, sleeps almost at once, but for
- * the next ~100 ms its CPU looks half busy: a program that starts more
- * threads than there are CPUs at once (bench `threads`) had them placed 3:1
- * on two CPUs until the load balancer moved them, 5-10 ms of wall time per
- * run (design-notes, "What an unsampled program still pays").  The guess is
- * scaled by the thread's weight when it starts; at SCHED_IDLE (weight 3 of
- * 1024) it is next to nothing.  So the agent's thread is born at SCHED_IDLE:
+ * A new thread starts with load estimates that the scheduler takes as real
+ * and that decay with a 32 ms half-life while it sleeps; the load one is its
+ * weight.  The agent's thread, made in the constructor, sleeps almost at
+ * once, yet a program that starts more threads than there are CPUs at once
+ * (bench `threads`) had them placed 3:1 on two CPUs until the load balancer
+ * moved them, 5-10 ms of wall time per run.  Born at SCHED_IDLE (weight 3 of
+ * 1024) a dormant agent cost nothing measurable there, one in session about
+ * half as much; set to SCHED_IDLE after its birth it cost as much as before
+ * (design-notes, "The agent's thread is born at SCHED_IDLE": figures, and
+ * what did not work).  So it is born there:
  * the creating thread sets itself to SCHED_IDLE for the clone alone (a new
  * thread inherits its creator's policy) and takes its own back at once.  The
  * agent's thread takes the same policy back before it does any work
@@ -320,7 +320,6 @@ int dbr_thread_start_hidden(int (*fn)(void))
 
         memset(&sp, 0, sizeof sp);
         g_born_idle = sched_setscheduler(0, SCHED_IDLE, &sp) == 0;
-        dbr_log("agent thread born at SCHED_IDLE: %s", g_born_idle ? "yes" : "no");
     }
     tid = clone(hidden_main, (char *)stk + HIDDEN_STACK + guard, HIDDEN_FLAGS,
                 NULL, (pid_t *)((char *)t + g_tid_off), (void *)t, (pid_t *)&g_alive);
@@ -330,6 +329,7 @@ int dbr_thread_start_hidden(int (*fn)(void))
         memset(&sp, 0, sizeof sp);
         if (sched_setscheduler(0, g_birth_policy, &sp) != 0 && sched_setscheduler(0, g_birth_policy, &sp) != 0)
             dbr_log("thread %d cannot leave SCHED_IDLE (errno %d)", (int)dbr_gettid(), errno);
+        dbr_log("agent thread born at SCHED_IDLE");
     }
     if (tid < 0) {
         __atomic_store_n(&g_alive, 0, __ATOMIC_RELEASE);
