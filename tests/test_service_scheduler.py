@@ -138,12 +138,14 @@ def test_quick_job_takes_the_short_reach(monkeypatch):
     """A quick selection explores at most QUICK_REACH conditional jumps from sampled
     code (its first region comes sooner); others the configured reach; a smaller
     configured reach is never raised.  A quick job also seeds discovery only from IPs
-    with QUICK_SEED_MIN samples and makes at most QUICK_MAX_BLOCKS blocks."""
+    with QUICK_SEED_MIN samples and makes at most QUICK_MAX_BLOCKS blocks.  On a
+    profile of at most QUICK_ALL_SEEDS_MAX distinct IPs every IP seeds (a small loop
+    with one sample in the window is found)."""
     import dataclasses
 
     import dbr_service.region.pipeline as pl
-    from dbr_service.scheduler import (QUICK_MAX_BLOCKS, QUICK_REACH, QUICK_SEED_MIN,
-                                       select_client_regions)
+    from dbr_service.scheduler import (QUICK_ALL_SEEDS_MAX, QUICK_MAX_BLOCKS, QUICK_REACH,
+                                       QUICK_SEED_MIN, select_client_regions)
 
     seen = []
     seeds = []
@@ -154,7 +156,8 @@ def test_quick_job_takes_the_short_reach(monkeypatch):
         return pl.PipelineResult()
 
     monkeypatch.setattr(pl, "select_regions", fake_select)
-    job = ClientJob(1, os.getpid(), "/bin/prog", {0x401010: 5}, {0x401010: 5}, MAPS,
+    flat = {0x401000 + 4 * i: 1 + i % 2 for i in range(QUICK_ALL_SEEDS_MAX + 1)}
+    job = ClientJob(1, os.getpid(), "/bin/prog", flat, flat, MAPS,
                     Config().to_dict(), quick=True)
     for quick, reach, want in ((True, 6, QUICK_REACH), (False, 6, 6), (True, 2, 2)):
         regions, status, _ = select_client_regions(dataclasses.replace(job, quick=quick),
@@ -164,6 +167,10 @@ def test_quick_job_takes_the_short_reach(monkeypatch):
         # ... seeds discovery only from IPs with QUICK_SEED_MIN samples, with a block budget
         assert seeds[-1] == ((QUICK_SEED_MIN, QUICK_MAX_BLOCKS) if quick else (0, None))
     assert QUICK_SEED_MIN > 1
+    # a concentrated profile: every IP seeds, the reach and block budget stay quick
+    few = dict(list(flat.items())[:QUICK_ALL_SEEDS_MAX])
+    select_client_regions(dataclasses.replace(job, samples=few, cumulative=few), Config())
+    assert seen[-1] == QUICK_REACH and seeds[-1] == (0, QUICK_MAX_BLOCKS)
 
 
 def test_quick_jobs_until_a_region_or_three_jobs():
