@@ -172,6 +172,9 @@ class _Image:
     ranges: list[MappedRange] = field(default_factory=list)
     data: dict[int, bytes] = field(default_factory=dict)      # range start -> bytes
     got_names: dict[int, str] = field(default_factory=dict)   # GOT slot -> symbol
+    #: Slots the loader fills from other modules (imports, TLS offsets, IRELATIVE
+    #: resolvers): the file does not hold their values.
+    unresolved: list[int] = field(default_factory=list)
 
 
 def _perm_str(flags: int) -> str:
@@ -235,29 +238,64 @@ def _load_elf_image(path: str, base: int | None) -> _Image:
     if not pie and base:
         raise MemoryViewError(f"{path}: not position independent; cannot load at base {base:#x}")
     img = _Image(path=os.path.abspath(path), base=b)
+    loads: list[tuple[int, str, bytearray]] = []
+    relro_end = None
     for seg in elf.segments:
+        if seg.type == lief.ELF.Segment.TYPE.GNU_RELRO and seg.virtual_size:
+            # the loader makes [page of its start, page of its end) read-only once
+            # it has relocated (glibc _dl_protect_relro: both ends rounded down)
+            relro_end = (b + seg.virtual_address + seg.virtual_size) & ~(_PAGE - 1)
         if seg.type != lief.ELF.Segment.TYPE.LOAD or seg.virtual_size == 0:
             continue
-        start = b + seg.virtual_address
-        content = bytes(seg.content)[: seg.physical_size]
-        content = content.ljust(seg.virtual_size, b"\0")        # zero-fill bss
-        img.ranges.append(MappedRange(start, start + seg.virtual_size,
-                                      _perm_str(int(seg.flags)), img.path, True))
-        img.data[start] = content
+        content = bytearray(bytes(seg.content)[: seg.physical_size])
+        content += bytes(seg.virtual_size - len(content))          # zero-fill bss
+        loads.append((b + seg.virtual_address, _perm_str(int(seg.flags)), content))
+    relative = lief.ELF.Relocation.TYPE.X86_64_RELATIVE
     for rel in list(elf.pltgot_relocations) + list(elf.dynamic_relocations):
         sym = rel.symbol
         if sym is not None and sym.name:
             img.got_names[b + rel.address] = sym.name
+        if rel.type == relative and not (sym is not None and sym.name):
+            _write_slot(loads, b + rel.address, (b + rel.addend) & 0xFFFFFFFFFFFFFFFF)
+        else:
+            img.unresolved.append(b + rel.address)
+    img.unresolved.sort()
+    for start, perms, content in loads:
+        end = start + len(content)
+        cut = relro_end if relro_end is not None and start < relro_end < end else None
+        if relro_end is not None and perms == "rw-" and start < relro_end:
+            first = cut if cut is not None else end
+            img.ranges.append(MappedRange(start, first, "r--", img.path, True))
+            img.data[start] = bytes(content[: first - start])
+            if cut is not None:
+                img.ranges.append(MappedRange(cut, end, perms, img.path, True))
+                img.data[cut] = bytes(content[cut - start:])
+            continue
+        img.ranges.append(MappedRange(start, end, perms, img.path, True))
+        img.data[start] = bytes(content)
     return img
+
+
+_PAGE = 4096
+
+
+def _write_slot(loads: list[tuple[int, str, bytearray]], addr: int, value: int) -> None:
+    for start, _, content in loads:
+        if start <= addr and addr + 8 <= start + len(content):
+            content[addr - start: addr - start + 8] = value.to_bytes(8, "little")
+            return
 
 
 class ElfMemoryView(MemoryView):
     """An ELF executable (and optionally shared libraries) as it would be mapped.
 
     Each PT_LOAD segment is mapped at its link address (plus ``base`` for PIE or
-    shared objects) with its own permissions, bss zero-filled.  RELRO stays
-    writable here: the file's GOT holds unrelocated values, so it must not be
-    trusted like read-only data.
+    shared objects) with its own permissions, bss zero-filled.  As the loader
+    would: ``R_X86_64_RELATIVE`` slots hold base + addend (a PIE's pointer tables
+    in ``.data.rel.ro``, which the file holds unrelocated), and PT_GNU_RELRO is
+    read-only.  A slot the loader fills from elsewhere (an import's GOT entry, an
+    IRELATIVE or TLS slot) is never trusted like read-only data: the file does not
+    hold its value.
     """
 
     def __init__(self, path: str, base: int | None = None,
@@ -275,6 +313,13 @@ class ElfMemoryView(MemoryView):
         self._range_starts = [r.start for r in rs]
         self._bytes = {s: d for img in self.images for s, d in img.data.items()}
         self._got = {a: n for img in self.images for a, n in img.got_names.items()}
+        self._unresolved = sorted(a for img in self.images for a in img.unresolved)
+
+    def is_readonly_range(self, addr: int, n: int) -> bool:
+        i = bisect.bisect_left(self._unresolved, addr - 7)
+        if i < len(self._unresolved) and self._unresolved[i] < addr + n:
+            return False            # overlaps a slot whose value the file does not hold
+        return super().is_readonly_range(addr, n)
 
     def ranges(self) -> list[MappedRange]:
         return self._ranges
