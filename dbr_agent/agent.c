@@ -1018,7 +1018,11 @@ void dbr_agent_start_thread(int forked)
     pthread_sigmask(SIG_SETMASK, &all, &old);
     g_prog_sigmask = old;
     __atomic_store_n(&g_thread_started, 1, __ATOMIC_RELEASE);
-    if (dbr_thread_start_hidden(agent_main_hidden) == 0) {
+    /* not in a fork child: it may carry a seccomp filter of the thread that forked
+     * (one without TSYNC does not make the agent step aside), and the calls an idle
+     * birth makes (capget, setpriority, sched_setscheduler ...) are ones such a
+     * filter may kill the process for; the constructor never gets here under one */
+    if (dbr_thread_start_hidden(agent_main_hidden, !forked) == 0) {
         dbr_log("agent thread hidden from glibc");
     } else if (dbr_real_pthread_create(&t, &attr, agent_main, NULL) == 0) {
         dbr_log("agent thread made by pthread_create (%s)", dbr_thread_mode());

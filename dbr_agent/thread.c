@@ -184,7 +184,7 @@ static void release(void)
  * may refuse a capability the thread holds).  And only while a CPU is free:
  * at SCHED_IDLE the creating thread yields to any other runnable thread on its
  * CPU (a_cpu_is_free).  Otherwise (most unprivileged processes, a busy
- * machine) the agent's thread is born as before.  DBR_AGENT_IDLE_BIRTH=0
+ * machine, a fork child) the agent's thread is born as before.  DBR_AGENT_IDLE_BIRTH=0
  * turns this off; =1 skips the free-CPU check (tests). */
 
 static int g_born_idle;            /* the current hidden thread was born at SCHED_IDLE */
@@ -279,7 +279,7 @@ static int idle_birth_allowed(void)
 
 /* Start fn on a hidden thread; the caller has blocked every signal (the new
  * thread inherits that mask).  0, or -1 (use pthread_create). */
-int dbr_thread_start_hidden(int (*fn)(void))
+int dbr_thread_start_hidden(int (*fn)(void), int idle_birth_ok)
 {
     struct tcb_head *t, *cur = thread_pointer();
     size_t guard = (size_t)dbr_page_size();
@@ -313,7 +313,7 @@ int dbr_thread_start_hidden(int (*fn)(void))
     g_fn = fn;
     g_started_hidden = 1;    /* before the thread runs: it says so in HELLO */
     __atomic_store_n(&g_alive, 1, __ATOMIC_RELEASE);
-    g_born_idle = idle_birth_allowed();
+    g_born_idle = idle_birth_ok && idle_birth_allowed();
     g_left_idle = 0;
     if (g_born_idle) {
         struct sched_param sp;

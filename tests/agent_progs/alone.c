@@ -20,6 +20,7 @@
  *   policy  print "policy P N" for main, then for every other thread: its
  *           scheduling policy (sched_getscheduler) and nice value
  *   creds-policy  creds, then policy
+ *   fork-policy   policy, from a fork child (after its agent thread has started)
  * Prints "ready", waits for a line on stdin (the test's session is up by then). */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -257,6 +258,19 @@ int main(int argc, char **argv)
         return policy();
     } else if (!strcmp(mode, "creds-policy")) {
         return creds(0) || policy();
+    } else if (!strcmp(mode, "fork-policy")) {
+        pid_t p = fork();
+        int st;
+
+        if (p == 0) {
+            for (int i = 0; i < 200 && count_tasks() < 2; i++)   /* the child's agent thread */
+                usleep(10000);
+            policy();
+            fflush(stdout);
+            _exit(0);
+        }
+        if (p < 0 || waitpid(p, &st, 0) != p || !WIFEXITED(st) || WEXITSTATUS(st))
+            return 1;
     } else {
         return 2;
     }
