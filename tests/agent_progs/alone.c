@@ -222,6 +222,31 @@ static int policy(void)
     return 0;
 }
 
+static int single_ok(void)
+{
+    single();
+    return 0;
+}
+
+/* fn in a fork child, once its agent thread has started (bounded wait); 0 if it
+ * returned 0 */
+static int in_fork_child(int (*fn)(void))
+{
+    pid_t p = fork();
+    int st;
+
+    if (p == 0) {
+        int rc;
+
+        for (int i = 0; i < 200 && count_tasks() < 2; i++)
+            usleep(10000);
+        rc = fn();
+        fflush(stdout);
+        _exit(rc);
+    }
+    return p < 0 || waitpid(p, &st, 0) != p || !WIFEXITED(st) || WEXITSTATUS(st);
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "single";
@@ -234,18 +259,7 @@ int main(int argc, char **argv)
     if (!strcmp(mode, "single")) {
         single();
     } else if (!strcmp(mode, "fork")) {
-        pid_t p = fork();
-        int st;
-
-        if (p == 0) {
-            for (int i = 0; i < 200 && count_tasks() < 2; i++)   /* the child's agent thread */
-                usleep(10000);
-            single();
-            fflush(stdout);
-            _exit(0);
-        }
-        if (p < 0 || waitpid(p, &st, 0) != p || !WIFEXITED(st) || WEXITSTATUS(st))
-            return 1;
+        return in_fork_child(single_ok);
     } else if (!strcmp(mode, "creds") || !strcmp(mode, "creds-res")) {
         return creds(!strcmp(mode, "creds-res"));
     } else if (!strcmp(mode, "creds-temp")) {
@@ -259,18 +273,7 @@ int main(int argc, char **argv)
     } else if (!strcmp(mode, "creds-policy")) {
         return creds(0) || policy();
     } else if (!strcmp(mode, "fork-policy")) {
-        pid_t p = fork();
-        int st;
-
-        if (p == 0) {
-            for (int i = 0; i < 200 && count_tasks() < 2; i++)   /* the child's agent thread */
-                usleep(10000);
-            policy();
-            fflush(stdout);
-            _exit(0);
-        }
-        if (p < 0 || waitpid(p, &st, 0) != p || !WIFEXITED(st) || WEXITSTATUS(st))
-            return 1;
+        return in_fork_child(policy);
     } else {
         return 2;
     }
