@@ -239,12 +239,13 @@ def _load_elf_image(path: str, base: int | None) -> _Image:
         raise MemoryViewError(f"{path}: not position independent; cannot load at base {base:#x}")
     img = _Image(path=os.path.abspath(path), base=b)
     loads: list[tuple[int, str, bytearray]] = []
-    relro_end = None
+    relro = (0, 0)
     for seg in elf.segments:
         if seg.type == lief.ELF.Segment.TYPE.GNU_RELRO and seg.virtual_size:
             # the loader makes [page of its start, page of its end) read-only once
             # it has relocated (glibc _dl_protect_relro: both ends rounded down)
-            relro_end = (b + seg.virtual_address + seg.virtual_size) & ~(_PAGE - 1)
+            relro = ((b + seg.virtual_address) & ~(_PAGE - 1),
+                     (b + seg.virtual_address + seg.virtual_size) & ~(_PAGE - 1))
         if seg.type != lief.ELF.Segment.TYPE.LOAD or seg.virtual_size == 0:
             continue
         content = bytearray(bytes(seg.content)[: seg.physical_size])
@@ -262,17 +263,13 @@ def _load_elf_image(path: str, base: int | None) -> _Image:
     img.unresolved.sort()
     for start, perms, content in loads:
         end = start + len(content)
-        cut = relro_end if relro_end is not None and start < relro_end < end else None
-        if relro_end is not None and perms == "rw-" and start < relro_end:
-            first = cut if cut is not None else end
-            img.ranges.append(MappedRange(start, first, "r--", img.path, True))
-            img.data[start] = bytes(content[: first - start])
-            if cut is not None:
-                img.ranges.append(MappedRange(cut, end, perms, img.path, True))
-                img.data[cut] = bytes(content[cut - start:])
-            continue
-        img.ranges.append(MappedRange(start, end, perms, img.path, True))
-        img.data[start] = bytes(content)
+        lo, hi = max(start, relro[0]), min(end, relro[1])
+        if perms != "rw-" or lo >= hi:
+            lo = hi = end                     # no read-only part in this segment
+        for a, z, p in ((start, lo, perms), (lo, hi, "r--"), (hi, end, perms)):
+            if a < z:
+                img.ranges.append(MappedRange(a, z, p, img.path, True))
+                img.data[a] = bytes(content[a - start: z - start])
     return img
 
 
