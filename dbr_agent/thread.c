@@ -190,6 +190,7 @@ static void release(void)
 static int g_born_idle;            /* the current hidden thread was born at SCHED_IDLE */
 static int g_left_idle;            /* ... and has left it */
 static int g_birth_policy;         /* the policy it takes back */
+static const struct sched_param g_no_priority;   /* 0: SCHED_OTHER, BATCH, IDLE */
 
 /* CAP_SYS_NICE in the effective set, in the initial user namespace (the
  * kernel's capable(); that namespace's id is fixed, PROC_USER_INIT_INO) */
@@ -249,7 +250,7 @@ static int idle_birth_allowed(void)
     pid_t self = dbr_gettid();
     int always = v && strcmp(v, "1") == 0;   /* even with no CPU free (tests) */
     struct rlimit rl;
-    int p, nice;
+    int p, nice, by_rlimit;
 
     if (v && strcmp(v, "0") == 0)
         return 0;
@@ -261,13 +262,15 @@ static int idle_birth_allowed(void)
     nice = getpriority(PRIO_PROCESS, (id_t)self);
     if (nice == -1 && errno)
         return 0;
+    by_rlimit = getrlimit(RLIMIT_NICE, &rl) == 0 &&
+                (rl.rlim_cur == RLIM_INFINITY || (rlim_t)(20 - nice) <= rl.rlim_cur);
+    /* the cheap privilege tests before /proc/loadavg: most processes fail them */
+    if (!by_rlimit && (nice <= -20 || !sys_nice_held()))
+        return 0;
     if (!always && !a_cpu_is_free())
         return 0;
-    if (getrlimit(RLIMIT_NICE, &rl) == 0 &&
-        (rl.rlim_cur == RLIM_INFINITY || (rlim_t)(20 - nice) <= rl.rlim_cur))
+    if (by_rlimit)
         return 1;
-    if (nice <= -20 || !sys_nice_held())
-        return 0;
     if (setpriority(PRIO_PROCESS, (id_t)self, nice - 1) != 0)
         return 0;
     if (setpriority(PRIO_PROCESS, (id_t)self, nice) != 0) {   /* raising it: always allowed */
@@ -315,19 +318,12 @@ int dbr_thread_start_hidden(int (*fn)(void), int idle_birth_ok)
     __atomic_store_n(&g_alive, 1, __ATOMIC_RELEASE);
     g_born_idle = idle_birth_ok && idle_birth_allowed();
     g_left_idle = 0;
-    if (g_born_idle) {
-        struct sched_param sp;
-
-        memset(&sp, 0, sizeof sp);
-        g_born_idle = sched_setscheduler(0, SCHED_IDLE, &sp) == 0;
-    }
+    if (g_born_idle)
+        g_born_idle = sched_setscheduler(0, SCHED_IDLE, &g_no_priority) == 0;
     tid = clone(hidden_main, (char *)stk + HIDDEN_STACK + guard, HIDDEN_FLAGS,
                 NULL, (pid_t *)((char *)t + g_tid_off), (void *)t, (pid_t *)&g_alive);
     if (g_born_idle) {
-        struct sched_param sp;
-
-        memset(&sp, 0, sizeof sp);
-        if (sched_setscheduler(0, g_birth_policy, &sp) != 0 && sched_setscheduler(0, g_birth_policy, &sp) != 0)
+        if (sched_setscheduler(0, g_birth_policy, &g_no_priority) != 0)
             dbr_log("thread %d cannot leave SCHED_IDLE (errno %d)", (int)dbr_gettid(), errno);
         dbr_log("agent thread born at SCHED_IDLE");
     }
@@ -348,7 +344,6 @@ int dbr_thread_start_hidden(int (*fn)(void), int idle_birth_ok)
  * a lock it held could keep program threads waiting). */
 int dbr_thread_leave_idle(void)
 {
-    struct sched_param sp;
     int p;
 
     if (!g_born_idle || g_left_idle)
@@ -358,8 +353,7 @@ int dbr_thread_leave_idle(void)
         g_left_idle = 1;
         return 0;
     }
-    memset(&sp, 0, sizeof sp);
-    if (sched_setscheduler(0, g_birth_policy, &sp) != 0) {
+    if (sched_setscheduler(0, g_birth_policy, &g_no_priority) != 0) {
         dbr_log("the agent's thread cannot leave SCHED_IDLE (errno %d)", errno);
         return -1;
     }
