@@ -253,10 +253,10 @@ def _load_elf_image(path: str, base: int | None) -> _Image:
         loads.append((b + seg.virtual_address, _perm_str(int(seg.flags)), content))
     relative = lief.ELF.Relocation.TYPE.X86_64_RELATIVE
     for rel in list(elf.pltgot_relocations) + list(elf.dynamic_relocations):
-        sym = rel.symbol
-        if sym is not None and sym.name:
-            img.got_names[b + rel.address] = sym.name
-        if rel.type == relative and not (sym is not None and sym.name):
+        name = rel.symbol.name if rel.symbol is not None else ""
+        if name:
+            img.got_names[b + rel.address] = name
+        if rel.type == relative and not name:
             _write_slot(loads, b + rel.address, (b + rel.addend) & 0xFFFFFFFFFFFFFFFF)
         else:
             img.unresolved.append(b + rel.address)
