@@ -47,6 +47,7 @@ static int g_bye_sent;       /* this session's BYE went out (g_send_mu) */
 static int g_forked;
 static int g_on_disconnect = DBR_DISCONNECT_KEEP;
 static uint32_t g_map_wait_ms;
+static uint32_t g_notices;   /* DBR_NOTICE_* the service asked for in this session */
 
 /* bounded waits of map-changing hooks for the service's ACK */
 struct map_wait {
@@ -91,6 +92,16 @@ static int fd_is(int fd, const struct fd_id *id)
 int dbr_connected(void)
 {
     return __atomic_load_n(&g_ready, __ATOMIC_ACQUIRE);
+}
+
+/* Whether a starting or ending thread should tell the service (DBR_HELLO_QUIET_THREADS:
+ * only while it asks, i.e. while it samples with one event per thread).  A plain load,
+ * no lock and no system call: a program that starts threads by the thousand pays for
+ * none of it while the service does not listen. */
+int dbr_thread_notices(void)
+{
+    return __atomic_load_n(&g_ready, __ATOMIC_ACQUIRE) &&
+           (__atomic_load_n(&g_notices, __ATOMIC_RELAXED) & DBR_NOTICE_THREADS);
 }
 
 /* ---------------- sending ---------------- */
@@ -310,6 +321,7 @@ static uint32_t fixed_size(uint32_t type)
     case DBR_MSG_SAMPLER_STOP:     return sizeof(struct dbr_ack);
     case DBR_MSG_BYE:              return sizeof(struct dbr_bye);
     case DBR_MSG_ERROR:            return sizeof(struct dbr_error);
+    case DBR_MSG_NOTICES:          return sizeof(struct dbr_notices);
     default:                       return 0; /* not a service->agent type */
     }
 }
@@ -561,6 +573,17 @@ static int handle(size_t n)
         rc = send_ack(r->req_id, dbr_sampler_stop());
         break;
     }
+    case DBR_MSG_NOTICES: {
+        const struct dbr_notices *r = (const void *)g_rx;
+
+        if (r->flags & ~(uint32_t)DBR_NOTICE_THREADS) {
+            rc = send_ack(r->req_id, DBR_E_INVAL);
+            break;
+        }
+        __atomic_store_n(&g_notices, r->flags, __ATOMIC_RELAXED);
+        rc = send_ack(r->req_id, DBR_OK);
+        break;
+    }
     case DBR_MSG_BYE:
         return end_by_bye((const void *)g_rx);
     case DBR_MSG_ERROR: {
@@ -619,7 +642,7 @@ static int send_hello(void)
     m.uid = (uint32_t)getuid();
     m.flags = (g_sync_core ? DBR_HELLO_SYNC_CORE : 0) | (g_forked ? DBR_HELLO_FORKED : 0) |
               (g_forked && dbr_any_installed() ? DBR_HELLO_INHERITED : 0) |
-              (dbr_thread_hidden() ? DBR_HELLO_HIDDEN_THREAD : 0);
+              (dbr_thread_hidden() ? DBR_HELLO_HIDDEN_THREAD : 0) | DBR_HELLO_QUIET_THREADS;
     m.agent_version = DBR_AGENT_VERSION;
     m.n_threads = (uint32_t)dbr_count_threads();
     m.page_size = (uint32_t)dbr_page_size();
@@ -769,6 +792,7 @@ static void end_session(int fd, int how)
     }
     pthread_mutex_lock(&g_send_mu);
     __atomic_store_n(&g_ready, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_notices, 0, __ATOMIC_RELAXED);   /* each session asks anew */
     g_sock = -1;
     if (!g_sock_lost) {
         /* A Unix socket closed with unread messages resets its peer, whose next
@@ -1074,6 +1098,7 @@ void dbr_fork_child_reset(void)
         close(g_sock);     /* the parent's session: never used by the child */
     g_sock = -1;
     g_ready = 0;
+    g_notices = 0;
     g_agent_tid = 0;
     g_thread_started = 0;
     dbr_thread_fork_child();

@@ -127,6 +127,7 @@ extern pid_t g_agent_tid;           /* tid of the agent thread, 0 if none */
 extern int g_sync_core;             /* membarrier SYNC_CORE registered */
 extern uint64_t g_agent_lo, g_agent_hi; /* the agent library's own mapped range */
 int dbr_connected(void);
+int dbr_thread_notices(void);   /* the service wants THREAD_NEW/THREAD_EXIT now */
 /* Send one message from any thread. fds: -1 or an fd for SCM_RIGHTS.
  * from_client: the caller is a program thread (never blocks long). */
 int dbr_send(void *msg, uint32_t type, uint32_t len, int fd, int from_client);

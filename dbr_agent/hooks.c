@@ -440,9 +440,11 @@ static void thread_exit_notice(void *v)
 
     (void)v;
     dbr_sampler_thread_exit();
-    memset(&m, 0, sizeof m);
-    m.tid = (uint32_t)dbr_gettid();
-    dbr_send(&m, DBR_MSG_THREAD_EXIT, sizeof m, -1, 1);
+    if (dbr_thread_notices()) {
+        memset(&m, 0, sizeof m);
+        m.tid = (uint32_t)dbr_gettid();
+        dbr_send(&m, DBR_MSG_THREAD_EXIT, sizeof m, -1, 1);
+    }
     /* If it was the last program thread, the agent's thread must end the process,
      * as glibc would, when glibc counts it (DBR_AGENT_THREAD=pthread).  A hidden
      * agent thread is not counted: glibc ends the process itself, and a wake-up
@@ -463,9 +465,11 @@ static void *start_wrapper(void *p)
     if (g_thread_key_ok)
         pthread_setspecific(g_thread_key, (void *)1);
     dbr_sampler_thread_start();
-    memset(&m, 0, sizeof m);
-    m.tid = (uint32_t)dbr_gettid();
-    dbr_send(&m, DBR_MSG_THREAD_NEW, sizeof m, -1, 1);
+    if (dbr_thread_notices()) {
+        memset(&m, 0, sizeof m);
+        m.tid = (uint32_t)dbr_gettid();
+        dbr_send(&m, DBR_MSG_THREAD_NEW, sizeof m, -1, 1);
+    }
     pthread_setcancelstate(oldstate, NULL);
     return w.start(w.arg);
 }

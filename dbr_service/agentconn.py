@@ -38,6 +38,7 @@ _REPLY_OF: dict[P.MsgType, tuple[P.MsgType, str]] = {
     P.MsgType.SAMPLER_START: (P.MsgType.SAMPLER_RING, "req_id"),
     P.MsgType.SAMPLER_STOP: (P.MsgType.ACK, "req_id"),
     P.MsgType.TRANSFER: (P.MsgType.TRANSFER_RESULT, "req_id"),
+    P.MsgType.NOTICES: (P.MsgType.ACK, "req_id"),
 }
 
 
@@ -343,6 +344,11 @@ class AgentConnection:
 
     def sampler_stop(self, timeout: float = 2.0) -> int:
         return self.request(P.MsgType.SAMPLER_STOP, P.Ack(req_id=self.next_id()),
+                            timeout=timeout).msg.body.result
+
+    def notices(self, flags: int, timeout: float = 2.0) -> int:
+        """Tell an agent with HELLO_QUIET_THREADS which notices to send (NOTICE_*)."""
+        return self.request(P.MsgType.NOTICES, P.Notices(req_id=self.next_id(), flags=flags),
                             timeout=timeout).msg.body.result
 
     def ack(self, req_id: int, result: int = 0) -> None:

@@ -172,6 +172,10 @@ class ClientSession:
         self.lock = threading.RLock()
         #: Thread ids (from /proc/PID/task and THREAD_NEW/THREAD_EXIT notices).
         self.threads: set[int] = set()
+        #: The agent sends thread notices now (HELLO_QUIET_THREADS agents: only while
+        #: asked, see thread_notices()); older agents send them always.
+        self.thread_notices_on = False
+        self.thread_notices_received = 0
         self.maps: list[MapEntry] = []
         self.map_changes = 0
         self.paused = False
@@ -309,6 +313,7 @@ class ClientSession:
         self.exe = hello.exe.decode(errors="replace")
         self.build_id = bytes(hello.build_id[: min(hello.build_id_len, P.BUILD_ID_MAX)]).hex()
         self.hello_flags = hello.flags
+        self.thread_notices_on = not hello.flags & P.HELLO_QUIET_THREADS
         self._refresh_threads()
         # The memory map is read when the first sampling window opens (begin_window):
         # a client that ends before (min_client_age_s) never costs a parse of it.
@@ -422,6 +427,7 @@ class ClientSession:
 
     def _thread_notice(self, t: P.MsgType, tid: int) -> None:
         with self.lock:
+            self.thread_notices_received += 1
             if t is P.MsgType.THREAD_NEW:
                 self.threads.add(tid)
                 src = self.source
@@ -435,6 +441,28 @@ class ClientSession:
                 if self.source is not None:
                     self.source.remove_thread(tid)
 
+    def thread_notices(self, on: bool) -> None:
+        """Session thread: ask the agent for THREAD_NEW/THREAD_EXIT (on) or for quiet.
+
+        Only a source with one event per thread (perf) needs them, and only while it is
+        open: each notice costs the program a system call and the service a wake-up, and
+        a program that starts threads by the thousand would pay for them all the time
+        (4x the native time for 5000 threads, docs/design-notes.md).  They are turned on
+        before the source lists /proc/PID/task, so no thread falls between the two.  A
+        refusal or a timeout is kept in ``errors``: threads started during the window are
+        then sampled from the next one."""
+        if on == self.thread_notices_on or not self.hello_flags & P.HELLO_QUIET_THREADS:
+            return
+        try:
+            rc = self.conn.notices(P.NOTICE_THREADS if on else 0, timeout=1.0)
+        except AgentError as exc:
+            self.errors.append(f"thread notices {'on' if on else 'off'}: {exc}")
+            return
+        if rc == P.Result.OK:
+            self.thread_notices_on = on
+        else:
+            self.errors.append(f"thread notices {'on' if on else 'off'}: agent answered {rc}")
+
     def _refresh_threads(self) -> None:
         try:
             tids = {int(t) for t in os.listdir(f"/proc/{self.pid}/task")}
@@ -442,6 +470,14 @@ class ClientSession:
             return
         with self.lock:
             self.threads = tids
+
+    def thread_count(self) -> int:
+        """Threads of the client now (the notices only arrive during perf windows)."""
+        try:
+            return len(os.listdir(f"/proc/{self.pid}/task"))
+        except OSError:
+            with self.lock:
+                return len(self.threads)
 
     def _refresh_maps(self) -> None:
         try:
@@ -465,15 +501,17 @@ class ClientSession:
 
     def end_window(self, keep_open: bool) -> list:
         """Session thread: disable (unless continuous), drain, and return the samples."""
+        samples: list = []
         with self.lock:
             src = self.source
-            if src is None:
-                return []
-            if not keep_open:
-                src.disable()
-            samples = src.read()
-            if not keep_open:
-                self._close_source()
+            if src is not None:
+                if not keep_open:
+                    src.disable()
+                samples = src.read()
+                if not keep_open:
+                    self._close_source()
+        if not keep_open:
+            self.thread_notices(False)
         return samples
 
     def _close_source(self) -> None:
@@ -734,9 +772,12 @@ class ClientSession:
         """One row of `dbr ctl clients`."""
         return {"pid": self.pid, "ppid": self.ppid, "uid": self.uid,
                 "session": self.session_id, "exe": self.exe, "build_id": self.build_id,
-                "state": self.state.value, "threads": len(self.threads),
+                "state": self.state.value, "threads": self.thread_count(),
                 "agent_thread": ("hidden" if self.hello_flags & P.HELLO_HIDDEN_THREAD
                                  else "pthread"),
+                "thread_notices": (("on" if self.thread_notices_on else "off")
+                                   if self.hello_flags & P.HELLO_QUIET_THREADS else "always"),
+                "thread_notices_received": self.thread_notices_received,
                 "samples": self.samples_total, "snapshots": self.snapshots,
                 "paused": self.paused, "source": self.source_name,
                 "map_changes": self.map_changes, "jobs_done": self.jobs_done,

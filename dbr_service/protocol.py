@@ -55,9 +55,10 @@ class MsgType(enum.IntEnum):
     ERROR = 21
     TRANSFER = 22
     TRANSFER_RESULT = 23
+    NOTICES = 24
 
 
-MSG_TYPE_MAX = 23
+MSG_TYPE_MAX = 24
 
 
 class Result(enum.IntEnum):
@@ -101,6 +102,9 @@ HELLO_FORKED = 0x1
 HELLO_SYNC_CORE = 0x2
 HELLO_INHERITED = 0x4
 HELLO_HIDDEN_THREAD = 0x8
+HELLO_QUIET_THREADS = 0x10
+
+NOTICE_THREADS = 0x1
 
 DISCONNECT_KEEP = 0
 DISCONNECT_REVERT = 1
@@ -155,6 +159,10 @@ class Thread(_S):
 class MapChanged(_S):
     _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("kind", u32), ("lo", u64), ("hi", u64),
                 ("prot", u32), ("reserved", u32)]
+
+
+class Notices(_S):
+    _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("flags", u32)]
 
 
 class Ack(_S):
@@ -269,7 +277,7 @@ C_STRUCTS: dict[str, type[_S]] = {
     "dbr_patch_result": PatchResult, "dbr_census_req": CensusReq,
     "dbr_census_entry": CensusEntry, "dbr_census": Census,
     "dbr_transfer_point": TransferPoint, "dbr_transfer": Transfer,
-    "dbr_transfer_result": TransferResult,
+    "dbr_transfer_result": TransferResult, "dbr_notices": Notices,
     "dbr_sampler_start": SamplerStart, "dbr_sampler_ring": SamplerRing,
     "dbr_bye": Bye, "dbr_error": Error, "dbr_ring_header": RingHeader,
     "dbr_ring_entry": RingEntry,
@@ -284,6 +292,7 @@ C_CONSTANTS: dict[str, int] = {
     "DBR_ERRMSG_MAX": ERRMSG_MAX, "DBR_PATCH_LEN": PATCH_LEN, "DBR_MSG_TYPE_MAX": MSG_TYPE_MAX,
     "DBR_HELLO_FORKED": HELLO_FORKED, "DBR_HELLO_SYNC_CORE": HELLO_SYNC_CORE,
     "DBR_HELLO_INHERITED": HELLO_INHERITED, "DBR_HELLO_HIDDEN_THREAD": HELLO_HIDDEN_THREAD,
+    "DBR_HELLO_QUIET_THREADS": HELLO_QUIET_THREADS, "DBR_NOTICE_THREADS": NOTICE_THREADS,
     "DBR_DISCONNECT_KEEP": DISCONNECT_KEEP,
     "DBR_DISCONNECT_REVERT": DISCONNECT_REVERT, "DBR_BYE_REVERT": BYE_REVERT,
     "DBR_CENSUS_OK": CENSUS_OK, "DBR_CENSUS_NO_REPLY": CENSUS_NO_REPLY,
@@ -307,6 +316,7 @@ MSG_CLASS: dict[MsgType, type[_S]] = {
     MsgType.SAMPLER_START: SamplerStart, MsgType.SAMPLER_RING: SamplerRing,
     MsgType.SAMPLER_STOP: Ack, MsgType.BYE: Bye, MsgType.ERROR: Error,
     MsgType.TRANSFER: Transfer, MsgType.TRANSFER_RESULT: TransferResult,
+    MsgType.NOTICES: Notices,
 }
 
 # Array element class of the variable-length messages.

@@ -73,8 +73,11 @@ def choose_source(configured: str, caps: dict[str, Any]) -> str:
 
 
 def make_perf_source(session: ClientSession, cfg: Config, kind: str):
-    """perf sampling of every thread of the client (threads added later via THREAD_NEW)."""
+    """perf sampling of every thread of the client (threads added later via THREAD_NEW,
+    which the agent sends from now until the window ends)."""
     from dbr_service.sampling.perf import PerfSource
+
+    session.thread_notices(True)
 
     pages = 64 if cfg.continuous_sampling else 16
     src = PerfSource(event=kind.removeprefix("perf-"), sample_period_us=cfg.sample_period_us,

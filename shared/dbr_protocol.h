@@ -65,7 +65,9 @@ enum dbr_msg_type {
     DBR_MSG_ERROR            = 21, /* A or S: protocol error report */
     DBR_MSG_TRANSFER         = 22, /* S: move threads stopped at listed original PCs into a region */
     DBR_MSG_TRANSFER_RESULT  = 23, /* A: what TRANSFER did */
-    DBR_MSG_TYPE_MAX         = 23
+    DBR_MSG_NOTICES          = 24, /* S: which advisory notices to send (agents with
+                                    * DBR_HELLO_QUIET_THREADS); reply ACK */
+    DBR_MSG_TYPE_MAX         = 24
 };
 
 /* Result codes: 0 is success, errors are negative. */
@@ -104,6 +106,11 @@ enum dbr_variant {
 #define DBR_HELLO_SYNC_CORE  0x2u /* membarrier SYNC_CORE registered: live patching possible */
 #define DBR_HELLO_INHERITED  0x4u /* carries patches inherited across fork */
 #define DBR_HELLO_HIDDEN_THREAD 0x8u /* the agent's thread is hidden from glibc (else a pthread) */
+#define DBR_HELLO_QUIET_THREADS 0x10u /* THREAD_NEW/THREAD_EXIT only while DBR_MSG_NOTICES
+                                       * asks for them (else always) */
+
+/* NOTICES.flags */
+#define DBR_NOTICE_THREADS   0x1u /* send THREAD_NEW and THREAD_EXIT */
 
 /* HELLO_ACK.on_disconnect (the environment variable DBR_ON_DISCONNECT overrides) */
 #define DBR_DISCONNECT_KEEP   0u
@@ -167,6 +174,12 @@ struct dbr_thread {
     struct dbr_msg_hdr hdr;
     uint32_t tid;
     uint32_t reserved;
+};
+
+struct dbr_notices {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    uint32_t flags;    /* DBR_NOTICE_*: the notices wanted from now on (0: none) */
 };
 
 struct dbr_map_changed {

@@ -46,8 +46,13 @@ def test_hottest_function_is_top_hotspot(source, expect):
         svc.stop()
 
 
-def test_every_thread_sampled_including_late_ones():
-    svc = ServiceProc("--aggressive").wait_ready()
+@pytest.mark.parametrize("continuous", [False, True], ids=["windows", "continuous"])
+def test_every_thread_sampled_including_late_ones(continuous):
+    """In windows, a thread started between two is found in /proc at the next one; with
+    continuous sampling the source stays open, and a late thread is only known from the
+    agent's THREAD_NEW, which the service asks for while a perf source is open."""
+    svc = ServiceProc("--aggressive", f"continuous_sampling={str(continuous).lower()}"
+                      ).wait_ready()
     prog = build_example("threads", ("-pthread",))
     client = None
     try:
@@ -62,6 +67,9 @@ def test_every_thread_sampled_including_late_ones():
             return all(h["threads"].get(t, 0) >= 3 for t in tids)
         h = _hotspots_when(svc, client.pid, all_sampled, timeout=10.0)
         assert all_sampled(h), (tids, h["threads"])
+        row = next(c for c in svc.call("clients") if c["pid"] == client.pid)
+        if continuous:
+            assert row["thread_notices"] == "on" and row["thread_notices_received"] >= 3, row
         out, _ = client.communicate(timeout=20)
         assert "threads: done" in out and client.returncode == 0
     finally:
