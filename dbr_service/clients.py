@@ -27,6 +27,7 @@ from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, Received
 from dbr_service.errors import AgentError, MemoryViewError, ProtocolError, SamplingError
 from dbr_service.procfs import proc_dir
+from dbr_service.reuse import Job
 from dbr_service.install import Installer, InstallState
 from dbr_service.optimize import Evaluator, install_regions
 
@@ -230,13 +231,15 @@ class ClientSession:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._wake_lock = threading.Lock()  # the pipe closes at the end: no write after
         self._stop = False
-        self.thread = threading.Thread(target=self._main, name=f"dbr-session-{session_id}",
-                                       daemon=True)
+        #: The session's thread, one the service kept from an earlier session if it
+        #: could (dbr_service/reuse.py: a thread's birth costs the client).
+        self.thread: Job | None = None
         conn.on_unsolicited = self._on_unsolicited
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
-        self.thread.start()
+        self.thread = self.service.session_threads.run(
+            self._main, name=f"dbr-session-{self.session_id}")
 
     def post(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` on the session thread (the connection's only reader); a Future."""

@@ -148,6 +148,7 @@ def verb_status(service: Service, args: dict[str, Any]) -> dict[str, Any]:
             "clients": len(live), "clients_seen": service.sessions_seen,
             "paused": service.paused, "snapshots": service.snapshot_count,
             "scheduler": service.scheduler.stats(),
+            "session_threads": service.session_threads.stats(),
             "config_generation": service.config_generation,
             "config_file": service.sources.file,
             "config": service.config.to_dict(),

@@ -39,6 +39,7 @@ from dbr_service.control import ControlServer, EventBus
 from dbr_service.errors import ConfigError, DbrError, SamplingError
 from dbr_service.notify import Notifier
 from dbr_service.paths import AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET
+from dbr_service.reuse import ReusedThreads
 from dbr_service.sampling.aggregate import SampleAggregator
 from dbr_service.scheduler import (QUICK_JOBS, ClientJob, JobResult, Scheduler, quick_job,
                                    sampling_interval)
@@ -147,6 +148,8 @@ class Service:
         self.config_generation = 1
         self.started_mono = time.monotonic()
         self.scheduler = Scheduler(self._job_done)
+        #: Threads that run client sessions, kept from one session to the next.
+        self.session_threads = ReusedThreads()
         self.events = EventBus(None, None)
         self.capabilities: dict[str, Any] = {}
         self.source_kind = "none"
@@ -198,6 +201,7 @@ class Service:
         self.source_kind = choose_source(self.config.sampling_source, self.capabilities)
         self._control.start()
         self.scheduler.warm(self.config.max_workers, delay_s=self._warm_delay_s)
+        self.session_threads.prestart()   # born now, not when the first client connects
         self._started = True
         self._next_snapshot = time.monotonic() + min(0.05, self.config.snapshot_interval_s)
         log.info("dbr service pid %d on %s; sampling: %s", os.getpid(), self.runtime_dir,
@@ -709,7 +713,9 @@ class Service:
         # Everything below shares one bound: SIGTERM to exit stays under 2 s.
         deadline = time.monotonic() + 0.8
         for s in sessions:
-            s.thread.join(max(0.0, deadline - time.monotonic()))
+            if s.thread is not None:
+                s.thread.join(max(0.0, deadline - time.monotonic()))
+        self.session_threads.close()
         self.scheduler.shutdown(timeout=1.0)
         self._release_sockets()
         self.notifier.close()
