@@ -43,6 +43,12 @@ _SERVICE_ONLY = {P.MsgType.HELLO_ACK, P.MsgType.CODE_BUFFER_REQ, P.MsgType.CODE_
                  P.MsgType.UNPATCH, P.MsgType.PC_CENSUS_REQ, P.MsgType.SAMPLER_START,
                  P.MsgType.SAMPLER_STOP}
 # Replies that may arrive late, after their request timed out: dropped, not fatal.
+#: Notices are turned off for the rest of a window once this many announced threads
+#: had ended before the service could open their event, and SHORT_THREADS_RATIO times
+#: as many as had not (dbr_service/clients.py, ClientSession._quiet_if_short_lived).
+SHORT_THREADS_MIN = 32
+SHORT_THREADS_RATIO = 4
+
 _LATE_REPLIES = {P.MsgType.ACK, P.MsgType.CODE_BUFFER, P.MsgType.PATCH_RESULT,
                  P.MsgType.PC_CENSUS, P.MsgType.SAMPLER_RING}
 #: Map changes that add or remove code (a munmap or mprotect of data is no news;
@@ -177,6 +183,13 @@ class ClientSession:
         #: asked, see thread_notices()); older agents send them always.
         self.thread_notices_on = False
         self.thread_notices_received = 0
+        #: Since the notices were last turned on: THREAD_NEW whose thread was sampled,
+        #: and those whose thread had ended already (see _quiet_if_short_lived).
+        self._notices_alive = self._notices_gone = 0
+        self._quiet_posted = False
+        self._notices_gen = 0
+        #: Windows whose notices were turned off early for short-lived threads.
+        self.short_thread_windows = 0
         self.maps: list[MapEntry] = []
         self.map_changes = 0
         self.paused = False
@@ -436,13 +449,38 @@ class ClientSession:
                 src = self.source
                 if src is not None:
                     try:
-                        src.add_thread(tid)
+                        if src.add_thread(tid):
+                            self._notices_alive += 1
+                        else:
+                            self._notices_gone += 1
+                            self._quiet_if_short_lived()
                     except SamplingError as exc:
                         self.errors.append(str(exc))
             else:
                 self.threads.discard(tid)
                 if self.source is not None:
                     self.source.remove_thread(tid)
+
+    def _quiet_if_short_lived(self) -> None:
+        """Most announced threads were gone before their event could be opened: they
+        live too briefly to take a sample (one per sample_period_us of CPU time), and
+        the notices only cost the program.  Quiet for the rest of the window; longer
+        threads are found in /proc/PID/task when the next one opens."""
+        gone, alive = self._notices_gone, self._notices_alive
+        if (gone < SHORT_THREADS_MIN or gone < SHORT_THREADS_RATIO * alive
+                or not self.thread_notices_on or self._quiet_posted):
+            return
+        self._quiet_posted = True
+        self.short_thread_windows += 1
+        # Not from here: this may run inside another request's wait (its reply could
+        # be taken for ours); the session thread's next command asks.
+        gen = self._notices_gen
+
+        def quiet() -> None:
+            if gen == self._notices_gen:  # not a later window's notices
+                self.thread_notices(False)
+        self._commands.put((quiet, Future()))
+        self._wake()
 
     def thread_notices(self, on: bool) -> None:
         """Session thread: ask the agent for THREAD_NEW/THREAD_EXIT (on) or for quiet.
@@ -463,6 +501,10 @@ class ClientSession:
             return
         if rc == P.Result.OK:
             self.thread_notices_on = on
+            if on:
+                self._notices_alive = self._notices_gone = 0
+                self._quiet_posted = False
+                self._notices_gen += 1
         else:
             self.errors.append(f"thread notices {'on' if on else 'off'}: agent answered {rc}")
 
@@ -501,6 +543,20 @@ class ClientSession:
                 self.source = make_source(self)
                 self.source_name = self.source.name
             self.source.enable()
+
+    def catch_up_threads(self) -> None:
+        """Session thread, continuous sampling (the source stays open): after a quiet
+        for short-lived threads, notices on again, then open events for the threads
+        /proc/PID/task lists now and drop those of ended ones."""
+        with self.lock:
+            src = self.source
+            if src is None or self.thread_notices_on or not hasattr(src, "refresh_threads"):
+                return
+            self.thread_notices(True)
+            try:
+                src.refresh_threads()
+            except SamplingError as exc:
+                self.errors.append(str(exc))
 
     def end_window(self, keep_open: bool) -> list:
         """Session thread: disable (unless continuous), drain, and return the samples."""
@@ -781,6 +837,7 @@ class ClientSession:
                 "thread_notices": (("on" if self.thread_notices_on else "off")
                                    if self.hello_flags & P.HELLO_QUIET_THREADS else "always"),
                 "thread_notices_received": self.thread_notices_received,
+                "short_thread_windows": self.short_thread_windows,
                 "samples": self.samples_total, "snapshots": self.snapshots,
                 "paused": self.paused, "source": self.source_name,
                 "map_changes": self.map_changes, "jobs_done": self.jobs_done,

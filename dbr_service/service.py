@@ -471,6 +471,8 @@ class Service:
                 continue
             if cfg.continuous_sampling and s.source is not None:
                 snap.begun[s.session_id] = None  # already sampling
+                if not s.thread_notices_on:      # quiet since short-lived threads
+                    s.post(s.catch_up_threads)
                 continue
             snap.begun[s.session_id] = s.post(lambda s=s: s.begin_window(self._make_source))
         self._snap = snap

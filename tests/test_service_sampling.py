@@ -108,3 +108,40 @@ def test_regions_selected_in_workers_and_shown():
     finally:
         kill(client)
         svc.stop()
+
+
+@pytest.mark.parametrize("continuous", [False, True], ids=["windows", "continuous"])
+def test_short_lived_threads_turn_the_notices_off_and_late_ones_are_still_sampled(continuous):
+    """A program starting ~25000 threads a second: most are gone before the service can
+    open their perf event, so after SHORT_THREADS_MIN of those it asks the agent for
+    quiet for the rest of the window (the notices received stay a small share of the
+    threads started).  A long-lived thread started halfway is sampled all the same:
+    from /proc/PID/task when the next window opens, or (continuous sampling) when the
+    open source is refreshed at the next snapshot."""
+    from harness import compile_c
+    from dbr_service.clients import SHORT_THREADS_MIN
+
+    svc = ServiceProc("--aggressive", f"continuous_sampling={str(continuous).lower()}"
+                      ).wait_ready()
+    prog = str(compile_c(["churn.c"]))
+    client = None
+    try:
+        client = spawn_client(svc.dir, [prog, "2500", "late"])
+        line = client.stdout.readline()
+        assert line.startswith("late tid"), line
+        late = line.split()[2]
+        h = _hotspots_when(svc, client.pid, lambda h: h["threads"].get(late, 0) >= 5,
+                           timeout=10.0)
+        assert h["threads"].get(late, 0) >= 5, h["threads"]
+        row = next(c for c in svc.call("clients") if c["pid"] == client.pid)
+        out, _ = client.communicate(timeout=30)
+        assert client.returncode == 0, out
+        started = int(out.split("churn:")[1].split()[0])
+        assert row["short_thread_windows"] >= 1, row
+        # without the early quiet, every window would bring two notices per thread
+        assert row["thread_notices_received"] < max(0.1 * started, 4 * SHORT_THREADS_MIN
+                                                    * (row["short_thread_windows"] + 1)), \
+            (row, started)
+    finally:
+        kill(client)
+        svc.stop()
