@@ -176,6 +176,8 @@ C_PROGS = [
           what="bytecode interpreter, dense-switch (jump-table) dispatch"),
     CProg("threads", ["threads.c"], ["12000", "4"], ["2400", "4"], ["600", "4"],
           libs=["-lpthread"], what="4 threads, each a hashing loop over a private buffer"),
+    CProg("churn", ["churn.c"], ["60000"], ["12000"], ["2400"], libs=["-lpthread"],
+          what="starts and joins 60000 short threads one at a time beside a busy one"),
     CProg("xlib", ["xlib.c"], ["110"], ["22"], ["5"], lib="xlib_lib.c",
           what="hot loop calling a shared library (built by the suite) through the PLT"),
     CProg("branchy", ["branchy.c"], ["200"], ["40"], ["10"],

@@ -460,17 +460,17 @@ static void *start_wrapper(void *p)
     int oldstate;
 
     wrap_put(p);
-    pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &oldstate);
     dbr_unblock_trap();
     if (g_thread_key_ok)
         pthread_setspecific(g_thread_key, (void *)1);
     dbr_sampler_thread_start();
-    if (dbr_thread_notices()) {
+    if (dbr_thread_notices()) {   /* sendmsg is a cancellation point */
+        pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &oldstate);
         memset(&m, 0, sizeof m);
         m.tid = (uint32_t)dbr_gettid();
         dbr_send(&m, DBR_MSG_THREAD_NEW, sizeof m, -1, 1);
+        pthread_setcancelstate(oldstate, NULL);
     }
-    pthread_setcancelstate(oldstate, NULL);
     return w.start(w.arg);
 }
 

@@ -219,11 +219,12 @@ void dbr_sampler_thread_start(void)
 
 void dbr_sampler_thread_exit(void)
 {
-    pid_t tid = dbr_gettid();
+    pid_t tid;
     unsigned i;
 
     if (!__atomic_load_n(&g_running, __ATOMIC_ACQUIRE))
-        return;
+        return;       /* before gettid: a thread's end costs no system call here */
+    tid = dbr_gettid();
     pthread_mutex_lock(&g_sampler_mu);
     for (i = 0; i < DBR_TIMER_TABLE_MAX; i++)
         if (g_timers[i].tid == tid) {
