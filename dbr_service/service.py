@@ -627,15 +627,13 @@ class Service:
                 keep = {k: r for k, r in s.regions.items()
                         if r.state in (RegionState.INSTALLED, RegionState.REMOVED)
                         or r.info.get("install_failures")}
-                for d in res.regions:
-                    rid = s.region_id(d["module"], d["entries"])
+                for rid, d in zip(ids, res.regions):
                     if rid not in keep:
                         keep[rid] = RegionRecord(rid, d["module"], d["entries"], d["blocks"],
                                                  d["code_bytes"], dot=d.get("dot"),
                                                  info={"pipeline_id": d["id"]})
                 s.regions = keep
             if self.config.patching and res.srs and s.alive and not s.paused:
-                ids = [s.region_id(d["module"], d["entries"]) for d in res.regions]
                 fut = s.post(lambda s=s, srs=res.srs, ids=ids: s.install_selected(srs, ids))
                 fut.add_done_callback(lambda f, s=s: self._install_done(s, f))
         self.events.publish("job-done", pid=s.pid, hotspots=len(res.hotspots),
