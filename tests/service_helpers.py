@@ -149,9 +149,9 @@ class FakeAgent:
         self.seq += 1
         self.sock.send(P.pack(body, msg_type, self.seq))
 
-    def hello(self, pid: int | None = None) -> P.Message:
+    def hello(self, pid: int | None = None, flags: int = 0) -> P.Message:
         h = P.Hello(pid=os.getpid() if pid is None else pid, ppid=os.getppid(), uid=os.getuid(),
-                    n_threads=1, page_size=4096, exe=b"/fake/agent")
+                    flags=flags, n_threads=1, page_size=4096, exe=b"/fake/agent")
         self.send(P.MsgType.HELLO, h)
         return self.recv()
 
