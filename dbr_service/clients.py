@@ -44,10 +44,12 @@ _SERVICE_ONLY = {P.MsgType.HELLO_ACK, P.MsgType.CODE_BUFFER_REQ, P.MsgType.CODE_
                  P.MsgType.SAMPLER_STOP}
 # Replies that may arrive late, after their request timed out: dropped, not fatal.
 #: Notices are turned off for the rest of a window once this many announced threads
-#: had ended before the service could open their event, and SHORT_THREADS_RATIO times
-#: as many as had not (dbr_service/clients.py, ClientSession._quiet_if_short_lived).
+#: were short-lived (ended before the service could open their event, or within
+#: SHORT_LIFE_S of their THREAD_NEW) and they are at least SHORT_THREADS_SHARE of the
+#: threads announced in the window (ClientSession._quiet_if_short_lived).
 SHORT_THREADS_MIN = 32
-SHORT_THREADS_RATIO = 4
+SHORT_THREADS_SHARE = 0.8
+SHORT_LIFE_S = 0.01
 
 _LATE_REPLIES = {P.MsgType.ACK, P.MsgType.CODE_BUFFER, P.MsgType.PATCH_RESULT,
                  P.MsgType.PC_CENSUS, P.MsgType.SAMPLER_RING}
@@ -183,9 +185,10 @@ class ClientSession:
         #: asked, see thread_notices()); older agents send them always.
         self.thread_notices_on = False
         self.thread_notices_received = 0
-        #: Since the notices were last turned on: THREAD_NEW whose thread was sampled,
-        #: and those whose thread had ended already (see _quiet_if_short_lived).
-        self._notices_alive = self._notices_gone = 0
+        #: Since the notices were last turned on: threads announced, those of them that
+        #: were short-lived, and when each of the others was announced (monotonic s).
+        self._announced = self._short_lived = 0
+        self._announced_at: dict[int, float] = {}
         self._quiet_posted = False
         self._notices_gen = 0
         #: Windows whose notices were turned off early for short-lived threads.
@@ -448,26 +451,32 @@ class ClientSession:
                 self.threads.add(tid)
                 src = self.source
                 if src is not None:
+                    self._announced += 1
                     try:
                         if src.add_thread(tid):
-                            self._notices_alive += 1
+                            self._announced_at[tid] = time.monotonic()
                         else:
-                            self._notices_gone += 1
+                            self._short_lived += 1   # ended already
                             self._quiet_if_short_lived()
                     except SamplingError as exc:
                         self.errors.append(str(exc))
             else:
                 self.threads.discard(tid)
+                at = self._announced_at.pop(tid, None)
+                if at is not None and time.monotonic() - at < SHORT_LIFE_S:
+                    self._short_lived += 1
+                    self._quiet_if_short_lived()
                 if self.source is not None:
                     self.source.remove_thread(tid)
 
     def _quiet_if_short_lived(self) -> None:
-        """Most announced threads were gone before their event could be opened: they
-        live too briefly to take a sample (one per sample_period_us of CPU time), and
-        the notices only cost the program.  Quiet for the rest of the window; longer
-        threads are found in /proc/PID/task when the next one opens."""
-        gone, alive = self._notices_gone, self._notices_alive
-        if (gone < SHORT_THREADS_MIN or gone < SHORT_THREADS_RATIO * alive
+        """Most announced threads ended before their event could be opened, or soon
+        after: they live too briefly to take a sample (one per sample_period_us of CPU
+        time), and their notices and events only cost the program and the service.
+        Quiet for the rest of the window; longer threads are found in /proc/PID/task
+        when the next one opens."""
+        short = self._short_lived
+        if (short < SHORT_THREADS_MIN or short < SHORT_THREADS_SHARE * self._announced
                 or not self.thread_notices_on or self._quiet_posted):
             return
         self._quiet_posted = True
@@ -502,7 +511,8 @@ class ClientSession:
         if rc == P.Result.OK:
             self.thread_notices_on = on
             if on:
-                self._notices_alive = self._notices_gone = 0
+                self._announced = self._short_lived = 0
+                self._announced_at.clear()
                 self._quiet_posted = False
                 self._notices_gen += 1
         else:
