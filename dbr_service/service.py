@@ -438,7 +438,8 @@ class Service:
                 if cfg.sampling_source != "auto":
                     raise
                 log.warning("pid %d: perf refused (%s); using the agent timer", s.pid, exc)
-                s.forced_source = "agent-timer"
+                s.thread_notices(False)   # asked for the perf source; the agent's timer
+                s.forced_source = "agent-timer"   # samples new threads on its own
                 self.events.publish("sampling-fallback", pid=s.pid, reason=str(exc))
         return make_agent_timer_source(s, cfg)
 
