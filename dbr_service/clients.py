@@ -42,7 +42,7 @@ _SERVICE_ONLY = {P.MsgType.HELLO_ACK, P.MsgType.CODE_BUFFER_REQ, P.MsgType.CODE_
                  P.MsgType.REGION, P.MsgType.REGION_FORGET, P.MsgType.PATCH,
                  P.MsgType.UNPATCH, P.MsgType.PC_CENSUS_REQ, P.MsgType.SAMPLER_START,
                  P.MsgType.SAMPLER_STOP}
-# Replies that may arrive late, after their request timed out: dropped, not fatal.
+
 #: Notices are turned off for the rest of a window once this many announced threads
 #: were short-lived (ended before the service could open their event, or within
 #: SHORT_LIFE_S of their THREAD_NEW) and they are at least SHORT_THREADS_SHARE of the
@@ -51,6 +51,7 @@ SHORT_THREADS_MIN = 32
 SHORT_THREADS_SHARE = 0.8
 SHORT_LIFE_S = 0.01
 
+# Replies that may arrive late, after their request timed out: dropped, not fatal.
 _LATE_REPLIES = {P.MsgType.ACK, P.MsgType.CODE_BUFFER, P.MsgType.PATCH_RESULT,
                  P.MsgType.PC_CENSUS, P.MsgType.SAMPLER_RING}
 #: Map changes that add or remove code (a munmap or mprotect of data is no news;
@@ -518,21 +519,24 @@ class ClientSession:
         else:
             self.errors.append(f"thread notices {'on' if on else 'off'}: agent answered {rc}")
 
-    def _refresh_threads(self) -> None:
+    def _task_tids(self) -> set[int] | None:
+        """The client's threads in /proc/PID/task; None if unreadable."""
         try:
-            tids = {int(t) for t in os.listdir(f"/proc/{self.pid}/task")}
+            return {int(t) for t in os.listdir(f"/proc/{self.pid}/task")}
         except OSError:
-            return
-        with self.lock:
-            self.threads = tids
+            return None
+
+    def _refresh_threads(self) -> None:
+        tids = self._task_tids()
+        if tids is not None:
+            with self.lock:
+                self.threads = tids
 
     def thread_count(self) -> int:
-        """Threads of the client now (the notices only arrive during perf windows)."""
-        try:
-            return len(os.listdir(f"/proc/{self.pid}/task"))
-        except OSError:
-            with self.lock:
-                return len(self.threads)
+        """Threads of the client now (the notices only arrive during perf windows); of
+        an ended session, those it had last (its pid may be another process's now)."""
+        tids = self._task_tids() if self.alive else None
+        return len(self.threads) if tids is None else len(tids)
 
     def _refresh_maps(self) -> None:
         try:
