@@ -101,6 +101,7 @@ const struct dbr_map_ent *dbr_maps_find(const struct dbr_maps *m, uint64_t addr)
 int dbr_count_threads(void);
 int dbr_list_threads(pid_t *tids, int max);  /* number found (may exceed max: only max stored) */
 char dbr_thread_state(pid_t tid);            /* /proc state letter ('R' running), '?' unknown */
+int dbr_thread_sigblk(pid_t tid, uint64_t *mask); /* blocked signals (bit n-1: signal n); -1 gone */
 
 /* raw syscalls: the agent's own calls never go through its hooks */
 int dbr_sys_mprotect(void *addr, size_t len, int prot);

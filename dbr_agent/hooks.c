@@ -172,6 +172,10 @@ out:
  * the kernel (a forced synchronous signal resets a blocked handler to
  * SIG_DFL).  So SIGTRAP is taken out of every mask the program installs:
  * handler masks (sigaction) and thread masks (sigprocmask/pthread_sigmask).
+ * A mask set by a raw system call, or inherited from such a thread, is found
+ * by the look at every thread's mask before a batch writes a CC (patch.c,
+ * guard_int3), not by an unblock in each new thread: that was a system call
+ * per thread start, and it left the blocking thread itself exposed.
  */
 static const sigset_t *strip_trap(int how, const sigset_t *set, sigset_t *copy)
 {
@@ -460,7 +464,6 @@ static void *start_wrapper(void *p)
     int oldstate;
 
     wrap_put(p);
-    dbr_unblock_trap();
     if (g_thread_key_ok)
         pthread_setspecific(g_thread_key, (void *)1);
     dbr_sampler_thread_start();

@@ -242,6 +242,79 @@ static void sync_cores(void)
         __atomic_thread_fence(__ATOMIC_SEQ_CST); /* registered earlier: cannot fail */
 }
 
+/*
+ * A thread that meets the CC of the int3 variant with SIGTRAP blocked is killed
+ * (the kernel forces a synchronous signal, resetting a blocked one to SIG_DFL).
+ * The program cannot block SIGTRAP through libc: the hooks strip it from every
+ * mask (hooks.c, strip_trap).  It can through a raw system call, glibc does for
+ * a few microseconds around clone and fork, and a new thread inherits its
+ * creator's mask.  So before a batch writes a CC, every thread's mask is
+ * looked at; while one blocks SIGTRAP the batch uses the self-branch variant,
+ * which needs no signal, where it fits, and refuses the other int3 sites
+ * (E_BUSY: try again later).  This replaces an unblock in each new thread,
+ * which cost every thread start a system call and left the blocking thread
+ * itself exposed.  A thread that blocks SIGTRAP between this look and the end
+ * of the batch (microseconds) is not covered.
+ */
+static int variant_fits(uint8_t variant, uint64_t site);
+
+#define TRAP_BIT (1ull << (SIGTRAP - 1))
+#define TRAP_LOOKS 5            /* looks, 1 ms apart: glibc's own blocks are brief */
+
+/* tid of a thread with SIGTRAP blocked, 0 when there is none */
+static pid_t trap_blocker(void)
+{
+    int n = dbr_list_threads(NULL, 0), k, i;
+    pid_t *tids, found = 0;
+    uint64_t m;
+
+    if (n <= 0)
+        return 0;
+    tids = dbr_alloc((size_t)(n + 64) * sizeof *tids);
+    if (!tids)
+        return -1;              /* unknown: treated as blocked */
+    k = dbr_list_threads(tids, n + 64);
+    if (k > n + 64)
+        k = n + 64;
+    for (i = 0; i < k && !found; i++)
+        if (dbr_thread_sigblk(tids[i], &m) == 0 && (m & TRAP_BIT))
+            found = tids[i];
+    dbr_free(tids);
+    return found;
+}
+
+/* Before step 1: int3 ops become self-branch ones, or are refused, while some
+ * thread has SIGTRAP blocked. */
+static void guard_int3(struct op *ops, size_t n)
+{
+    size_t i;
+    pid_t who = 0;
+    int look;
+
+    for (i = 0; i < n; i++)
+        if (ops[i].rc == DBR_OK && ops[i].variant == DBR_VARIANT_INT3)
+            break;
+    if (i == n)
+        return;
+    for (look = 0; look < TRAP_LOOKS; look++) {
+        if (look)
+            dbr_sleep_ms(1);
+        if ((who = trap_blocker()) == 0)
+            return;
+    }
+    dbr_log("thread %d blocks SIGTRAP: int3 sites of this batch use self-branch or wait", (int)who);
+    for (i = 0; i < n; i++) {
+        struct op *o = &ops[i];
+
+        if (o->rc != DBR_OK || o->variant != DBR_VARIANT_INT3)
+            continue;
+        if (variant_fits(DBR_VARIANT_SELF_BRANCH, o->addr))
+            o->variant = DBR_VARIANT_SELF_BRANCH;
+        else
+            o->rc = DBR_E_BUSY;
+    }
+}
+
 struct page {
     uint64_t addr;
     int prot;    /* original protection */
@@ -295,6 +368,7 @@ static void write_ops(struct op *ops, size_t n, const struct dbr_maps *maps)
                 ops[i].rc = DBR_E_PROTECT;
     }
 
+    guard_int3(ops, n);
     /* step 1 */
     need = 0;
     for (i = 0; i < n; i++) {

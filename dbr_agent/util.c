@@ -480,6 +480,44 @@ char dbr_thread_state(pid_t tid)
     return p && p[1] == ' ' && p[2] ? p[2] : '?';
 }
 
+/* The thread's blocked-signal mask (SigBlk of /proc/self/task/TID/status, bit
+ * n-1 for signal n).  0 read, -1 not readable (the thread has ended). */
+int dbr_thread_sigblk(pid_t tid, uint64_t *mask)
+{
+    char path[64], buf[2048];
+    const char *p;
+    uint64_t m = 0;
+    ssize_t n;
+    int fd, digits = 0;
+
+    snprintf(path, sizeof path, "/proc/self/task/%d/status", (int)tid);
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return -1;
+    buf[n] = 0;
+    p = strstr(buf, "\nSigBlk:");
+    if (!p)
+        return -1;
+    for (p += 8; *p == ' ' || *p == '\t'; p++)
+        ;
+    for (; digits < 16; p++, digits++) {
+        if (*p >= '0' && *p <= '9')
+            m = m << 4 | (uint64_t)(*p - '0');
+        else if (*p >= 'a' && *p <= 'f')
+            m = m << 4 | (uint64_t)(*p - 'a' + 10);
+        else
+            break;
+    }
+    if (digits == 0)
+        return -1;
+    *mask = m;
+    return 0;
+}
+
 int dbr_count_threads(void)
 {
     return dbr_list_threads(NULL, 0);

@@ -107,6 +107,38 @@ def test_patch_storm(svc, storm_exe, variant):
     assert int(rest[-1].split("=")[1]) > 0
 
 
+def test_int3_batches_spare_threads_that_block_sigtrap(svc, storm_exe):
+    """Workers block SIGTRAP by a raw system call (the agent's hooks never see it), so a
+    CC they met would kill them.  Every batch of int3 sites must then use the
+    self-branch protocol where it fits and refuse the site at offset 7 (E_BUSY), and
+    every worker must keep computing correct results through a storm of batches."""
+    client, conn, sites = start_storm(svc, storm_exe, "8", "blocktrap")
+    deadline = time.monotonic() + 10
+    while sum(ln.startswith("blocked ") for ln in client.out.lines) < 8:
+        assert time.monotonic() < deadline, client.out.lines[-5:]
+        client.out.expect("blocked ", timeout=max(0.1, deadline - time.monotonic()))
+    blocked = [int(ln.split()[1]) for ln in client.out.lines if ln.startswith("blocked ")]
+    for tid in blocked:   # the premise: the kernel agrees SIGTRAP is blocked there
+        sigblk = next(ln for ln in open(f"/proc/{client.pid}/task/{tid}/status")
+                      if ln.startswith("SigBlk:"))
+        assert int(sigblk.split()[1], 16) & (1 << (signal.SIGTRAP - 1)), sigblk
+    originals = {s: read_mem(client.pid, s, 8) for s in sites}
+    buf = conn.code_buffer(near=sites[0], size=4096)
+    targets = {s: exit_stub(buf, buf.base + 64 * k, s) for k, s in enumerate(sites)}
+    all_sites = patch_sites(conn, client.pid, targets, P.Variant.INT3)
+    expect = [P.Result.E_BUSY if s % 8 == 7 else P.Result.OK for s in sites]
+    good = [ps for ps in all_sites if ps.site % 8 != 7]
+    for _ in range(max(200, STORM_CYCLES // 20)):
+        assert conn.patch(all_sites) == expect
+        assert conn.unpatch(good) == [P.Result.OK] * len(good)
+    assert client.proc.poll() is None, client.err.lines
+    for s in sites:
+        assert read_mem(client.pid, s, 8) == originals[s]
+    rc, rest = client.finish()
+    assert rc == 0, (rc, client.err.lines)
+    assert int(rest[-1].split("=")[1]) > 0
+
+
 def _mapped_span(pid: int, path) -> tuple[int, int] | None:
     spans = [tuple(int(x, 16) for x in ln.split()[0].split("-"))
              for ln in open(f"/proc/{pid}/maps") if ln.rstrip().endswith(str(path))]

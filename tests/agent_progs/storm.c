@@ -1,7 +1,9 @@
 /* Threads run through eight patch sites and check every result.
- * usage: storm [THREADS] [print]
+ * usage: storm [THREADS] [print|blocktrap]
  *   default mode: each result must equal x*1000+7, else exit 3 (a wrong result).
  *   print mode: the main thread prints "v <site0(3)>" every 5 ms (results unchecked).
+ *   blocktrap mode: as the default, but every worker first blocks SIGTRAP with a raw
+ *   rt_sigprocmask (no libc call the agent could see), and prints "blocked TID".
  * Prints "sites A0 .. A7" and "ready"; runs until stdin reaches EOF; then prints
  * "ok calls=N" and exits 0.
  */
@@ -12,15 +14,34 @@
 #include <string.h>
 #include <unistd.h>
 #include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
 #include "sites.h"
 
 static atomic_int stop;
 static atomic_long calls;
-static int print_mode;
+static int print_mode, blocktrap_mode;
+
+/* rt_sigprocmask(SIG_BLOCK, {SIGTRAP}, NULL) by the syscall instruction itself */
+static long raw_block_trap(void) {
+    unsigned long set = 1ul << (SIGTRAP - 1);
+    long rc;
+    register long r10 __asm__("r10") = 8;
+    __asm__ volatile("syscall" : "=a"(rc)
+                     : "0"((long)SYS_rt_sigprocmask), "D"((long)SIG_BLOCK), "S"(&set), "d"(0L),
+                       "r"(r10)
+                     : "rcx", "r11", "memory");
+    return rc;
+}
 
 static void *worker(void *arg) {
     long n = 0;
     unsigned i = (unsigned)(long)arg * 7919u;
+    if (blocktrap_mode) {
+        if (raw_block_trap() != 0) _exit(4);
+        printf("blocked %ld\n", (long)syscall(SYS_gettid));
+        fflush(stdout);
+    }
     while (!atomic_load_explicit(&stop, memory_order_relaxed)) {
         int x = (int)(i++ & 0xFFFFF);
         for (int k = 0; k < 8; k++) {
@@ -39,6 +60,7 @@ static void *worker(void *arg) {
 int main(int argc, char **argv) {
     int nthreads = argc > 1 ? atoi(argv[1]) : 8;
     print_mode = argc > 2 && strcmp(argv[2], "print") == 0;
+    blocktrap_mode = argc > 2 && strcmp(argv[2], "blocktrap") == 0;
     pthread_t th[64];
     if (nthreads < 1 || nthreads > 64) return 2;
     printf("sites");
