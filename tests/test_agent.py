@@ -359,10 +359,11 @@ def mainexit_exe():
     return compile_c(["mainexit.c"])
 
 
+@pytest.mark.parametrize("thread", ["hidden", "pthread"])
 @pytest.mark.parametrize("args, session", [
     (("3", "1000"), True), (("3", "300"), False), (("0", "0"), False),
 ], ids=["workers-outlive-main-in-session", "workers-outlive-main-no-service", "main-alone"])
-def test_process_ends_when_its_last_program_thread_ends(mainexit_exe, args, session):
+def test_process_ends_when_its_last_program_thread_ends(mainexit_exe, args, session, thread):
     """main() ends with pthread_exit: glibc exits the process (status 0, atexit handlers
     run) when the last thread ends.  The agent's thread counts as a thread to glibc, so
     the agent must end the process itself; before it did, the process lived on as the
@@ -373,7 +374,8 @@ def test_process_ends_when_its_last_program_thread_ends(mainexit_exe, args, sess
     try:
         if not session:
             svc.stop_listening()
-        client = svc.spawn([mainexit_exe, *args])
+        client = svc.spawn([mainexit_exe, *args],
+                           env={"DBR_AGENT_THREAD": "pthread" if thread == "pthread" else ""})
         client.out.expect("ready")
         if session:
             conn = svc.accept(pid=client.pid)

@@ -76,23 +76,27 @@ def test_fork_child_agent_thread_is_hidden_too(alone_exe):
 
 
 
+@pytest.mark.parametrize("thread", ["hidden", "pthread"])
 @pytest.mark.parametrize("session", [True, False], ids=["in-session", "no-service"])
-def test_threads_ending_do_not_wake_a_hidden_agent_thread(alone_exe, session):
+def test_threads_ending_do_not_wake_the_agent_thread(alone_exe, session, thread):
     """A program thread that ends used to wake the agent's thread (to see whether it was
     the last one), and each wake-up listed /proc/self/task: a program starting and
     joining many threads ran up to three times slower.  glibc does not count a hidden
-    agent thread and ends the process itself, so it is left asleep."""
-    rc, rest, _ = _run(alone_exe, "spawn", session=session)
+    agent thread and ends the process itself, so it is left asleep; an agent pthread
+    is counted, but while the main thread lives no ending thread can be the last."""
+    env = {"DBR_AGENT_THREAD": "pthread"} if thread == "pthread" else None
+    rc, rest, _ = _run(alone_exe, "spawn", env=env, session=session)
     assert rc == 0 and rest and rest[-1].startswith("spawn woke "), rest
     woke = int(rest[-1].split()[-1])
     assert woke < 60, f"the agent's thread woke {woke} times for 300 threads"
 
 
-def test_threads_ending_still_wake_an_agent_pthread(alone_exe):
-    """With DBR_AGENT_THREAD=pthread glibc counts the agent's thread, so the agent must
-    end the process after the last program thread: every ending thread wakes it (and
-    the check above is one that can fail)."""
-    rc, rest, _ = _run(alone_exe, "spawn", env={"DBR_AGENT_THREAD": "pthread"})
+def test_threads_ending_after_main_wake_an_agent_pthread(alone_exe):
+    """With DBR_AGENT_THREAD=pthread glibc counts the agent's thread, so once main has
+    ended (pthread_exit) the agent must end the process after the last program thread:
+    every ending thread wakes it from then on (and the check above is one that can
+    fail).  The process still ends, with status 0, when the spawning thread returns."""
+    rc, rest, _ = _run(alone_exe, "spawn-orphan", env={"DBR_AGENT_THREAD": "pthread"})
     assert rc == 0 and rest and rest[-1].startswith("spawn woke "), rest
     assert int(rest[-1].split()[-1]) >= 100, rest
 

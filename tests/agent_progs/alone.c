@@ -17,6 +17,8 @@
  *   spawn   start and join 300 threads one after another; print "spawn woke N": how
  *           often the agent's thread went to sleep meanwhile (its
  *           voluntary_ctxt_switches), or "spawn no agent thread"
+ *   spawn-orphan  the same from a second thread, once main has ended with
+ *           pthread_exit (the second thread's return then ends the process)
  *   policy  print "policy P N" for main, then for every other thread: its
  *           scheduling policy (sched_getscheduler) and nice value
  *   creds-policy  creds, then policy
@@ -165,7 +167,8 @@ static long agent_thread_switches(void)
     if (!d)
         return -1;
     while ((e = readdir(d)))
-        if (e->d_name[0] != '.' && atoi(e->d_name) != (int)getpid())
+        if (e->d_name[0] != '.' && atoi(e->d_name) != (int)getpid() &&
+            atoi(e->d_name) != (int)syscall(SYS_gettid))
             tid = atoi(e->d_name);
     closedir(d);
     if (!tid)
@@ -196,6 +199,31 @@ static int spawn(void)
     else
         printf("spawn woke %ld\n", after - before);
     return 0;
+}
+
+/* spawn-orphan: main is a zombie (bounded wait), then spawn */
+static void *orphan(void *arg)
+{
+    char path[64], buf[256];
+    const char *p;
+
+    (void)arg;
+    snprintf(path, sizeof path, "/proc/self/task/%d/stat", (int)getpid());
+    for (int i = 0; i < 5000; i++) {
+        FILE *f = fopen(path, "r");
+        size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+
+        if (f)
+            fclose(f);
+        buf[n] = 0;
+        p = strrchr(buf, ')');
+        if (!f || (p && (p[2] == 'Z' || p[2] == 'X')))
+            break;
+        usleep(1000);
+    }
+    if (spawn() != 0)
+        printf("spawn failed\n");
+    return NULL;
 }
 
 static void policy_of(pid_t tid)
@@ -268,6 +296,12 @@ int main(int argc, char **argv)
         return creds_fail();
     } else if (!strcmp(mode, "spawn")) {
         return spawn();
+    } else if (!strcmp(mode, "spawn-orphan")) {
+        pthread_t t;
+
+        if (pthread_create(&t, NULL, orphan, NULL) != 0)
+            return 1;
+        pthread_exit(NULL);
     } else if (!strcmp(mode, "policy")) {
         return policy();
     } else if (!strcmp(mode, "creds-policy")) {
