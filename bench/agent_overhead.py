@@ -3,8 +3,13 @@
 * start-up: a trivial program with vs. without LD_PRELOAD of the agent (no
   service answering: the agent is dormant), many alternated runs, median delta.
 * steady state: a CPU-bound program with vs. without the agent, median ratio.
+* thread start: a program that starts and joins threads that do nothing, one at a
+  time (bench/workloads/thread_start.c), pinned to one CPU, timed inside the
+  program: nanoseconds per thread without the agent, with the dormant agent, and
+  with the dormant agent's fallback thread (DBR_AGENT_THREAD=pthread).
 
-Targets: under 2 ms added start-up, under 0.5 % steady state.
+Targets: under 2 ms added start-up, under 0.5 % steady state; the thread start
+figures have none (they are the agent's per-thread cost, for the design notes).
 usage: python -m bench.agent_overhead [--quick]
 """
 
@@ -16,17 +21,34 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import dbr_agent
 from bench.common import ab, machine, timed, write_results
 
 PROGS = Path(__file__).resolve().parents[1] / "tests" / "agent_progs"
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
 
 
-def build(src: str, out_dir: str) -> str:
+def build(src: str, out_dir: str, where: Path = PROGS, libs: tuple[str, ...] = ()) -> str:
     out = os.path.join(out_dir, Path(src).stem)
-    subprocess.run(["gcc", "-O2", "-o", out, str(PROGS / src)], check=True)
+    subprocess.run(["gcc", "-O2", "-o", out, str(where / src), *libs], check=True)
     return out
+
+
+def per_thread_ns(exe: str, n: int, env: dict, cpu: int) -> Callable[[], float]:
+    """A runner for ab(): the program's own figure, ns per thread start+join, pinned to
+    ``cpu`` (a failing run or a figure that is not a number stops the benchmark)."""
+    def run() -> float:
+        p = subprocess.run([exe, str(n)], env=env, capture_output=True, text=True,
+                           timeout=300, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+        if p.returncode != 0:
+            raise SystemExit(f"{exe} {n} exited {p.returncode}")
+        try:
+            return float(p.stdout.split()[-1])
+        except (IndexError, ValueError):
+            raise SystemExit(f"{exe} {n} printed {p.stdout!r}, not ns per thread") from None
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,19 +81,37 @@ def main(argv: list[str] | None = None) -> int:
         n_cpu = 3 if args.quick else 7
         steady = ab("steady-cpuloop", timed([cpu, iters], base), timed([cpu, iters], with_agent),
                     runs=n_cpu)
+
+        starter = build("thread_start.c", d, WORKLOADS, ("-lpthread",))
+        n_threads, n_ts = (5000, 7) if args.quick else (20000, 21)
+        pin = max(os.sched_getaffinity(0))
+        native_ts = per_thread_ns(starter, n_threads, base, pin)
+        thread_start = ab("thread-start-ns", native_ts,
+                          per_thread_ns(starter, n_threads, dict(with_agent, DBR_AGENT_THREAD=""),
+                                        pin), runs=n_ts)
+        thread_start_p = ab("thread-start-ns-pthread", native_ts,
+                            per_thread_ns(starter, n_threads,
+                                          dict(with_agent, DBR_AGENT_THREAD="pthread"), pin),
+                            runs=n_ts)
     rows = [
         ("start-up added (ms, median)", f"{startup.delta * 1e3:+.3f}", "< 2 ms",
          startup.delta < 0.002),
         ("start-up ratio agent/native", f"{startup.ratio:.3f}", "", None),
         ("steady state ratio agent/native", f"{steady.ratio:.4f}", "< 1.005",
          steady.ratio < 1.005),
+        ("thread start, native (ns, median)", f"{thread_start.a_median:.0f}", "", None),
+        ("thread start added, agent (ns, median)", f"{thread_start.delta:+.0f}", "", None),
+        ("thread start added, agent pthread (ns, median)", f"{thread_start_p.delta:+.0f}", "",
+         None),
     ]
-    print(f"# agent overhead, never patched ({startup.runs} / {steady.runs} alternated runs)")
+    print(f"# agent overhead, never patched ({startup.runs} / {steady.runs} / "
+          f"{thread_start.runs} alternated runs)")
     print("| metric | value | target | met |\n|---|---|---|---|")
     for name, val, target, met in rows:
         print(f"| {name} | {val} | {target} | {'' if met is None else ('yes' if met else 'NO')} |")
     path = write_results("agent_overhead", {"machine": machine(), "startup": startup,
-                                            "steady": steady})
+                                            "steady": steady, "thread_start": thread_start,
+                                            "thread_start_pthread": thread_start_p})
     print(f"written {path}")
     return 0
 
