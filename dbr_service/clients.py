@@ -37,12 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("dbr.clients")
 
-# Messages only the service sends: an agent sending one is out of order.
-_SERVICE_ONLY = {P.MsgType.HELLO_ACK, P.MsgType.CODE_BUFFER_REQ, P.MsgType.CODE_BUFFER_FREE,
-                 P.MsgType.REGION, P.MsgType.REGION_FORGET, P.MsgType.PATCH,
-                 P.MsgType.UNPATCH, P.MsgType.PC_CENSUS_REQ, P.MsgType.SAMPLER_START,
-                 P.MsgType.SAMPLER_STOP}
-
 #: Notices are turned off for the rest of a window once this many announced threads
 #: were short-lived (ended before the service could open their event, or within
 #: SHORT_LIFE_S of their THREAD_NEW) and they are at least SHORT_THREADS_SHARE of the

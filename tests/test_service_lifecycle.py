@@ -185,3 +185,37 @@ def test_events_and_bye_revert_on_shutdown():
         if fa:
             fa.close()
         svc.stop()
+
+
+@pytest.mark.parametrize("what", ["notices", "hello-again"])
+def test_agent_sending_a_service_message_ends_its_session_only(what):
+    """A message only the service sends (NOTICES), or a second HELLO, from an agent is
+    out of order: that session ends with E_PROTO and a close reason that names it, and
+    the service goes on serving other agents."""
+    svc = ServiceProc().wait_ready()
+    bad = good = None
+    try:
+        bad = FakeAgent(svc.dir)
+        assert bad.hello().type is P.MsgType.HELLO_ACK
+        if what == "notices":
+            bad.send(P.MsgType.NOTICES, P.Notices(req_id=7, flags=P.NOTICE_THREADS))
+            name = "NOTICES"
+        else:
+            bad.send(P.MsgType.HELLO, P.Hello(pid=os.getpid(), ppid=os.getppid(),
+                                              uid=os.getuid(), n_threads=1, page_size=4096,
+                                              exe=b"/fake/agent"))
+            name = "HELLO"
+        msg = bad.recv_or_eof(3.0)
+        assert msg is not None and msg.type is P.MsgType.ERROR, msg
+        assert msg.body.code == P.Result.E_PROTO and name in msg.body.msg.decode(), msg
+        assert bad.recv_or_eof(3.0) is None
+        good = FakeAgent(svc.dir)
+        assert good.hello().type is P.MsgType.HELLO_ACK
+        entries = svc.call("report", {"pids": [os.getpid()]})
+        reasons = [e.get("close_reason", "") for e in entries]
+        assert any(f"unexpected {name} from the agent" in r for r in reasons), reasons
+    finally:
+        for fa in (bad, good):
+            if fa:
+                fa.close()
+        svc.stop()
