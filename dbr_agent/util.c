@@ -88,26 +88,35 @@ static int env_signal(const char *name, int def)
 
 /* The seccomp mode of the calling thread ("Seccomp:" of /proc/thread-self/status):
  * 0 none, 1 strict, 2 filter, -1 unknown. */
+/* The value of field `key` ("\nName:") of a /proc status file, read into buf:
+ * its first character after the blanks, or NULL. */
+static const char *status_field(const char *path, const char *key, char *buf, size_t cap)
+{
+    const char *p;
+    ssize_t n;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+
+    if (fd < 0)
+        return NULL;
+    n = read(fd, buf, cap - 1);
+    close(fd);
+    if (n <= 0)
+        return NULL;
+    buf[n] = 0;
+    p = strstr(buf, key);
+    if (!p)
+        return NULL;
+    for (p += strlen(key); *p == ' ' || *p == '\t'; p++)
+        ;
+    return p;
+}
+
 static int seccomp_mode(void)
 {
     char buf[4096];
-    const char *p;
-    ssize_t n;
-    int fd = open("/proc/thread-self/status", O_RDONLY | O_CLOEXEC);
+    const char *p = status_field("/proc/thread-self/status", "\nSeccomp:", buf, sizeof buf);
 
-    if (fd < 0)
-        return -1;
-    n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0)
-        return -1;
-    buf[n] = 0;
-    p = strstr(buf, "\nSeccomp:");
-    if (!p)
-        return -1;
-    for (p += 9; *p == ' ' || *p == '\t'; p++)
-        ;
-    return *p >= '0' && *p <= '9' ? *p - '0' : -1;
+    return p && *p >= '0' && *p <= '9' ? *p - '0' : -1;
 }
 
 void dbr_config_load(void)
@@ -487,23 +496,12 @@ int dbr_thread_sigblk(pid_t tid, uint64_t *mask)
     char path[64], buf[2048];
     const char *p;
     uint64_t m = 0;
-    ssize_t n;
-    int fd, digits = 0;
+    int digits = 0;
 
     snprintf(path, sizeof path, "/proc/self/task/%d/status", (int)tid);
-    fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return -1;
-    n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0)
-        return -1;
-    buf[n] = 0;
-    p = strstr(buf, "\nSigBlk:");
+    p = status_field(path, "\nSigBlk:", buf, sizeof buf);
     if (!p)
         return -1;
-    for (p += 8; *p == ' ' || *p == '\t'; p++)
-        ;
     for (; digits < 16; p++, digits++) {
         if (*p >= '0' && *p <= '9')
             m = m << 4 | (uint64_t)(*p - '0');

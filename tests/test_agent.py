@@ -36,6 +36,17 @@ def start_storm(svc: FakeService, exe, *args: str, env=None):
     return client, conn, sites
 
 
+def finish_storm(client, originals: dict[int, bytes]) -> None:
+    """The storm survived, every site holds its original bytes again, and it ends well
+    (exit 0, every result it checked correct, some calls made)."""
+    assert client.proc.poll() is None, client.err.lines
+    for s, orig in originals.items():
+        assert read_mem(client.pid, s, len(orig)) == orig
+    rc, rest = client.finish()
+    assert rc == 0, (rc, client.err.lines)
+    assert int(rest[-1].split("=")[1]) > 0
+
+
 # ---- 2: a function patched into replacement code, then restored ------------
 
 def test_patch_changes_output_then_unpatch_restores_bytes(svc, storm_exe):
@@ -99,12 +110,7 @@ def test_patch_storm(svc, storm_exe, variant):
     for _ in range(STORM_CYCLES):
         assert conn.patch(good) == [P.Result.OK] * len(good)
         assert conn.unpatch(good) == [P.Result.OK] * len(good)
-    assert client.proc.poll() is None, client.err.lines
-    for s in sites:
-        assert read_mem(client.pid, s, 8) == originals[s]
-    rc, rest = client.finish()
-    assert rc == 0, (rc, client.err.lines)
-    assert int(rest[-1].split("=")[1]) > 0
+    finish_storm(client, originals)
 
 
 def test_int3_batches_spare_threads_that_block_sigtrap(svc, storm_exe):
@@ -131,12 +137,7 @@ def test_int3_batches_spare_threads_that_block_sigtrap(svc, storm_exe):
     for _ in range(max(200, STORM_CYCLES // 20)):
         assert conn.patch(all_sites) == expect
         assert conn.unpatch(good) == [P.Result.OK] * len(good)
-    assert client.proc.poll() is None, client.err.lines
-    for s in sites:
-        assert read_mem(client.pid, s, 8) == originals[s]
-    rc, rest = client.finish()
-    assert rc == 0, (rc, client.err.lines)
-    assert int(rest[-1].split("=")[1]) > 0
+    finish_storm(client, originals)
 
 
 def _mapped_span(pid: int, path) -> tuple[int, int] | None:
