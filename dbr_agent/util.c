@@ -86,8 +86,6 @@ static int env_signal(const char *name, int def)
     return (int)s;
 }
 
-/* The seccomp mode of the calling thread ("Seccomp:" of /proc/thread-self/status):
- * 0 none, 1 strict, 2 filter, -1 unknown. */
 /* The value of field `key` ("\nName:") of a /proc status file, read into buf:
  * its first character after the blanks, or NULL. */
 static const char *status_field(const char *path, const char *key, char *buf, size_t cap)
@@ -111,6 +109,8 @@ static const char *status_field(const char *path, const char *key, char *buf, si
     return p;
 }
 
+/* The seccomp mode of the calling thread ("Seccomp:" of /proc/thread-self/status):
+ * 0 none, 1 strict, 2 filter, -1 unknown. */
 static int seccomp_mode(void)
 {
     char buf[4096];
@@ -495,22 +495,11 @@ int dbr_thread_sigblk(pid_t tid, uint64_t *mask)
 {
     char path[64], buf[2048];
     const char *p;
-    uint64_t m = 0;
-    int digits = 0;
+    uint64_t m;
 
     snprintf(path, sizeof path, "/proc/self/task/%d/status", (int)tid);
     p = status_field(path, "\nSigBlk:", buf, sizeof buf);
-    if (!p)
-        return -1;
-    for (; digits < 16; p++, digits++) {
-        if (*p >= '0' && *p <= '9')
-            m = m << 4 | (uint64_t)(*p - '0');
-        else if (*p >= 'a' && *p <= 'f')
-            m = m << 4 | (uint64_t)(*p - 'a' + 10);
-        else
-            break;
-    }
-    if (digits == 0)
+    if (!p || !parse_hex(p, &m))
         return -1;
     *mask = m;
     return 0;
