@@ -261,7 +261,8 @@ static int variant_fits(uint8_t variant, uint64_t site);
 #define TRAP_BIT (1ull << (SIGTRAP - 1))
 #define TRAP_LOOKS 5            /* looks, 1 ms apart: glibc's own blocks are brief */
 
-/* tid of a thread with SIGTRAP blocked, 0 when there is none */
+/* tid of a thread with SIGTRAP blocked, 0 when there is none, -1 unknown (treated
+ * as blocked: the caller looks again) */
 static pid_t trap_blocker(void)
 {
     int n = dbr_list_threads(NULL, 0), k, i;
@@ -272,10 +273,12 @@ static pid_t trap_blocker(void)
         return 0;
     tids = dbr_alloc((size_t)(n + 64) * sizeof *tids);
     if (!tids)
-        return -1;              /* unknown: treated as blocked */
+        return -1;
     k = dbr_list_threads(tids, n + 64);
-    if (k > n + 64)
-        k = n + 64;
+    if (k > n + 64) {           /* more threads than the list holds: some go unseen */
+        dbr_free(tids);
+        return -1;
+    }
     for (i = 0; i < k && !found; i++)
         if (dbr_thread_sigblk(tids[i], &m) == 0 && (m & TRAP_BIT))
             found = tids[i];
