@@ -184,8 +184,10 @@ class ClientSession:
         #: were short-lived, and when each of the others was announced (monotonic s).
         self._announced = self._short_lived = 0
         self._announced_at: dict[int, float] = {}
-        self._quiet_posted = False
+        #: Counts the times the notices were turned on; a quiet for short-lived threads
+        #: is posted at most once per count (the one it was posted in).
         self._notices_gen = 0
+        self._quiet_gen = -1
         #: Windows whose notices were turned off early for short-lived threads.
         self.short_thread_windows = 0
         self.maps: list[MapEntry] = []
@@ -472,9 +474,9 @@ class ClientSession:
         when the next one opens."""
         short = self._short_lived
         if (short < SHORT_THREADS_MIN or short < SHORT_THREADS_SHARE * self._announced
-                or not self.thread_notices_on or self._quiet_posted):
+                or not self.thread_notices_on or self._quiet_gen == self._notices_gen):
             return
-        self._quiet_posted = True
+        self._quiet_gen = self._notices_gen
         self.short_thread_windows += 1
         # Not from here: this may run inside another request's wait (its reply could
         # be taken for ours); the session thread's next command asks.
@@ -508,7 +510,6 @@ class ClientSession:
             if on:
                 self._announced = self._short_lived = 0
                 self._announced_at.clear()
-                self._quiet_posted = False
                 self._notices_gen += 1
         else:
             self.errors.append(f"thread notices {'on' if on else 'off'}: agent answered {rc}")
