@@ -826,11 +826,6 @@ static int session_run(void)
     fd = connect_service();
     if (fd < 0)
         return 0;
-    if (dbr_thread_leave_idle() < 0) {   /* before the first lock it shares with program threads */
-        close(fd);
-        dbr_agent_retire("the agent's thread cannot leave SCHED_IDLE");
-        return 0;
-    }
     pthread_mutex_lock(&g_send_mu);
     g_sock = fd;
     g_sock_lost = 0;
@@ -957,6 +952,10 @@ static void *agent_main(void *arg)
     pthread_sigmask(SIG_UNBLOCK, &sync_sigs, NULL);
     __atomic_store_n(&g_agent_tid, dbr_gettid(), __ATOMIC_RELEASE);
     dbr_log("agent thread %d started (socket %s)", (int)g_agent_tid, g_cfg.sock_path);
+    if (dbr_thread_settle() < 0) {   /* before anything else, a lock shared with program threads first */
+        dbr_agent_retire("the agent's thread cannot leave SCHED_FIFO");
+        return NULL;
+    }
     while (!stopping()) {
         if (session_run())
             backoff = BACKOFF_MIN_MS;
@@ -1043,8 +1042,8 @@ void dbr_agent_start_thread(int forked)
     g_prog_sigmask = old;
     __atomic_store_n(&g_thread_started, 1, __ATOMIC_RELEASE);
     /* not in a fork child: it may carry a seccomp filter of the thread that forked
-     * (one without TSYNC does not make the agent step aside), and the calls an idle
-     * birth makes (capget, setpriority, sched_setscheduler ...) are ones such a
+     * (one without TSYNC does not make the agent step aside), and the calls a
+     * real-time birth makes (capget, sched_setscheduler ...) are ones such a
      * filter may kill the process for; the constructor never gets here under one */
     if (dbr_thread_start_hidden(agent_main_hidden, !forked) == 0) {
         dbr_log("agent thread hidden from glibc");

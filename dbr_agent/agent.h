@@ -212,9 +212,9 @@ void dbr_transfer_fork_child(void);   /* fork child: no transfer open, no handle
 
 /* ---- thread.c ---- */
 void dbr_thread_init(void);                  /* constructor */
-int dbr_thread_start_hidden(int (*fn)(void), int idle_birth_ok); /* 0, or -1: use pthread_create */
+int dbr_thread_start_hidden(int (*fn)(void), int rt_birth_ok); /* 0, or -1: use pthread_create */
 int dbr_thread_hidden(void);                 /* the agent's thread is hidden and alive */
-int dbr_thread_leave_idle(void);             /* its thread: off SCHED_IDLE before work; -1 refused */
+int dbr_thread_settle(void);                 /* its thread, first: off SCHED_FIFO; -1 refused */
 int dbr_thread_reap(unsigned timeout_ms);    /* after it returned: free its stack and TLS */
 void dbr_thread_fork_child(void);
 const char *dbr_thread_mode(void);           /* "hidden", or why not */

@@ -156,41 +156,49 @@ static void release(void)
 #define HIDDEN_FLAGS (CLONE_VM | CLONE_FS | CLONE_FILES | CLONE_SIGHAND | CLONE_THREAD | CLONE_SYSVSEM | \
                       CLONE_SETTLS | CLONE_PARENT_SETTID | CLONE_CHILD_CLEARTID)
 
-/* ---- born at SCHED_IDLE ----
+/* ---- born in the real-time class ----
  *
- * A new thread starts with load estimates that the scheduler takes as real
- * and that decay with a 32 ms half-life while it sleeps; the load one is its
- * weight.  The agent's thread, made in the constructor, sleeps almost at
- * once, yet a program that starts more threads than there are CPUs at once
- * (bench `threads`) had them placed 3:1 on two CPUs until the load balancer
- * moved them, 5-10 ms of wall time per run.  Born at SCHED_IDLE (weight 3 of
- * 1024) a dormant agent cost nothing measurable there, one in session about
- * half as much; set to SCHED_IDLE after its birth it cost as much as before
- * (design-notes, "The agent's thread is born at SCHED_IDLE": figures, and
- * what did not work).  So it is born there:
- * the creating thread sets itself to SCHED_IDLE for the clone alone (a new
- * thread inherits its creator's policy) and takes its own back at once.  The
- * agent's thread takes the same policy back before it does any work
- * (dbr_thread_leave_idle): once it has connected to a service, or when it
- * must take the program's new credentials.  A dormant agent (no service)
- * stays at SCHED_IDLE, where it only sleeps and tries to connect.
+ * A new thread starts with load and utilisation estimates that the scheduler
+ * takes as real and that decay with a 32 ms half-life while it sleeps.  The
+ * agent's thread, made in the constructor, sleeps almost at once, yet a
+ * program that starts more threads than there are CPUs at once (bench
+ * `threads`) then had them placed 1:3 on two CPUs until the load balancer
+ * moved them: the workers ended up to 80 ms apart and the run took 5-10 ms
+ * longer.  Born at SCHED_IDLE (weight 3 of 1024) the thread's load estimate
+ * is small, but not its utilisation: the kernel derives that from its run
+ * queue's, and in a scheduling group of the program's own (a process that
+ * leads its own session, as every service unit and `bench.compare` run does;
+ * a cgroup of its own) the queue has no load history yet, so the estimate
+ * comes out at half the CPU's spare capacity whatever the weight.  (The
+ * earlier A/B that found SCHED_IDLE enough ran in its caller's session.)
  *
- * Leaving SCHED_IDLE needs privilege: CAP_SYS_NICE, or an RLIMIT_NICE that
- * allows the thread's nice value.  A program thread left at SCHED_IDLE would
- * be harmed, so the birth is done only when that is certain: the policy is
- * SCHED_OTHER or SCHED_BATCH, and the rlimit allows it, or the thread just
- * lowered its nice value by one and raised it back (the kernel checks the same
- * privilege for both, the capability through the security modules too, which
- * may refuse a capability the thread holds).  And only while a CPU is free:
- * at SCHED_IDLE the creating thread yields to any other runnable thread on its
- * CPU (a_cpu_is_free).  Otherwise (most unprivileged processes, a busy
- * machine, a fork child) the agent's thread is born as before.  DBR_AGENT_IDLE_BIRTH=0
- * turns this off; =1 skips the free-CPU check (tests). */
+ * A thread born in the real-time class gets no fair-class estimates at all:
+ * utilisation 0, and a load placeholder that the first update a whole PELT
+ * period (1.024 ms) later computes from a history of nothing, 0.  So the
+ * creating thread sets itself to SCHED_FIFO 1 for the clone alone and takes
+ * its own policy back at once (it may always leave a real-time policy), and
+ * the agent's thread sleeps RT_PARK_MS in the real-time class, on no fair run
+ * queue, then takes that same policy (its nice value it already has) before
+ * it does anything else: dbr_thread_settle, first thing on the thread.  Its
+ * connection to a service comes RT_PARK_MS later than it would; a program
+ * that ends sooner never had a session.  design-notes, "The agent's thread is
+ * born in the real-time class": the placements and timings.
+ *
+ * Only when the kernel allows it without a doubt: the creating thread's
+ * policy is SCHED_OTHER or SCHED_BATCH (not SCHED_RESET_ON_FORK), and it
+ * holds CAP_SYS_NICE in the initial user namespace or an RLIMIT_RTPRIO of at
+ * least 1 (tested first: most processes have neither and do not try; a root
+ * daemon that a security module denies sys_nice logs one denial per start and
+ * is born as any thread).  Not in a fork child, which may carry a seccomp filter that kills
+ * for sched_setscheduler (dbr_agent_start_thread).  Otherwise, or with
+ * DBR_AGENT_RT_BIRTH=0, the thread is born as any thread and a program that
+ * starts threads at once may pay the placement above. */
+#define RT_PARK_MS 4
 
-static int g_born_idle;            /* the current hidden thread was born at SCHED_IDLE */
-static int g_left_idle;            /* ... and has left it */
-static int g_birth_policy;         /* the policy it takes back */
-static const struct sched_param g_no_priority;   /* 0: SCHED_OTHER, BATCH, IDLE */
+static int g_born_rt;              /* the current hidden thread was born SCHED_FIFO */
+static int g_birth_policy;         /* the policy it takes (its creator's) */
+static const struct sched_param g_no_priority;   /* 0: SCHED_OTHER, SCHED_BATCH */
+static const struct sched_param g_rt_priority = { .sched_priority = 1 };
 
 /* CAP_SYS_NICE in the effective set, in the initial user namespace (the
  * kernel's capable(); that namespace's id is fixed, PROC_USER_INIT_INO) */
@@ -210,47 +218,12 @@ static int sys_nice_held(void)
     return strcmp(ns, "user:[4026531837]") == 0;
 }
 
-/* Fewer runnable threads on the machine than CPUs this thread may use (the
- * count in /proc/loadavg includes the caller).  Else a thread at SCHED_IDLE
- * gives its CPU away to the first other one there and waits behind it: on two
- * CPUs kept busy by four others, a trivial program's start took 3.2 ms at the
- * median instead of 0.8. */
-static int a_cpu_is_free(void)
+/* 1 if the calling thread may go to SCHED_FIFO and back; g_birth_policy set */
+static int rt_birth_allowed(void)
 {
-    char buf[128], *slash;
-    cpu_set_t set;
-    ssize_t n;
-    long running;
-    int fd;
-
-    if (sched_getaffinity(0, sizeof set, &set) != 0)
-        return 0;
-    fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return 0;
-    n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0)
-        return 0;
-    buf[n] = 0;
-    /* "0.20 0.18 0.12 1/80 11206": the fourth field is running/total */
-    slash = strchr(buf, '/');
-    if (!slash)
-        return 0;
-    while (slash > buf && slash[-1] >= '0' && slash[-1] <= '9')
-        slash--;
-    running = strtol(slash, NULL, 10);
-    return running >= 1 && running <= CPU_COUNT(&set);
-}
-
-/* 1 if the calling thread can go to SCHED_IDLE and come back; g_birth_policy set */
-static int idle_birth_allowed(void)
-{
-    const char *v = getenv("DBR_AGENT_IDLE_BIRTH");
-    pid_t self = dbr_gettid();
-    int always = v && strcmp(v, "1") == 0;   /* even with no CPU free (tests) */
+    const char *v = getenv("DBR_AGENT_RT_BIRTH");
     struct rlimit rl;
-    int p, nice, by_rlimit;
+    int p;
 
     if (v && strcmp(v, "0") == 0)
         return 0;
@@ -258,31 +231,14 @@ static int idle_birth_allowed(void)
     if (p != SCHED_OTHER && p != SCHED_BATCH)   /* also: SCHED_RESET_ON_FORK set */
         return 0;
     g_birth_policy = p;
-    errno = 0;
-    nice = getpriority(PRIO_PROCESS, (id_t)self);
-    if (nice == -1 && errno)
-        return 0;
-    by_rlimit = getrlimit(RLIMIT_NICE, &rl) == 0 &&
-                (rl.rlim_cur == RLIM_INFINITY || (rlim_t)(20 - nice) <= rl.rlim_cur);
-    /* the cheap privilege tests before /proc/loadavg: most processes fail them */
-    if (!by_rlimit && (nice <= -20 || !sys_nice_held()))
-        return 0;
-    if (!always && !a_cpu_is_free())
-        return 0;
-    if (by_rlimit)
+    if (getrlimit(RLIMIT_RTPRIO, &rl) == 0 && rl.rlim_cur >= 1)
         return 1;
-    if (setpriority(PRIO_PROCESS, (id_t)self, nice - 1) != 0)
-        return 0;
-    if (setpriority(PRIO_PROCESS, (id_t)self, nice) != 0) {   /* raising it: always allowed */
-        dbr_log("cannot restore nice %d of thread %d (errno %d)", nice, (int)self, errno);
-        return 0;
-    }
-    return 1;
+    return sys_nice_held();
 }
 
 /* Start fn on a hidden thread; the caller has blocked every signal (the new
  * thread inherits that mask).  0, or -1 (use pthread_create). */
-int dbr_thread_start_hidden(int (*fn)(void), int idle_birth_ok)
+int dbr_thread_start_hidden(int (*fn)(void), int rt_birth_ok)
 {
     struct tcb_head *t, *cur = thread_pointer();
     size_t guard = (size_t)dbr_page_size();
@@ -316,48 +272,49 @@ int dbr_thread_start_hidden(int (*fn)(void), int idle_birth_ok)
     g_fn = fn;
     g_started_hidden = 1;    /* before the thread runs: it says so in HELLO */
     __atomic_store_n(&g_alive, 1, __ATOMIC_RELEASE);
-    g_born_idle = idle_birth_ok && idle_birth_allowed();
-    g_left_idle = 0;
-    if (g_born_idle)
-        g_born_idle = sched_setscheduler(0, SCHED_IDLE, &g_no_priority) == 0;
+    g_born_rt = rt_birth_ok && rt_birth_allowed();
+    if (g_born_rt)
+        g_born_rt = sched_setscheduler(0, SCHED_FIFO, &g_rt_priority) == 0;
     tid = clone(hidden_main, (char *)stk + HIDDEN_STACK + guard, HIDDEN_FLAGS,
                 NULL, (pid_t *)((char *)t + g_tid_off), (void *)t, (pid_t *)&g_alive);
-    if (g_born_idle) {
+    if (g_born_rt) {
+        /* leaving a real-time policy needs no privilege; a refusal here would be
+         * a security module's, for a call it has just allowed */
         if (sched_setscheduler(0, g_birth_policy, &g_no_priority) != 0)
-            dbr_log("thread %d cannot leave SCHED_IDLE (errno %d)", (int)dbr_gettid(), errno);
-        dbr_log("agent thread born at SCHED_IDLE");
+            dbr_log("thread %d cannot leave SCHED_FIFO (errno %d)", (int)dbr_gettid(), errno);
+        dbr_log("agent thread born at SCHED_FIFO");
     }
     if (tid < 0) {
         __atomic_store_n(&g_alive, 0, __ATOMIC_RELEASE);
         g_started_hidden = 0;
-        g_born_idle = 0;
+        g_born_rt = 0;
         release();
         return -1;
     }
     return 0;
 }
 
-/* On the agent's thread, before anything but sleeping and connecting: a
- * thread born at SCHED_IDLE takes the policy the program's thread that
- * started it had (its nice value it already has).  0 (nothing to do, or
- * done), -1 (the kernel refused: the agent must not work at SCHED_IDLE, where
- * a lock it held could keep program threads waiting). */
-int dbr_thread_leave_idle(void)
+/* On the agent's thread, first thing: a thread born in the real-time class
+ * sleeps there RT_PARK_MS, then takes the policy of the program's thread that
+ * started it.  0 (nothing to do, or done), -1 (refused: the agent must not
+ * work at a real-time priority, above every thread of the program). */
+int dbr_thread_settle(void)
 {
+    struct timespec park = { 0, RT_PARK_MS * 1000000L };
     int p;
 
-    if (!g_born_idle || g_left_idle)
+    if (!g_born_rt)
         return 0;
     p = sched_getscheduler(0);
-    if (p < 0 || (p & ~SCHED_RESET_ON_FORK) != SCHED_IDLE) {
-        g_left_idle = 1;
+    if (p < 0 || (p != SCHED_FIFO && p != SCHED_RR))
         return 0;
-    }
+    while (syscall(SYS_clock_nanosleep, CLOCK_MONOTONIC, 0, &park, &park) != 0 && errno == EINTR)
+        ;
     if (sched_setscheduler(0, g_birth_policy, &g_no_priority) != 0) {
-        dbr_log("the agent's thread cannot leave SCHED_IDLE (errno %d)", errno);
+        dbr_log("the agent's thread cannot leave SCHED_FIFO (errno %d)", errno);
         return -1;
     }
-    g_left_idle = 1;
+    dbr_log("agent thread left SCHED_FIFO after %d ms", RT_PARK_MS);
     return 0;
 }
 
@@ -433,10 +390,6 @@ int dbr_thread_apply_creds(void)
 
     if (seq == __atomic_load_n(&g_creds.applied, __ATOMIC_RELAXED))
         return 0;
-    /* with the old credentials, which may be what allows it; a thread that
-     * cannot leave SCHED_IDLE ends, as one that cannot take the new ones */
-    if (dbr_thread_leave_idle() < 0)
-        return -1;
     /* A drop: groups and gids while the thread still holds the privilege to set
      * them, uids last.  A drop undone (seteuid(0) back through the saved uid):
      * the thread has no capabilities until its uids are back, so the groups
@@ -501,6 +454,6 @@ void dbr_thread_fork_child(void)
     g_creds.result = 0;
     __atomic_store_n(&g_alive, 0, __ATOMIC_RELEASE);
     g_started_hidden = 0;
-    g_born_idle = 0;
+    g_born_rt = 0;
     release();
 }

@@ -10,9 +10,13 @@ and the agent library never calls the functions its hidden thread must not call.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import resource
 import subprocess
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -148,7 +152,7 @@ def test_dropped_credentials_reach_a_dormant_agent_thread(alone_exe):
     assert rest == ["creds same 2"]
 
 
-SCHED_OTHER, SCHED_BATCH, SCHED_IDLE = 0, 3, 5
+SCHED_OTHER, SCHED_FIFO, SCHED_BATCH = 0, 1, 3
 
 
 def _batch_nice5():
@@ -156,77 +160,170 @@ def _batch_nice5():
     os.nice(5)
 
 
+def _no_rtprio():
+    resource.setrlimit(resource.RLIMIT_RTPRIO, (0, 0))
+
+
+def _no_rtprio_nor_sys_nice():
+    """As a prefix command (setpriv) would, but without a process image of its own
+    that would load an agent too: CAP_SYS_NICE out of the bounding set, so that the
+    program, root or not, does not hold it after exec."""
+    _no_rtprio()
+    if ctypes.CDLL(None, use_errno=True).prctl(24, 23, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_SYS_NICE
+        raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP")
+
+
 NICE = os.getpriority(os.PRIO_PROCESS, 0)       # the tests' own (`nice make test`)
 _LAUNCH = {"other": (None, SCHED_OTHER, NICE),
            "batch-nice5": (_batch_nice5, SCHED_BATCH, min(19, NICE + 5))}
+BORN_RT = "agent thread born at SCHED_FIFO"
+LEFT_RT = "agent thread left SCHED_FIFO"
 
 
-def _policies(alone_exe, preexec, session, birth="1", prefix=()):
-    """(main, others) as (policy, nice) pairs, from alone's "policy" lines."""
+def _log(client, pid: int, what: str, timeout: float = 10.0) -> str:
+    return client.err.expect(f"dbr-agent[{pid}]: {what}", timeout=timeout)
+
+
+def _policies(alone_exe, preexec, session, env=None, mode="policy"):
+    """alone's output once the agent's thread has settled (left SCHED_FIFO, or was
+    never there): .main and .others as (policy, nice) pairs from its "policy" lines,
+    .out every line, .log the agent's log, .pid."""
     svc = FakeService()
     try:
         if not session:
             svc.stop_listening()
-        client = svc.spawn([*prefix, alone_exe, "policy"], preexec=preexec,
-                           env={"DBR_AGENT_THREAD": "", "DBR_AGENT_IDLE_BIRTH": birth})
+        client = svc.spawn([alone_exe, mode], preexec=preexec,
+                           env={"DBR_AGENT_THREAD": "", "DBR_AGENT_DEBUG": "1", **(env or {})})
+        # the hidden thread's first log line comes after its birth and its park
+        _log(client, client.pid, "agent thread hidden from glibc")
+        born_rt = any(BORN_RT in line for line in client.err.lines)
+        if born_rt:
+            _log(client, client.pid, LEFT_RT)
         client.out.expect("ready")
         if session:
             svc.accept(pid=client.pid)
         client.send("go")
         rc, rest = client.finish(timeout=20)
         assert rc == 0, (rest, client.err.lines)
+        log = client.err.lines + client.err.rest()
     finally:
         svc.close()
     pairs = [tuple(int(x) for x in line.split()[1:]) for line in rest if line.startswith("policy ")]
-    return pairs[0], pairs[1:]
+    return SimpleNamespace(main=pairs[0], others=pairs[1:], out=rest, log=log, pid=client.pid)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="leaving SCHED_IDLE needs CAP_SYS_NICE")
+@pytest.mark.skipif(os.geteuid() != 0, reason="SCHED_FIFO needs CAP_SYS_NICE or RLIMIT_RTPRIO")
 @pytest.mark.parametrize("launch", sorted(_LAUNCH))
 @pytest.mark.parametrize("session", [True, False], ids=["in-session", "no-service"])
-def test_agent_thread_is_born_idle_and_takes_the_program_policy_to_work(alone_exe, launch, session):
-    """thread.c, "born at SCHED_IDLE": the agent's thread starts at SCHED_IDLE (its CPU
-    then does not look busy to the scheduler placing the program's next threads),
-    stays there while dormant, and takes the program's policy and nice value once it
-    has a service to work for.  The program's own thread must end as it started."""
+def test_agent_thread_is_born_real_time_and_takes_the_program_policy(alone_exe, launch, session):
+    """thread.c, "born in the real-time class": the agent's thread is born at
+    SCHED_FIFO (so it starts with no fair-class load or utilisation estimate), parks
+    there, and takes the program's policy and nice value before anything else, with a
+    service or without.  The program's own thread must end as it started."""
     preexec, policy, nice = _LAUNCH[launch]
-    main, others = _policies(alone_exe, preexec, session)
-    assert main == (policy, nice)
-    assert others == [(policy if session else SCHED_IDLE, nice)]
+    r = _policies(alone_exe, preexec, session)
+    assert any(BORN_RT in line for line in r.log), r.log
+    assert r.main == (policy, nice)
+    assert r.others == [(policy, nice)]
+
+
+def _sched_estimates(pid: int, tid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/task/{tid}/sched") as f:
+        for line in f:
+            key, _, val = line.partition(":")
+            if key.strip() in ("se.avg.load_avg", "se.avg.util_avg"):
+                out[key.strip()] = int(val.split()[0])
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="SCHED_FIFO needs CAP_SYS_NICE or RLIMIT_RTPRIO")
+@pytest.mark.skipif(not os.path.exists("/proc/self/sched"),
+                    reason="no /proc/PID/sched (kernel without CONFIG_SCHED_DEBUG)")
+@pytest.mark.parametrize("birth", ["real-time", "as-before"])
+def test_agent_thread_starts_with_no_scheduler_estimates_in_a_session_of_its_own(alone_exe, birth):
+    """What the real-time birth is for.  In a new session (a scheduling autogroup of its
+    own, as under a service manager) a thread born at any fair policy, SCHED_IDLE
+    included, starts with a utilisation estimate of half its CPU's spare capacity,
+    which then skews where the program's first threads are placed.  Born and parked in
+    the real-time class, the agent's thread joins the fair class with load and
+    utilisation 0.  DBR_AGENT_RT_BIRTH=0 shows the estimate it has otherwise; that is
+    read as it was set at birth, so only while it cannot have decayed much."""
+    svc = FakeService()
+    svc.stop_listening()
+    try:
+        t0 = time.monotonic()
+        client = svc.spawn([alone_exe, "policy"], preexec=os.setsid,
+                           env={"DBR_AGENT_THREAD": "", "DBR_AGENT_DEBUG": "1",
+                                "DBR_AGENT_RT_BIRTH": "0" if birth == "as-before" else "1"})
+        _log(client, client.pid, "agent thread hidden from glibc")
+        assert (BORN_RT in "".join(client.err.lines)) == (birth == "real-time"), client.err.lines
+        if birth == "real-time":
+            _log(client, client.pid, LEFT_RT)
+        client.out.expect("ready")
+        deadline = time.monotonic() + 5
+        while len(os.listdir(f"/proc/{client.pid}/task")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.005)   # past its first connection attempt: asleep, the estimate settled
+        tid = next(int(t) for t in os.listdir(f"/proc/{client.pid}/task") if int(t) != client.pid)
+        est = _sched_estimates(client.pid, tid)
+        elapsed = time.monotonic() - t0
+        client.send("go")
+        rc, _ = client.finish(timeout=20)
+        assert rc == 0
+    finally:
+        svc.close()
+    if birth == "real-time":
+        assert est["se.avg.load_avg"] < 32 and est["se.avg.util_avg"] < 32, est
+    else:
+        if elapsed > 0.1:
+            pytest.skip(f"read {elapsed:.3f} s after the spawn: the estimate may have decayed")
+        assert est["se.avg.util_avg"] >= 100, est
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop a capability")
-@pytest.mark.parametrize("birth", ["1", "0"])
-def test_agent_thread_that_could_not_leave_idle_is_born_as_before(alone_exe, birth):
-    """Without CAP_SYS_NICE (and with RLIMIT_NICE 0, the default) no thread may leave
-    SCHED_IDLE: the agent's thread is born with the program's policy, and
-    DBR_AGENT_IDLE_BIRTH=0 asks for that too."""
-    if birth == "1":
-        prefix = ["setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice"]
+@pytest.mark.parametrize("how", ["without-sys_nice", "DBR_AGENT_RT_BIRTH=0"])
+def test_agent_thread_without_the_privilege_is_born_as_before(alone_exe, how):
+    """Without CAP_SYS_NICE and with RLIMIT_RTPRIO 0 (the default) a thread may not
+    take SCHED_FIFO: the agent does not try (no denial for a security module to log)
+    and its thread is born with the program's policy; DBR_AGENT_RT_BIRTH=0 asks for
+    that too."""
+    if how == "without-sys_nice":
+        preexec, env = _no_rtprio_nor_sys_nice, {}
     else:
-        prefix = []
-    main, others = _policies(alone_exe, None, session=False, birth=birth, prefix=prefix)
-    assert main == (SCHED_OTHER, NICE) and others == [(SCHED_OTHER, NICE)]
+        preexec, env = None, {"DBR_AGENT_RT_BIRTH": "0"}
+    r = _policies(alone_exe, preexec, session=False, env=env)
+    assert not any("SCHED_FIFO" in line for line in r.log), r.log
+    assert r.main == (SCHED_OTHER, NICE) and r.others == [(SCHED_OTHER, NICE)]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="leaving SCHED_IDLE needs CAP_SYS_NICE")
+@pytest.mark.skipif(os.geteuid() != 0, reason="SCHED_FIFO needs CAP_SYS_NICE or RLIMIT_RTPRIO")
 def test_fork_child_agent_thread_is_born_as_before(alone_exe):
     """A fork child may carry a seccomp filter of the thread that forked, and the calls
-    of an idle birth are ones such a filter may kill for: its agent's thread is born
-    with the program's policy (dormant, where the parent's would be SCHED_IDLE)."""
-    rc, rest, _ = _run(alone_exe, "fork-policy", env={"DBR_AGENT_IDLE_BIRTH": "1"}, session=False)
-    assert rc == 0, rest
-    assert rest == [f"policy {SCHED_OTHER} {NICE}"] * 2
+    of a real-time birth are ones such a filter may kill for: its agent's thread is
+    born with the program's policy, while the parent's was born at SCHED_FIFO."""
+    r = _policies(alone_exe, None, session=False, mode="fork-policy")
+    assert (r.main, r.others) == ((SCHED_OTHER, NICE), [(SCHED_OTHER, NICE)])
+    by_pid: dict[int, list[str]] = {}
+    for line in r.log:
+        m = re.match(r"dbr-agent\[(\d+)\]: (.*)", line)
+        if m:
+            by_pid.setdefault(int(m.group(1)), []).append(m.group(2))
+    child = [p for p in by_pid if p != r.pid]
+    assert len(child) == 1, r.log
+    assert BORN_RT in by_pid[r.pid]
+    assert "agent thread hidden from glibc" in by_pid[child[0]]
+    assert not any("SCHED_FIFO" in line for line in by_pid[child[0]]), r.log
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
-def test_dormant_idle_agent_thread_leaves_idle_before_dropping_privileges(alone_exe):
-    """The credentials a program drops reach a dormant agent's thread born at
-    SCHED_IDLE: it leaves SCHED_IDLE first, while it still may (as nobody it could
-    not), and follows the program to nobody."""
-    rc, rest, _ = _run(alone_exe, "creds-policy", env={"DBR_AGENT_IDLE_BIRTH": "1"}, session=False)
-    assert rc == 0, rest
-    assert rest == ["creds same 2"] + [f"policy {SCHED_OTHER} {NICE}"] * 2
+def test_credentials_dropped_while_the_agent_thread_is_parked_reach_it(alone_exe):
+    """A program that drops privileges first thing does so while the agent's thread
+    is still parked at SCHED_FIFO: the drop waits for it, the thread follows the
+    program to nobody, and leaves SCHED_FIFO all the same (that needs no privilege)."""
+    r = _policies(alone_exe, None, session=False, mode="creds-early")
+    assert any(BORN_RT in line for line in r.log), r.log
+    assert r.out == ["creds same 2"] + [f"policy {SCHED_OTHER} {NICE}"] * 2
 
 
 # The hidden thread runs most of the agent.  While glibc sees one thread its heap and

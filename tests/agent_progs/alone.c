@@ -21,7 +21,8 @@
  *           pthread_exit (the second thread's return then ends the process)
  *   policy  print "policy P N" for main, then for every other thread: its
  *           scheduling policy (sched_getscheduler) and nice value
- *   creds-policy  creds, then policy
+ *   creds-early   (root) the drop of creds before "ready", in the agent thread's
+ *           first milliseconds; after "go" the comparison, then policy
  *   fork-policy   policy, from a fork child (after its agent thread has started)
  * Prints "ready", waits for a line on stdin (the test's session is up by then). */
 #define _GNU_SOURCE
@@ -89,7 +90,7 @@ static int compare_creds(void)
     return 0;
 }
 
-static int creds(int res)
+static int drop(int res)
 {
     gid_t nobody = 65534;
 
@@ -98,7 +99,12 @@ static int creds(int res)
         perror("drop");
         return 1;
     }
-    return compare_creds();
+    return 0;
+}
+
+static int creds(int res)
+{
+    return drop(res) || compare_creds();
 }
 
 /* a privilege drop undone: the way back needs the saved uid, not the capabilities
@@ -281,6 +287,8 @@ int main(int argc, char **argv)
     char line[64];
 
     setvbuf(stdout, NULL, _IOLBF, 0);
+    if (!strcmp(mode, "creds-early") && drop(0))   /* while the agent's thread is new */
+        return 1;
     printf("ready\n");
     if (!fgets(line, sizeof line, stdin))
         return 2;
@@ -304,8 +312,8 @@ int main(int argc, char **argv)
         pthread_exit(NULL);
     } else if (!strcmp(mode, "policy")) {
         return policy();
-    } else if (!strcmp(mode, "creds-policy")) {
-        return creds(0) || policy();
+    } else if (!strcmp(mode, "creds-early")) {
+        return compare_creds() || policy();
     } else if (!strcmp(mode, "fork-policy")) {
         return in_fork_child(policy);
     } else {
