@@ -10,7 +10,8 @@ A program that starts 5000 short threads beside one busy thread (0.09 s natively
 +34 ms with a thread born per session and +7 ms with one reused (medians of 16 runs on
 2 CPUs; docs/design-notes.md, "Thread notices on request, and session threads that
 are not new").  The agent's own thread has the same cause and another remedy (it is
-born at SCHED_IDLE).
+born in the real-time class: design-notes, "The agent's thread is born in the
+real-time class").
 
 A reused thread has slept since its last session, so its load has decayed; the few
 milliseconds of a handshake add little.  Threads are born only when every kept thread
