@@ -4,7 +4,8 @@
  *   print mode: the main thread prints "v <site0(3)>" every 5 ms (results unchecked).
  *   blocktrap mode: as the default, but every worker first blocks SIGTRAP with a raw
  *   rt_sigprocmask (no libc call the agent could see), and prints "blocked TID".
- * Prints "sites A0 .. A7" and "ready"; runs until stdin reaches EOF; then prints
+ * Prints "sites A0 .. A7", and "ready" once every worker runs; runs until stdin
+ * reaches EOF; then prints
  * "ok calls=N" and exits 0.
  */
 #include <pthread.h>
@@ -34,9 +35,12 @@ static long raw_block_trap(void) {
     return rc;
 }
 
+static atomic_int started;
+
 static void *worker(void *arg) {
     long n = 0;
     unsigned i = (unsigned)(long)arg * 7919u;
+    atomic_fetch_add(&started, 1);   /* running, its signal mask its own */
     if (blocktrap_mode) {
         if (raw_block_trap() != 0) _exit(4);
         printf("blocked %ld\n", (long)syscall(SYS_gettid));
@@ -67,6 +71,10 @@ int main(int argc, char **argv) {
     for (int k = 0; k < 8; k++) printf(" %p", (void *)sites[k]);
     printf("\n");
     for (long t = 0; t < nthreads; t++) pthread_create(&th[t], NULL, worker, (void *)t);
+    /* "ready" once every worker runs: a thread glibc has made but the scheduler has
+     * not run yet still has every signal blocked (pthread_create's window), and an
+     * int3 batch then rightly waits or refuses (bounded: 10 s) */
+    for (int w = 0; w < 10000 && atomic_load(&started) < nthreads; w++) usleep(1000);
     printf("ready\n");
     fflush(stdout);
     char buf[256];
