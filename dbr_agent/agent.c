@@ -952,7 +952,7 @@ static void *agent_main(void *arg)
     pthread_sigmask(SIG_UNBLOCK, &sync_sigs, NULL);
     __atomic_store_n(&g_agent_tid, dbr_gettid(), __ATOMIC_RELEASE);
     dbr_log("agent thread %d started (socket %s)", (int)g_agent_tid, g_cfg.sock_path);
-    if (dbr_thread_settle() < 0) {   /* before anything else, a lock shared with program threads first */
+    if (dbr_thread_settle() < 0) {   /* first of all: never work at a real-time priority */
         dbr_agent_retire("the agent's thread cannot leave SCHED_FIFO");
         return NULL;
     }

@@ -44,7 +44,6 @@
  */
 #include <dlfcn.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
@@ -189,10 +188,10 @@ static void release(void)
  * holds CAP_SYS_NICE in the initial user namespace or an RLIMIT_RTPRIO of at
  * least 1 (tested first: most processes have neither and do not try; a root
  * daemon that a security module denies sys_nice logs one denial per start and
- * is born as any thread).  Not in a fork child, which may carry a seccomp filter that kills
- * for sched_setscheduler (dbr_agent_start_thread).  Otherwise, or with
- * DBR_AGENT_RT_BIRTH=0, the thread is born as any thread and a program that
- * starts threads at once may pay the placement above. */
+ * is born as any thread).  Not in a fork child, which may carry a seccomp
+ * filter that kills for sched_setscheduler (dbr_agent_start_thread).
+ * Otherwise, or with DBR_AGENT_RT_BIRTH=0, the thread is born as any thread
+ * and a program that starts threads at once may pay the placement above. */
 #define RT_PARK_MS 4
 
 static int g_born_rt;              /* the current hidden thread was born SCHED_FIFO */

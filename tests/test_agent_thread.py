@@ -152,7 +152,7 @@ def test_dropped_credentials_reach_a_dormant_agent_thread(alone_exe):
     assert rest == ["creds same 2"]
 
 
-SCHED_OTHER, SCHED_FIFO, SCHED_BATCH = 0, 1, 3
+SCHED_OTHER, SCHED_BATCH = 0, 3
 
 
 def _batch_nice5():
@@ -160,15 +160,11 @@ def _batch_nice5():
     os.nice(5)
 
 
-def _no_rtprio():
-    resource.setrlimit(resource.RLIMIT_RTPRIO, (0, 0))
-
-
 def _no_rtprio_nor_sys_nice():
     """As a prefix command (setpriv) would, but without a process image of its own
-    that would load an agent too: CAP_SYS_NICE out of the bounding set, so that the
-    program, root or not, does not hold it after exec."""
-    _no_rtprio()
+    that would load an agent too: RLIMIT_RTPRIO 0, and CAP_SYS_NICE out of the
+    bounding set, so that the program, root or not, does not hold it after exec."""
+    resource.setrlimit(resource.RLIMIT_RTPRIO, (0, 0))
     if ctypes.CDLL(None, use_errno=True).prctl(24, 23, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_SYS_NICE
         raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP")
 

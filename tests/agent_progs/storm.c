@@ -5,8 +5,7 @@
  *   blocktrap mode: as the default, but every worker first blocks SIGTRAP with a raw
  *   rt_sigprocmask (no libc call the agent could see), and prints "blocked TID".
  * Prints "sites A0 .. A7", and "ready" once every worker runs; runs until stdin
- * reaches EOF; then prints
- * "ok calls=N" and exits 0.
+ * reaches EOF; then prints "ok calls=N" and exits 0.
  */
 #include <pthread.h>
 #include <stdatomic.h>
