@@ -28,6 +28,7 @@ from dbr_service.agentconn import AgentConnection, Received
 from dbr_service.errors import AgentError, MemoryViewError, ProtocolError, SamplingError
 from dbr_service.procfs import proc_dir
 from dbr_service.reuse import Job
+from dbr_service.sampling.perf import SwitchGate
 from dbr_service.install import Installer, InstallState
 from dbr_service.optimize import Evaluator, install_regions
 
@@ -190,6 +191,9 @@ class ClientSession:
         self._quiet_gen = -1
         #: Windows whose notices were turned off early for short-lived threads.
         self.short_thread_windows = 0
+        #: Which threads a per-thread perf event may follow (perf_max_switch_rate);
+        #: kept for the session so a thread's rate is measured from window to window.
+        self.switch_gate = SwitchGate(self.pid, service.config.perf_max_switch_rate)
         self.maps: list[MapEntry] = []
         self.map_changes = 0
         self.paused = False
@@ -554,12 +558,16 @@ class ClientSession:
             self.source.enable()
 
     def catch_up_threads(self) -> None:
-        """Session thread, continuous sampling (the source stays open): after a quiet
-        for short-lived threads, notices on again, then open events for the threads
-        /proc/PID/task lists now and drop those of ended ones."""
+        """Session thread, continuous sampling (the source stays open), each snapshot:
+        after a quiet for short-lived threads, notices on again, then open events for
+        the threads /proc/PID/task lists now and drop those of ended ones.  With a
+        switch gate, also every other snapshot: a sampled thread that now switches too
+        often loses its event, a gated one that calmed down gets one."""
         with self.lock:
             src = self.source
-            if src is None or self.thread_notices_on or not hasattr(src, "refresh_threads"):
+            if src is None or not hasattr(src, "refresh_threads"):
+                return
+            if self.thread_notices_on and getattr(src, "gate", None) is None:
                 return
             self.thread_notices(True)
             try:
@@ -847,6 +855,7 @@ class ClientSession:
                                    if self.hello_flags & P.HELLO_QUIET_THREADS else "always"),
                 "thread_notices_received": self.thread_notices_received,
                 "short_thread_windows": self.short_thread_windows,
+                "threads_switch_gated": self.switch_gate.refused,
                 "samples": self.samples_total, "snapshots": self.snapshots,
                 "paused": self.paused, "source": self.source_name,
                 "map_changes": self.map_changes, "jobs_done": self.jobs_done,

@@ -82,7 +82,7 @@ def make_perf_source(session: ClientSession, cfg: Config, kind: str):
 
     pages = 64 if cfg.continuous_sampling else 16
     src = PerfSource(event=kind.removeprefix("perf-"), sample_period_us=cfg.sample_period_us,
-                     data_pages=pages)
+                     data_pages=pages, gate=session.switch_gate)
     src.open(session.pid)
     return src
 
@@ -472,8 +472,8 @@ class Service:
                 continue
             if cfg.continuous_sampling and s.source is not None:
                 snap.begun[s.session_id] = None  # already sampling
-                if not s.thread_notices_on:      # quiet since short-lived threads
-                    s.post(s.catch_up_threads)
+                # quiet since short-lived threads, or switch rates to look at again
+                s.post(s.catch_up_threads)
                 continue
             snap.begun[s.session_id] = s.post(lambda s=s: s.begin_window(self._make_source))
         self._snap = snap

@@ -45,6 +45,7 @@ def bins(tmp_path_factory) -> dict[str, Path]:
         "hotcold": ["-O1", "-g", "-no-pie"],
         "threads": ["-O1", "-g", "-pthread"],
         "ring_producer": ["-O2", "-pthread", f"-I{ROOT / 'shared'}"],
+        "switchy": ["-O1", "-pthread"],
     }
     out = {}
     for name, extra in flags.items():
@@ -309,6 +310,116 @@ def test_perf_refused_paths(bins, spawn):
         assert src.stats.threads_gone == 1
     finally:
         src.close()
+
+
+def _read_tagged(p, *tags: str) -> dict[str, int]:
+    out = {}
+    while len(out) < len(tags):
+        tag, tid = p.stdout.readline().split()
+        assert tag in tags, tag
+        out[tag] = int(tid)
+    return out
+
+
+@needs_perf
+def test_perf_gate_leaves_threads_that_switch_often_unsampled(bins, spawn):
+    """A thread that leaves its CPU ~14 000 times a second gets no event under the
+    default gate (2000 a second), its spinning sibling and the sleeping main thread do;
+    once it calms down the next refresh gives it one.  Gate 0: every thread."""
+    p = spawn(bins["switchy"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    tids = _read_tagged(p, "spin", "switchy")
+    time.sleep(0.3)
+    ungated = perf.PerfSource(gate=perf.SwitchGate(p.pid, 0))
+    ungated.open(p.pid)
+    assert set(ungated.tids) == {p.pid, tids["spin"], tids["switchy"]}
+    ungated.close()
+    gate = perf.SwitchGate(p.pid, 2000)
+    src = perf.PerfSource(sample_period_us=1000, gate=gate)
+    src.open(p.pid)
+    try:
+        assert gate.rate(tids["switchy"]) > 5000 and gate.rate(tids["spin"]) < 2000
+        assert set(src.tids) == {p.pid, tids["spin"]} and src.gated == {tids["switchy"]}
+        assert src.stats.extra["switch_gated"] == 1 and gate.refused >= 1
+        src.enable()
+        per_tid = Counter(s.tid for s in sample_for(src, 0.3))
+        assert per_tid[tids["spin"]] >= 50 and set(per_tid) == {tids["spin"]}, per_tid
+        # still switching: the refresh keeps it gated, nothing added or removed
+        time.sleep(0.1)
+        assert src.refresh_threads() == ([], []) and src.gated == {tids["switchy"]}
+        p.stdin.write("calm\n")
+        p.stdin.flush()
+        time.sleep(0.3)   # the rate since the last look (>= min_span_s) is measured
+        assert src.refresh_threads() == ([], [])
+        assert tids["switchy"] in src.tids and not src.gated, (src.tids, src.gated)
+        per_tid = Counter(s.tid for s in sample_for(src, 0.3))
+        assert per_tid[tids["switchy"]] >= 50, per_tid
+    finally:
+        src.close()
+    assert src.gated == set()
+
+
+@needs_perf
+def test_perf_gate_refusing_every_thread_is_no_error(bins, spawn):
+    """A process whose only thread switches too often opens a source with no event
+    (no samples, not a refusal that would send the service to the agent timer)."""
+    p = spawn(bins["switchy"], "alone", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+              text=True)
+    _read_tagged(p, "switchy")
+    time.sleep(0.3)
+    src = perf.PerfSource(gate=perf.SwitchGate(p.pid, 2000))
+    src.open(p.pid)
+    try:
+        assert src.tids == [] and src.gated == {p.pid}
+        src.enable()
+        assert sample_for(src, 0.1) == []
+        assert src.refresh_threads() == ([], [])
+    finally:
+        src.close()
+
+
+class _FakeGate(perf.SwitchGate):
+    """A gate over made-up counts: {tid: switches}, starts in s, and a clock."""
+
+    def __init__(self, max_rate: float) -> None:
+        super().__init__(1, max_rate)
+        self.counts: dict[int, int | None] = {}
+        self.starts: dict[int, float | None] = {}
+        self.clock = 100.0
+
+    def switches(self, tid):
+        return self.counts.get(tid)
+
+    def _started(self, tid):
+        return self.starts.get(tid)
+
+    def _now(self):
+        return self.clock
+
+
+def test_switch_gate_rates():
+    g = _FakeGate(2000)
+    g.counts, g.starts = {1: 100_000, 2: 500, 3: 10, 4: None}, {1: 98.0, 2: 99.0, 3: 99.99}
+    assert g.rate(1) == pytest.approx(50_000) and not g.allows(1)  # since its start
+    assert g.rate(2) == pytest.approx(500) and g.allows(2)
+    assert g.rate(3) is None and g.allows(3)   # 10 ms old: not known yet
+    assert g.rate(4) is None and g.allows(4)   # no schedstat
+    g.clock += 0.01                            # too soon for a rate of its own:
+    g.counts[1] = 100_010                      # the last look's holds
+    assert g.rate(1) == pytest.approx(50_000)
+    g.clock += 0.5                             # calmed down: 100 in 0.5 s
+    g.counts[1] = 100_100
+    assert g.rate(1) == pytest.approx(200, rel=0.05) and g.allows(1)
+    g.clock += 0.5
+    g.counts[1] = 110_100                      # busy again: 20 000 a second
+    assert not g.allows(1)
+    assert g.refused == 2
+    g.clock += 0.5
+    g.counts[1] = 5                            # the tid now names a new thread
+    g.starts[1] = g.clock - 1.0
+    assert g.rate(1) == pytest.approx(5)       # its rate since its own start
+    g.forget({2, 3})
+    assert set(g._seen) == {2, 3}
+    assert _FakeGate(0).allows(1)              # 0: no gate
 
 
 def test_detect_reports_software_clock():

@@ -377,14 +377,114 @@ def list_tids(pid: int) -> list[int]:
         raise SamplingError(f"cannot list threads of {pid}: {e}") from e
 
 
+def _read_first_line(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(512).decode("ascii", "replace")
+    except OSError:
+        return None
+
+
+class SwitchGate:
+    """Which threads of one client are cheap enough to sample with an event of their own.
+
+    A per-thread perf event is taken off its CPU and put back on with its thread: the
+    software clock stops and restarts an hrtimer each time, which in a VM reprograms
+    the local APIC timer (an exit to the hypervisor).  Measured here (AMD EPYC KVM,
+    docs/design-notes.md "Threads that switch often are not sampled"): about 11 us per
+    switch of the thread, so a thread that gives up its CPU 50 000 times a second ran
+    1.5x slower while its event was open, and an event on its busy sibling cost
+    nothing.  Such a thread also yields few samples here: 36 for its 0.64 s of CPU
+    time at a 1 ms period (it runs for microseconds at a time).
+
+    A thread is sampled unless it was put on a CPU more than ``max_rate`` times a
+    second (``/proc/PID/task/TID/schedstat``, third field): since the previous look
+    if that is at least ``min_span_s`` old, else on average since the thread started.
+    A thread younger than ``min_span_s`` (just announced by THREAD_NEW), or one whose
+    counts cannot be read (no schedstat: a kernel without sched_info), is sampled.
+    ``max_rate`` 0 samples every thread.  One gate lives as long as the client's
+    session, so the rate of a thread seen in an earlier window is its recent one."""
+
+    def __init__(self, pid: int, max_rate: float, min_span_s: float = 0.05) -> None:
+        self.pid = pid
+        self.max_rate = max_rate
+        self.min_span_s = min_span_s
+        # tid -> (boottime s, switches then, rate measured up to then or None)
+        self._seen: dict[int, tuple[float, int, float | None]] = {}
+        #: threads refused, counted once per look (one a window in the default mode)
+        self.refused = 0
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def switches(self, tid: int) -> int | None:
+        line = _read_first_line(f"/proc/{self.pid}/task/{tid}/schedstat")
+        try:
+            return int(line.split()[2]) if line else None
+        except (IndexError, ValueError):
+            return None
+
+    def _started(self, tid: int) -> float | None:
+        """The thread's start, in seconds of CLOCK_BOOTTIME (stat field 22)."""
+        line = _read_first_line(f"/proc/{self.pid}/task/{tid}/stat")
+        if not line or ")" not in line:
+            return None
+        fields = line.rsplit(")", 1)[1].split()
+        try:
+            return int(fields[19]) / self._tick   # field 22; fields[0] is field 3
+        except (IndexError, ValueError):
+            return None
+
+    @staticmethod
+    def _now() -> float:
+        return time.clock_gettime(time.CLOCK_BOOTTIME)   # the clock of stat's starttime
+
+    def rate(self, tid: int) -> float | None:
+        """Switches a second lately; None when not known (too young, unreadable)."""
+        n = self.switches(tid)
+        if n is None:
+            return None
+        now = self._now()
+        prev = self._seen.get(tid)
+        if prev is not None and n < prev[1]:
+            prev = None      # fewer than before: the tid names a new thread
+            del self._seen[tid]
+        if prev is not None and now - prev[0] >= self.min_span_s:
+            r = (n - prev[1]) / (now - prev[0])
+            self._seen[tid] = (now, n, r)
+            return r
+        if prev is not None and prev[2] is not None:
+            return prev[2]    # looked at moments ago: that look's rate
+        start = self._started(tid)
+        r = None if start is None or now - start < self.min_span_s else n / (now - start)
+        if prev is None:
+            self._seen[tid] = (now, n, r)
+        return r
+
+    def allows(self, tid: int) -> bool:
+        if self.max_rate <= 0:
+            return True
+        r = self.rate(tid)
+        if r is None or r <= self.max_rate:
+            return True
+        self.refused += 1
+        return False
+
+    def forget(self, live: set[int]) -> None:
+        """Drop the history of threads that have ended."""
+        for tid in [t for t in self._seen if t not in live]:
+            del self._seen[tid]
+
+
 class PerfSource(SamplingSource):
-    """perf_event sampling of every thread of one client, one event + ring per thread."""
+    """perf_event sampling of every thread of one client, one event + ring per thread.
+
+    With a :class:`SwitchGate`, threads that switch CPU too often get no event (they
+    are counted in ``stats.extra["switch_gated"]`` and listed in ``gated``)."""
 
     name = "perf-cpu-clock"
 
     def __init__(self, event: str = "cpu-clock", sample_period_us: int = 1000,
                  data_pages: int = 8, branch_stack: bool = False,
-                 precise_ip: int | None = None) -> None:
+                 precise_ip: int | None = None, gate: SwitchGate | None = None) -> None:
         super().__init__()
         if event not in EVENTS:
             raise SamplingError(f"unknown perf event {event!r} (known: {', '.join(EVENTS)})")
@@ -404,7 +504,10 @@ class PerfSource(SamplingSource):
         self.precise_ip = precise_ip
         self._threads: dict[int, _ThreadEvent] = {}
         self._pending: list[Sample] = []
-        self.stats.extra.update(throttles=0, bad_records=0, overruns=0)
+        self.gate = gate
+        #: threads the gate refused an event (alive when last looked at)
+        self.gated: set[int] = set()
+        self.stats.extra.update(throttles=0, bad_records=0, overruns=0, switch_gated=0)
 
     # -- availability -------------------------------------------------------------------
 
@@ -427,15 +530,21 @@ class PerfSource(SamplingSource):
         except BaseException:
             self.close()
             raise
-        if not self._threads:
+        if not self._threads and not self.gated:
             self.close()
             raise SamplingError(f"{self.name}: process {pid} has no live thread to sample")
 
     def add_thread(self, tid: int) -> bool:
-        """Open an event for ``tid``; False (not an error) if the thread is already gone."""
+        """Open an event for ``tid``; False (not an error) if the thread is already gone.
+        True without an event when the gate refuses the thread (it switches too often)."""
         self._require_open()
         if tid in self._threads:
             return True
+        if self.gate is not None and not self.gate.allows(tid):
+            self.gated.add(tid)
+            self.stats.extra["switch_gated"] += 1
+            return True
+        self.gated.discard(tid)
         data_size = self.data_pages * PAGE_SIZE
         attr = make_attr(self.spec, self.sample_period_us, data_size, self.sample_type,
                          self.branch_sample_type, self.precise_ip)
@@ -468,10 +577,24 @@ class PerfSource(SamplingSource):
         self.stats.threads = len(self._threads)
 
     def refresh_threads(self) -> tuple[list[int], list[int]]:
-        """Rescan /proc/PID/task: open new threads, retire exited ones; (added, removed)."""
+        """Rescan /proc/PID/task: open new threads, retire exited ones; (added, removed).
+        With a gate, sampled threads that now switch too often lose their event and
+        gated ones that have calmed down get one (neither is in the lists)."""
         pid = self._require_open()
         current = set(list_tids(pid))
-        added = [t for t in sorted(current - self._threads.keys()) if self.add_thread(t)]
+        self.gated &= current
+        if self.gate is not None:
+            self.gate.forget(current)
+            for tid in sorted(self._threads.keys() & current):
+                if not self.gate.allows(tid):
+                    self.remove_thread(tid)
+                    self.gated.add(tid)
+                    self.stats.extra["switch_gated"] += 1
+            for tid in sorted(self.gated):
+                self.gated.discard(tid)
+                self.add_thread(tid)   # back in the gated set if still too busy
+        added = [t for t in sorted(current - self._threads.keys() - self.gated)
+                 if self.add_thread(t) and t in self._threads]
         removed = sorted(self._threads.keys() - current)
         for tid in removed:
             self.remove_thread(tid)
@@ -539,6 +662,7 @@ class PerfSource(SamplingSource):
             os.close(ev.fd)
         self._threads.clear()
         self._pending.clear()
+        self.gated.clear()
         self.stats.threads = 0
         self.enabled = False
         self.pid = None
