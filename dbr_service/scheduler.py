@@ -130,6 +130,7 @@ def optimize_client(job: ClientJob) -> JobResult:
     cfg = Config(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in job.config.items()})
     if _IN_WORKER:
         set_thread_nice(cfg.worker_nice)
+        set_autogroup_nice(cfg.worker_nice)
     hotspots = find_hotspots(job.samples, job.maps, threshold=cfg.hot_threshold,
                              top=cfg.hotspots_kept)
     regions, status, srs = select_client_regions(job, cfg)
@@ -287,11 +288,49 @@ def set_thread_nice(nice: int) -> bool:
     return True
 
 
+#: The worker leads a session of its own, so its scheduling autogroup is its own too
+#: (set in pool workers by _worker_init).
+_OWN_AUTOGROUP = False
+
+
+def set_autogroup_nice(nice: int) -> bool:
+    """Give the calling process's autogroup niceness ``nice``, if the process has an
+    autogroup of its own (a worker after _worker_init).
+
+    With autogroups (``/proc/sys/kernel/sched_autogroup_enabled``, the default of most
+    distributions), the kernel shares CPU time first between sessions, each weighted
+    by its autogroup's niceness, and only then between the threads of a session by
+    theirs.  A worker at niceness 19 in the service's session therefore took as much
+    of a CPU as a client in a session of its own (a service manager starts each
+    program so): a nice-19 CPU hog in a session at autogroup niceness 0 made a
+    2-thread program on 2 CPUs take 1.81x its time, 1.17x with its autogroup at 19
+    (docs/design-notes.md, "Selection workers in an autogroup of their own").
+    Whether the autogroup now has that niceness; False where there is no autogroup
+    to set (kernel without it, or not our own)."""
+    if not _OWN_AUTOGROUP:
+        return False
+    try:
+        with open("/proc/self/autogroup") as f:   # "/autogroup-123 nice 0"
+            if int(f.read().split()[-1]) == nice:
+                return True
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except (OSError, ValueError, IndexError):
+        return False
+    return True
+
+
 def _worker_init(service_pid: int) -> None:
-    """Worker start-up: exit as soon as the service is gone, even after a SIGKILL
+    """Worker start-up: a session (so an autogroup) of its own, whose niceness the jobs
+    set (set_autogroup_nice); exit as soon as the service is gone, even after a SIGKILL
     (pool workers otherwise wait on their queue forever, holding the forkserver)."""
-    global _IN_WORKER
+    global _IN_WORKER, _OWN_AUTOGROUP
     _IN_WORKER = True
+    try:
+        os.setsid()
+        _OWN_AUTOGROUP = True
+    except OSError:
+        pass   # already a session or process group leader: keeps the service's group
 
     def watch() -> None:
         try:

@@ -129,6 +129,18 @@ def test_jobs_run_inline_until_the_pool_is_ready():
         assert res.worker_pid != os.getpid()
         # the worker ran it at worker_nice (its main thread: the process's niceness)
         assert os.getpriority(os.PRIO_PROCESS, res.worker_pid) == 7
+        # in a session of its own, whose autogroup has the same niceness: the kernel
+        # weighs sessions against each other by their autogroups' niceness alone
+        assert os.getsid(res.worker_pid) == res.worker_pid != os.getsid(0)
+        try:
+            with open(f"/proc/{res.worker_pid}/autogroup") as f:
+                group = f.read()
+        except FileNotFoundError:
+            group = None   # a kernel without autogroups: nothing to set
+        if group is not None:
+            assert group.split()[-1] == "7", group
+            with open("/proc/self/autogroup") as f:
+                assert f.read().split()[0] != group.split()[0]
     finally:
         sched.shutdown()
 
