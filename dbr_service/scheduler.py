@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import errno
 import importlib
 import importlib.util
 import logging
@@ -309,15 +310,23 @@ def set_autogroup_nice(nice: int) -> bool:
     to set (kernel without it, or not our own)."""
     if not _OWN_AUTOGROUP:
         return False
-    try:
-        with open("/proc/self/autogroup") as f:   # "/autogroup-123 nice 0"
-            if int(f.read().split()[-1]) == nice:
-                return True
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(str(nice))
-    except (OSError, ValueError, IndexError):
-        return False
-    return True
+    for attempt in range(2):
+        try:
+            with open("/proc/self/autogroup") as f:   # "/autogroup-123 nice 0"
+                if int(f.read().split()[-1]) == nice:
+                    return True
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(nice))
+            return True
+        except OSError as exc:
+            # Without CAP_SYS_ADMIN the kernel takes one such change per 100 ms,
+            # machine-wide (two workers starting together): once more, later.
+            if exc.errno != errno.EAGAIN or attempt:
+                return False
+            time.sleep(0.11)
+        except (ValueError, IndexError):
+            return False
+    return False
 
 
 def _worker_init(service_pid: int) -> None:

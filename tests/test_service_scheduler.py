@@ -213,3 +213,40 @@ def test_set_thread_nice_is_per_thread():
     t.join(10)
     assert seen == {"ok": True, "nice": min(19, main + 3)}
     assert os.getpriority(os.PRIO_PROCESS, 0) == main
+
+
+def test_autogroup_nice_is_tried_again_when_the_kernel_says_later(monkeypatch):
+    """Without CAP_SYS_ADMIN the kernel takes one autogroup niceness change per 100 ms
+    machine-wide (EAGAIN otherwise): a worker tries once more 0.1 s later.  Only a
+    worker with a session of its own sets it; other errors leave it as it is."""
+    import errno
+    import io
+
+    from dbr_service import scheduler
+
+    state = {"nice": 0, "busy": 1, "writes": 0}
+
+    class Writer(io.StringIO):
+        def close(self):
+            if not self.closed:
+                value = self.getvalue()
+                super().close()
+                state["writes"] += 1
+                if state["busy"]:
+                    state["busy"] -= 1
+                    raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+                state["nice"] = int(value)
+
+    def fake_open(path, mode="r"):
+        assert path == "/proc/self/autogroup"
+        return Writer() if "w" in mode else io.StringIO(f"/autogroup-9 nice {state['nice']}\n")
+
+    monkeypatch.setattr(scheduler, "open", fake_open, raising=False)
+    monkeypatch.setattr(scheduler, "_OWN_AUTOGROUP", False)
+    assert scheduler.set_autogroup_nice(19) is False and state["writes"] == 0
+    monkeypatch.setattr(scheduler, "_OWN_AUTOGROUP", True)
+    assert scheduler.set_autogroup_nice(19) is True
+    assert state == {"nice": 19, "busy": 0, "writes": 2}
+    assert scheduler.set_autogroup_nice(19) is True and state["writes"] == 2  # as it is
+    state["busy"] = 2                      # refused twice: left for the next job
+    assert scheduler.set_autogroup_nice(5) is False and state["nice"] == 19
