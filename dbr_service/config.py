@@ -59,7 +59,8 @@ class Config:
     sample_period_us: int = field(default=1000, metadata=_doc(
         "sampling period per thread, microseconds of CPU time", min=50, max=1_000_000))
     perf_max_switch_rate: float = field(default=2000.0, metadata=_doc(
-        "a client thread put on a CPU more often than this a second gets no perf event "
+        "a client thread that gives up its CPU more often than this a second gets no "
+        "perf event "
         "(each switch of a sampled thread costs it ~11 us on a VM's software clock); "
         "0: every thread is sampled", min=0.0))
     sampling_source: str = field(default="auto", metadata=_doc(

@@ -346,6 +346,7 @@ def test_perf_gate_leaves_threads_that_switch_often_unsampled(bins, spawn):
         # still switching: the refresh keeps it gated, nothing added or removed
         time.sleep(0.1)
         assert src.refresh_threads() == ([], []) and src.gated == {tids["switchy"]}
+        assert src.stats.extra["switch_gated"] == 2   # one look a refresh
         p.stdin.write("calm\n")
         p.stdin.flush()
         time.sleep(0.3)   # the rate since the last look (>= min_span_s) is measured
@@ -356,6 +357,45 @@ def test_perf_gate_leaves_threads_that_switch_often_unsampled(bins, spawn):
     finally:
         src.close()
     assert src.gated == set()
+
+
+class _ListGate(perf.SwitchGate):
+    """A gate that refuses the threads in ``block``."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(pid, 1)
+        self.block: set[int] = set()
+
+    def allows(self, tid):
+        return tid not in self.block
+
+
+@needs_perf
+def test_perf_refresh_takes_the_event_of_a_thread_that_got_busy(bins, spawn):
+    """A sampled thread that starts switching too often loses its event at the next
+    refresh (its samples so far are kept for read()), and gets one back later."""
+    p = spawn(bins["switchy"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    tids = _read_tagged(p, "spin", "switchy")
+    gate = _ListGate(p.pid)
+    src = perf.PerfSource(sample_period_us=1000, gate=gate)
+    src.open(p.pid)
+    try:
+        src.enable()
+        assert tids["spin"] in src.tids
+        time.sleep(0.3)
+        gate.block = {tids["spin"]}
+        assert src.refresh_threads() == ([], [])
+        assert tids["spin"] not in src.tids and src.gated == {tids["spin"]}
+        before = Counter(s.tid for s in src.read())
+        assert before[tids["spin"]] >= 50, before    # drained when its event closed
+        after = Counter(s.tid for s in sample_for(src, 0.2))
+        assert after[tids["spin"]] == 0, after
+        gate.block = set()
+        src.refresh_threads()
+        assert tids["spin"] in src.tids and not src.gated
+        assert Counter(s.tid for s in sample_for(src, 0.2))[tids["spin"]] >= 30
+    finally:
+        src.close()
 
 
 @needs_perf
@@ -402,7 +442,7 @@ def test_switch_gate_rates():
     assert g.rate(1) == pytest.approx(50_000) and not g.allows(1)  # since its start
     assert g.rate(2) == pytest.approx(500) and g.allows(2)
     assert g.rate(3) is None and g.allows(3)   # 10 ms old: not known yet
-    assert g.rate(4) is None and g.allows(4)   # no schedstat
+    assert g.rate(4) is None and g.allows(4)   # counts not readable
     g.clock += 0.01                            # too soon for a rate of its own:
     g.counts[1] = 100_010                      # the last look's holds
     assert g.rate(1) == pytest.approx(50_000)
