@@ -561,8 +561,8 @@ class ClientSession:
         """Session thread, continuous sampling (the source stays open), each snapshot:
         after a quiet for short-lived threads, notices on again, then open events for
         the threads /proc/PID/task lists now and drop those of ended ones.  With a
-        switch gate, also every other snapshot: a sampled thread that now switches too
-        often loses its event, a gated one that calmed down gets one."""
+        switch gate this runs at every snapshot: a sampled thread that now switches
+        too often loses its event, a gated one that calmed down gets one."""
         with self.lock:
             src = self.source
             if src is None or not hasattr(src, "refresh_threads"):

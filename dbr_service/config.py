@@ -60,9 +60,8 @@ class Config:
         "sampling period per thread, microseconds of CPU time", min=50, max=1_000_000))
     perf_max_switch_rate: float = field(default=2000.0, metadata=_doc(
         "a client thread that gives up its CPU more often than this a second gets no "
-        "perf event "
-        "(each switch of a sampled thread costs it ~11 us on a VM's software clock); "
-        "0: every thread is sampled", min=0.0))
+        "perf event (each switch of a sampled thread costs it ~11 us on a VM's "
+        "software clock); 0: every thread is sampled", min=0.0))
     sampling_source: str = field(default="auto", metadata=_doc(
         "auto | perf | agent-timer (auto: perf, agent-timer when perf is refused)",
         choices=SAMPLING_SOURCES))
