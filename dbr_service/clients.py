@@ -45,6 +45,9 @@ log = logging.getLogger("dbr.clients")
 SHORT_THREADS_MIN = 32
 SHORT_THREADS_SHARE = 0.8
 SHORT_LIFE_S = 0.01
+#: With continuous sampling, how often the switch rates of a client's threads are
+#: looked at again (ClientSession.catch_up_threads).
+GATE_LOOK_S = 1.0
 
 # Replies that may arrive late, after their request timed out: dropped, not fatal.
 _LATE_REPLIES = {P.MsgType.ACK, P.MsgType.CODE_BUFFER, P.MsgType.PATCH_RESULT,
@@ -194,6 +197,7 @@ class ClientSession:
         #: Which threads a per-thread perf event may follow (perf_max_switch_rate);
         #: kept for the session so a thread's rate is measured from window to window.
         self.switch_gate = SwitchGate(self.pid, service.config.perf_max_switch_rate)
+        self._gate_look = 0.0   # monotonic s of catch_up_threads' last look
         self.maps: list[MapEntry] = []
         self.map_changes = 0
         self.paused = False
@@ -561,14 +565,19 @@ class ClientSession:
         """Session thread, continuous sampling (the source stays open), each snapshot:
         after a quiet for short-lived threads, notices on again, then open events for
         the threads /proc/PID/task lists now and drop those of ended ones.  With a
-        switch gate this runs at every snapshot: a sampled thread that now switches
-        too often loses its event, a gated one that calmed down gets one."""
+        switch gate, also once a second (GATE_LOOK_S) while the notices are on: a
+        sampled thread that now switches too often loses its event, a gated one that
+        calmed down gets one (a look reads each thread's status: not at every
+        snapshot of a client with a thousand threads)."""
         with self.lock:
             src = self.source
             if src is None or not hasattr(src, "refresh_threads"):
                 return
-            if self.thread_notices_on and getattr(src, "gate", None) is None:
+            now = time.monotonic()
+            if self.thread_notices_on and (getattr(src, "gate", None) is None
+                                           or now - self._gate_look < GATE_LOOK_S):
                 return
+            self._gate_look = now
             self.thread_notices(True)
             try:
                 src.refresh_threads()

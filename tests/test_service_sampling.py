@@ -152,3 +152,45 @@ def test_short_lived_threads_turn_the_notices_off_and_late_ones_are_still_sample
     finally:
         kill(client)
         svc.stop()
+
+
+def test_continuous_sampling_looks_at_switch_rates_again_every_snapshot():
+    """With continuous sampling the source stays open: a thread that gives up its CPU
+    ~14 000 times a second gets no perf event (perf_max_switch_rate), its spinning
+    sibling does; once it spins too (SIGUSR1), a later snapshot's look gives it one."""
+    import os
+    import signal
+    import time
+
+    from harness import compile_c
+
+    svc = ServiceProc("--aggressive", "continuous_sampling=true").wait_ready()
+    prog = str(compile_c([ROOT / "tests" / "sampling_progs" / "switchy.c"],
+                         flags=["-O1", "-pthread"]))
+    client = None
+    try:
+        client = spawn_client(svc.dir, [prog])
+        tids = dict(client.stdout.readline().split() for _ in range(2))
+        assert set(tids) == {"spin", "switchy"}, tids
+
+        def row():
+            return next(c for c in svc.call("clients") if c["pid"] == client.pid)
+        # (a thread younger than 50 ms has no rate yet: it may have had an event
+        # until the next snapshot looked at it)
+        h = _hotspots_when(svc, client.pid, lambda h: h["threads"].get(tids["spin"], 0) >= 30
+                           and row()["threads_switch_gated"] >= 2, timeout=15.0)
+        gated_at = h["threads"].get(tids["switchy"], 0)
+        time.sleep(0.6)   # four snapshots at --aggressive: still gated, no new samples
+        h = svc.call("hotspots", {"pid": client.pid, "top": 50})
+        assert h["threads"].get(tids["switchy"], 0) <= gated_at + 2, (gated_at, h["threads"])
+        assert h["threads"][tids["spin"]] >= 100, h["threads"]
+        os.kill(client.pid, signal.SIGUSR1)
+        h = _hotspots_when(svc, client.pid,
+                           lambda h: h["threads"].get(tids["switchy"], 0) >= gated_at + 20,
+                           timeout=15.0)
+        assert h["threads"][tids["switchy"]] >= gated_at + 20, h["threads"]
+        assert client.poll() is None
+    finally:
+        kill(client)
+        svc.stop()
+

@@ -1,9 +1,11 @@
 /* switchy: a thread that spins and a thread that sleeps 1 us at a time (tens of
  * thousands of CPU switches a second), or with "alone" only the main thread, sleeping
- * so.  Prints "spin TID" and "switchy TID" (flushed); a line on stdin makes the
- * switchy thread spin too ("calm": it then leaves its CPU only when preempted). */
+ * so.  Prints "spin TID" and "switchy TID" (flushed); a line on stdin or SIGUSR1
+ * makes the switchy thread spin too ("calm": it then leaves its CPU only when
+ * preempted). */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
@@ -12,6 +14,12 @@
 #include <unistd.h>
 
 static atomic_int calm;
+
+static void on_usr1(int sig)
+{
+    (void)sig;
+    atomic_store(&calm, 1);
+}
 volatile unsigned long sink;
 
 static void work(void)
@@ -53,12 +61,14 @@ int main(int argc, char **argv)
     char line[16];
 
     alarm(60);
+    signal(SIGUSR1, on_usr1);
     if (argc > 1 && strcmp(argv[1], "alone") == 0)
         switchy(NULL);
     if (pthread_create(&t, NULL, spin, NULL) || pthread_create(&t, NULL, switchy, NULL))
         return 2;
     if (fgets(line, sizeof line, stdin))
         atomic_store(&calm, 1);
-    pause();
+    for (;;)
+        pause();
     return 0;
 }
