@@ -194,6 +194,9 @@ class ClientSession:
         self._quiet_gen = -1
         #: Windows whose notices were turned off early for short-lived threads.
         self.short_thread_windows = 0
+        #: THREAD_NEW notices that arrived after the quiet was asked for (no event
+        #: opened for them).
+        self.notices_after_quiet = 0
         #: Which threads a per-thread perf event may follow (perf_max_switch_rate);
         #: kept for the session so a thread's rate is measured from window to window.
         self.switch_gate = SwitchGate(self.pid, service.config.perf_max_switch_rate)
@@ -455,7 +458,13 @@ class ClientSession:
             if t is P.MsgType.THREAD_NEW:
                 self.threads.add(tid)
                 src = self.source
-                if src is not None:
+                if self._quiet_gen == self._notices_gen:
+                    # Quiet already asked for in this window: the notices still
+                    # arriving were sent before the agent had it (churn: hundreds,
+                    # ~20 us of the service's CPU each with an event opened and
+                    # closed).  A long-lived one is found in /proc/PID/task later.
+                    self.notices_after_quiet += 1
+                elif src is not None:
                     self._announced += 1
                     try:
                         if src.add_thread(tid):
@@ -864,6 +873,7 @@ class ClientSession:
                                    if self.hello_flags & P.HELLO_QUIET_THREADS else "always"),
                 "thread_notices_received": self.thread_notices_received,
                 "short_thread_windows": self.short_thread_windows,
+                "notices_after_quiet": self.notices_after_quiet,
                 "threads_switch_gated": self.switch_gate.refused,
                 "samples": self.samples_total, "snapshots": self.snapshots,
                 "paused": self.paused, "source": self.source_name,

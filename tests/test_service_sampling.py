@@ -144,6 +144,9 @@ def test_short_lived_threads_turn_the_notices_off_and_late_ones_are_still_sample
         # the main thread, starting and joining them, leaves its CPU tens of thousands
         # of times a second: no perf event for it (perf_max_switch_rate)
         assert row["threads_switch_gated"] >= 1, row
+        # notices the agent sent before it had the quiet still arrive (it starts
+        # threads faster than a round trip): no event is opened for them
+        assert row["notices_after_quiet"] >= 1, row
         # without the early quiet every thread started in a window brings two notices
         # (windows cover 2/3 of the time here, all of it when continuous): over 1.3 per
         # thread started; with it, a few hundred per window at most
