@@ -11,16 +11,22 @@ from __future__ import annotations
 import os
 
 
-def thread_state(stat_path: str) -> str | None:
-    """The state letter of a ``/proc/.../stat`` file (``R``, ``S``, ``Z``...), None if unreadable."""
+def stat_fields(stat_path: str) -> list[str] | None:
+    """The fields of a ``/proc/.../stat`` file after the command name: field 3 (the
+    state letter) first, so field N is at index N - 3.  None if unreadable."""
     try:
         with open(stat_path, "rb") as f:
             text = f.read()
     except OSError:
         return None
     close = text.rfind(b")")         # comm may hold spaces and parentheses
-    rest = text[close + 1:].split()
-    return rest[0].decode() if close >= 0 and rest else None
+    return text[close + 1:].decode("ascii", "replace").split() if close >= 0 else None
+
+
+def thread_state(stat_path: str) -> str | None:
+    """The state letter of a ``/proc/.../stat`` file (``R``, ``S``, ``Z``...), None if unreadable."""
+    rest = stat_fields(stat_path)
+    return rest[0] if rest else None
 
 
 def proc_dir(pid: int) -> str:
