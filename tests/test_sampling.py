@@ -406,9 +406,13 @@ def test_perf_gate_refusing_every_thread_is_no_error(bins, spawn):
               text=True)
     _read_tagged(p, "switchy")
     time.sleep(0.3)
-    src = perf.PerfSource(gate=perf.SwitchGate(p.pid, 2000))
+    gate = perf.SwitchGate(p.pid, 2000)
+    gone = 2 ** 22 + 4321
+    gate._seen[gone] = (0.0, 5, None)          # a thread of an earlier window, ended
+    src = perf.PerfSource(gate=gate)
     src.open(p.pid)
     try:
+        assert gone not in gate._seen             # forgotten when the window opened
         assert src.tids == [] and src.gated == {p.pid}
         src.enable()
         assert sample_for(src, 0.1) == []

@@ -196,4 +196,3 @@ def test_continuous_sampling_looks_at_switch_rates_again_every_snapshot():
     finally:
         kill(client)
         svc.stop()
-

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from dbr_service.errors import SamplingError
+from dbr_service.procfs import stat_fields
 from dbr_service.sampling.base import Sample, SamplingSource
 
 # ---------------------------------------------------------------------------------------
@@ -377,7 +378,7 @@ def list_tids(pid: int) -> list[int]:
         raise SamplingError(f"cannot list threads of {pid}: {e}") from e
 
 
-def _read_text(path: str, limit: int = 512) -> str | None:
+def _read_text(path: str, limit: int) -> str | None:
     try:
         with open(path, "rb") as f:
             return f.read(limit).decode("ascii", "replace")
@@ -432,12 +433,9 @@ class SwitchGate:
 
     def _started(self, tid: int) -> float | None:
         """The thread's start, in seconds of CLOCK_BOOTTIME (stat field 22)."""
-        line = _read_text(f"/proc/{self.pid}/task/{tid}/stat")
-        if not line or ")" not in line:
-            return None
-        fields = line.rsplit(")", 1)[1].split()
+        fields = stat_fields(f"/proc/{self.pid}/task/{tid}/stat")
         try:
-            return int(fields[19]) / self._tick   # field 22; fields[0] is field 3
+            return int(fields[22 - 3]) / self._tick if fields else None
         except (IndexError, ValueError):
             return None
 
@@ -532,8 +530,13 @@ class PerfSource(SamplingSource):
         if not os.path.isdir(f"/proc/{pid}"):
             raise SamplingError(f"{self.name}: no process {pid}")
         self.pid = pid
+        listed = list_tids(pid) if tids is None else list(tids)
+        if self.gate is not None and tids is None:
+            # one source per window by default, never refreshed: the gate's history
+            # of threads that have ended goes here, or it would grow all session
+            self.gate.forget(set(listed))
         try:
-            for tid in (list_tids(pid) if tids is None else tids):
+            for tid in listed:
                 self.add_thread(tid)
         except BaseException:
             self.close()
