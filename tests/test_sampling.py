@@ -285,6 +285,44 @@ def test_perf_every_thread_including_late_ones(bins, spawn):
         src.close()
 
 
+def test_perf_event_of_an_ended_thread_is_not_kept_for_its_tid(bins, spawn, monkeypatch):
+    """A thread the agent started unwrapped (a dormant agent's) sends no THREAD_EXIT,
+    so its event can still be open when its tid is announced or listed again, a new
+    thread's by then.  add_thread and refresh_threads see that the event's thread
+    ended (POLLHUP) and drop it instead of keeping the tid as sampled."""
+    p = spawn(bins["threads"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    tids = [int(p.stdout.readline().split()[1]) for _ in range(5)]
+    src = perf.PerfSource("cpu-clock", sample_period_us=1000)
+    try:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        tids += [int(p.stdout.readline().split()[1]) for _ in range(2)]
+        p.stdin.write("brief\n")
+        p.stdin.flush()
+        brief = int(p.stdout.readline().split()[1])
+        src.open(p.pid)
+        assert brief in src.tids
+        assert p.stdout.readline().strip() == "ended"
+        assert brief in src.tids             # nothing told the source
+        assert src.add_thread(tids[1]) is True and tids[1] in src.tids   # alive: kept
+        # announced again: the ended thread's event is dropped, none opened (gone)
+        assert src.add_thread(brief) is False and brief not in src.tids
+        # listed again (its tid reused, as the listing would show it): the same
+        p.stdin.write("brief\n")
+        p.stdin.flush()
+        brief2 = int(p.stdout.readline().split()[1])
+        src.refresh_threads()
+        assert brief2 in src.tids
+        assert p.stdout.readline().strip() == "ended"
+        real = perf.list_tids
+        monkeypatch.setattr(perf, "list_tids", lambda pid: real(pid) + [brief2])
+        added, removed = src.refresh_threads()
+        assert brief2 not in src.tids and brief2 not in added
+        assert set(src.tids) == set(tids)
+    finally:
+        src.close()
+
+
 def test_perf_refused_paths(bins, spawn):
     """Refusals are SamplingErrors or (False, reason), never raw OSErrors."""
     with pytest.raises(SamplingError, match="no process"):

@@ -31,6 +31,7 @@ import errno
 import fcntl
 import mmap
 import os
+import select
 import struct
 import time
 from collections import Counter
@@ -367,6 +368,17 @@ class _ThreadEvent:
     fd: int
     ring: PerfRing
 
+    def ended(self) -> bool:
+        """Whether the thread of this event has ended (the kernel reports POLLHUP on an
+        event whose task exited).  A thread the agent started unwrapped sends no
+        THREAD_EXIT, and its tid may be a new thread's before the next listing."""
+        try:
+            p = select.poll()
+            p.register(self.fd, select.POLLHUP)
+            return any(ev & select.POLLHUP for _, ev in p.poll(0))
+        except OSError:
+            return True
+
 
 def list_tids(pid: int) -> list[int]:
     """Current threads of ``pid`` from /proc/PID/task (empty if the process is gone)."""
@@ -549,8 +561,11 @@ class PerfSource(SamplingSource):
         """Open an event for ``tid``; False (not an error) if the thread is already gone.
         True without an event when the gate refuses the thread (it switches too often)."""
         self._require_open()
-        if tid in self._threads:
-            return True
+        ev = self._threads.get(tid)
+        if ev is not None:
+            if not ev.ended():
+                return True
+            self.remove_thread(tid)   # an ended thread's: the tid is a new thread's now
         if self.gate is not None and not self.gate.allows(tid):
             self.gated.add(tid)
             self.stats.extra["switch_gated"] += 1
@@ -605,6 +620,9 @@ class PerfSource(SamplingSource):
             for tid in was_gated:
                 self.gated.discard(tid)
                 self.add_thread(tid)   # back in the gated set if still too busy
+        for tid in sorted(self._threads.keys() & current):
+            if self._threads[tid].ended():   # its tid reused, no THREAD_EXIT between
+                self.remove_thread(tid)
         added = [t for t in sorted(current - self._threads.keys() - self.gated)
                  if self.add_thread(t) and t in self._threads]
         removed = sorted(self._threads.keys() - current)

@@ -1,4 +1,5 @@
-/* threads: 4 busy threads at once, 2 more when a line arrives on stdin.
+/* threads: 4 busy threads at once, 2 more when a line arrives on stdin; each
+ * further line starts a brief thread that lives 0.2 s, joined before "ended N".
  * Prints "tid N" for every thread it starts (main thread included) and flushes. */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -22,6 +23,15 @@ static void *spin(void *arg)
     return NULL;
 }
 
+static void *brief(void *arg)
+{
+    (void)arg;
+    printf("tid %ld\n", (long)syscall(SYS_gettid));
+    fflush(stdout);
+    usleep(200000);
+    return NULL;
+}
+
 int main(void)
 {
     pthread_t t[6];
@@ -34,6 +44,14 @@ int main(void)
     if (fgets(line, sizeof line, stdin)) {
         for (int i = 4; i < 6; i++)
             pthread_create(&t[i], NULL, spin, NULL);
+    }
+    while (fgets(line, sizeof line, stdin)) {
+        pthread_t b;
+        if (pthread_create(&b, NULL, brief, NULL) == 0) {
+            pthread_join(b, NULL);
+            printf("ended\n");
+            fflush(stdout);
+        }
     }
     pause();
     return 0;
