@@ -580,7 +580,11 @@ static int handle(size_t n)
             rc = send_ack(r->req_id, DBR_E_INVAL);
             break;
         }
-        __atomic_store_n(&g_notices, r->flags, __ATOMIC_RELAXED);
+        __atomic_store_n(&g_notices, r->flags, __ATOMIC_SEQ_CST);
+        /* threads being started unwrapped now send no THREAD_NEW: the service
+         * lists /proc/PID/task after this answer, so it must find them there */
+        if (r->flags)
+            dbr_wait_unwrapped_starts();
         rc = send_ack(r->req_id, DBR_OK);
         break;
     }

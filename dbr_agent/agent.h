@@ -62,6 +62,7 @@ struct dbr_config {
     int  on_disconnect_env; /* -1: not set; else DBR_DISCONNECT_* from DBR_ON_DISCONNECT */
     int  census_sig;
     int  sampler_sig;
+    unsigned start_delay_us; /* DBR_AGENT_TEST_START_DELAY_US: tests widen an unwrapped start */
     char sock_path[108];    /* $DBR_RUNTIME_DIR/agent.sock; "" if unknown */
 };
 extern struct dbr_config g_cfg;
@@ -121,6 +122,7 @@ int dbr_signal_install(int sig, void (*handler)(int, siginfo_t *, void *), int f
 void dbr_signal_chain(int sig, siginfo_t *si, void *uc);
 void dbr_atfork_register(void);
 void dbr_unblock_trap(void);          /* calling thread: SIGTRAP unblocked */
+int dbr_wait_unwrapped_starts(void);  /* agent thread: unwrapped thread starts done */
 
 /* ---- agent.c (session) ---- */
 extern pthread_mutex_t g_agent_mu;
@@ -227,6 +229,7 @@ int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, int *fd, uint64
 int dbr_sampler_stop(void);
 void dbr_sampler_thread_start(void);  /* calling thread: arm its timer if running */
 void dbr_sampler_thread_exit(void);   /* calling thread: delete its timer */
+int dbr_sampler_running(void);        /* timers armed for new threads */
 void dbr_sampler_fork_child(void);
 
 #endif /* DBR_AGENT_H */

@@ -71,8 +71,27 @@ void dbr_sampler_init(void)
     dbr_signal_install(g_cfg.sampler_sig, sampler_handler, SA_SIGINFO | SA_RESTART | SA_ONSTACK);
 }
 
-/* g_sampler_mu held */
-static int arm_timer(pid_t tid)
+/* g_sampler_mu held.  Free the slots of threads that have ended; how many.
+ * A thread started while the sampler was off is not wrapped (hooks.c,
+ * wrap_needed), so if the sampler started during its life, nothing deletes its
+ * timer when it ends. */
+static unsigned sweep_ended(void)
+{
+    unsigned i, n = 0;
+    pid_t pid = getpid();
+
+    for (i = 0; i < DBR_TIMER_TABLE_MAX; i++)
+        if (g_timers[i].tid && syscall(SYS_tgkill, pid, g_timers[i].tid, 0) < 0 && errno == ESRCH) {
+            syscall(SYS_timer_delete, g_timers[i].kid);
+            g_timers[i].tid = 0;
+            n++;
+        }
+    return n;
+}
+
+/* g_sampler_mu held.  new_thread: the calling thread has just started, so a slot
+ * with its tid is an ended thread's whose timer nothing deleted (sweep_ended). */
+static int arm_timer(pid_t tid, int new_thread)
 {
     struct sigevent sev;
     struct itimerspec its;
@@ -81,11 +100,19 @@ static int arm_timer(pid_t tid)
     unsigned i;
 
     for (i = 0; i < DBR_TIMER_TABLE_MAX; i++) {
-        if (g_timers[i].tid == tid)
-            return DBR_OK;
+        if (g_timers[i].tid == tid) {
+            if (!new_thread)
+                return DBR_OK;
+            syscall(SYS_timer_delete, g_timers[i].kid);
+            g_timers[i].tid = 0;
+        }
         if (slot < 0 && g_timers[i].tid == 0)
             slot = (int)i;
     }
+    if (slot < 0 && sweep_ended())
+        for (i = 0; i < DBR_TIMER_TABLE_MAX && slot < 0; i++)
+            if (g_timers[i].tid == 0)
+                slot = (int)i;
     if (slot < 0)
         return DBR_E_LIMIT;
     memset(&sev, 0, sizeof sev);
@@ -162,7 +189,8 @@ int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, int *fd_out, ui
     g_ring_bytes = bytes;
     g_period_us = period_us;
     __atomic_store_n(&g_ring, h, __ATOMIC_RELEASE);
-    g_running = 1;
+    __atomic_store_n(&g_running, 1, __ATOMIC_SEQ_CST);
+    dbr_wait_unwrapped_starts();   /* their threads arm no timer: listed below */
 
     tids = dbr_alloc(DBR_TIMER_TABLE_MAX * sizeof *tids);
     if (!tids) {
@@ -173,7 +201,7 @@ int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, int *fd_out, ui
     if (n > (int)DBR_TIMER_TABLE_MAX)
         n = DBR_TIMER_TABLE_MAX;
     for (i = 0; i < n; i++)
-        if (tids[i] != g_agent_tid && tids[i] != dbr_gettid() && arm_timer(tids[i]) == DBR_OK)
+        if (tids[i] != g_agent_tid && tids[i] != dbr_gettid() && arm_timer(tids[i], 0) == DBR_OK)
             armed++;
     dbr_log("sampler started: period %u us, %u entries, %d timers", period_us, ring_entries, armed);
     *fd_out = fd;
@@ -213,7 +241,7 @@ void dbr_sampler_thread_start(void)
         return;
     pthread_mutex_lock(&g_sampler_mu);
     if (g_running)
-        arm_timer(dbr_gettid());
+        arm_timer(dbr_gettid(), 1);
     pthread_mutex_unlock(&g_sampler_mu);
 }
 
@@ -232,6 +260,11 @@ void dbr_sampler_thread_exit(void)
             g_timers[i].tid = 0;
         }
     pthread_mutex_unlock(&g_sampler_mu);
+}
+
+int dbr_sampler_running(void)
+{
+    return __atomic_load_n(&g_running, __ATOMIC_ACQUIRE);
 }
 
 /* fork child: POSIX timers are not inherited; the ring belongs to the parent */

@@ -143,6 +143,10 @@ void dbr_config_load(void)
         g_cfg.on_disconnect_env = DBR_DISCONNECT_REVERT;
     else if (v && strcmp(v, "keep") == 0)
         g_cfg.on_disconnect_env = DBR_DISCONNECT_KEEP;
+    /* Tests only: a pause between an unwrapped thread start's look at the flags and
+     * its clone, the race dbr_wait_unwrapped_starts closes (tests/test_agent_notices.py) */
+    v = getenv("DBR_AGENT_TEST_START_DELAY_US");
+    g_cfg.start_delay_us = v ? (unsigned)strtoul(v, NULL, 10) % 1000000u : 0;
     g_cfg.census_sig = env_signal("DBR_AGENT_CENSUS_SIGNAL", SIGRTMIN + 8);
     g_cfg.sampler_sig = env_signal("DBR_AGENT_SAMPLER_SIGNAL", SIGRTMIN + 9);
     if (g_cfg.sampler_sig == g_cfg.census_sig)

@@ -8,6 +8,7 @@ new session starts quiet again.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -86,3 +87,59 @@ def test_a_new_session_starts_quiet(svc, spawner_exe):
     assert got == [], "the last session's request outlived it"
     rc, _ = client.finish()
     assert rc == 0
+
+
+@pytest.fixture(scope="module")
+def churner_exe():
+    return compile_c(["churner.c"])
+
+
+def _tids(pid: int) -> set[int]:
+    return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def _announced(conn, until: float) -> set[int]:
+    """THREAD_NEW tids queued in the inbox, and those that arrive before ``until``."""
+    new = set()
+    while True:
+        while conn.inbox:
+            rec = conn.inbox.popleft()
+            if rec.type is P.MsgType.THREAD_NEW:
+                new.add(rec.msg.body.tid)
+        left = until - time.monotonic()
+        if left <= 0:
+            return new
+        rec = conn.recv(timeout=left)
+        if rec is not None:
+            conn.inbox.append(rec)
+
+
+@pytest.mark.parametrize("delay_us", [0, 2000])
+def test_threads_started_unwrapped_are_listed_when_notices_turn_on(svc, churner_exe, delay_us):
+    """A dormant agent starts threads without its wrapper (no notices to send, no timer
+    to arm), so such a thread is never announced.  The service relies on listing
+    /proc/PID/task after the agent answers "notices on": every thread then alive was
+    either listed or announced.  The agent waits for unwrapped starts under way
+    before it answers; DBR_AGENT_TEST_START_DELAY_US widens the race it closes (2 ms
+    between the look at the flags and the clone) so that it is met in most rounds."""
+    env = {"DBR_AGENT_TEST_START_DELAY_US": str(delay_us)} if delay_us else None
+    client = svc.spawn([churner_exe, "40", "500"], env=env)
+    client.out.expect("ready")
+    conn = svc.accept(pid=client.pid)
+    missing: list[tuple[int, set[int]]] = []
+    for rnd in range(25):
+        assert conn.notices(P.NOTICE_THREADS) == P.Result.OK
+        listed = _tids(client.pid)
+        time.sleep(0.01)
+        later = _tids(client.pid)   # all born within 40 ms of the answer: still alive
+        announced = _announced(conn, time.monotonic() + 0.05)
+        assert conn.notices(0) == P.Result.OK
+        announced |= _announced(conn, time.monotonic() + 0.02)
+        lost = later - listed - announced
+        if lost:
+            missing.append((rnd, lost))
+        time.sleep(0.005 * (rnd % 4))   # vary the phase against the starts
+    client.send("x")
+    rc, rest = client.finish()
+    assert rc == 0, rest
+    assert not missing, f"threads neither listed nor announced: {missing}"
