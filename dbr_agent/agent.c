@@ -32,6 +32,7 @@
 pthread_mutex_t g_agent_mu = PTHREAD_MUTEX_INITIALIZER;
 pid_t g_agent_tid;
 int g_sync_core;
+static int g_sync_avail;   /* the kernel offers membarrier SYNC_CORE */
 uint64_t g_agent_lo, g_agent_hi;
 
 static pthread_mutex_t g_send_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -481,6 +482,9 @@ static int handle(size_t n)
         rc = dbr_send(&rep, DBR_MSG_CODE_BUFFER, sizeof rep, rep.result == DBR_OK ? fd : -1, 0);
         if (fd >= 0)
             close(fd);
+        /* after the answer: the service writes the code meanwhile */
+        if (rep.result == DBR_OK)
+            dbr_sync_core_ready();
         break;
     }
     case DBR_MSG_CODE_BUFFER_FREE: {
@@ -644,7 +648,7 @@ static int send_hello(void)
     m.pid = (uint32_t)getpid();
     m.ppid = (uint32_t)getppid();
     m.uid = (uint32_t)getuid();
-    m.flags = (g_sync_core ? DBR_HELLO_SYNC_CORE : 0) | (g_forked ? DBR_HELLO_FORKED : 0) |
+    m.flags = (g_sync_avail ? DBR_HELLO_SYNC_CORE : 0) | (g_forked ? DBR_HELLO_FORKED : 0) |
               (g_forked && dbr_any_installed() ? DBR_HELLO_INHERITED : 0) |
               (dbr_thread_hidden() ? DBR_HELLO_HIDDEN_THREAD : 0) | DBR_HELLO_QUIET_THREADS;
     m.agent_version = DBR_AGENT_VERSION;
@@ -1061,12 +1065,29 @@ void dbr_agent_start_thread(int forked)
     pthread_attr_destroy(&attr);
 }
 
-static void register_sync_core(void)
+static void query_sync_core(void)
 {
     long q = syscall(SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
 
-    g_sync_core = q > 0 && (q & MEMBARRIER_CMD_PRIVATE_EXPEDITED_SYNC_CORE) &&
-                  syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_SYNC_CORE, 0, 0) == 0;
+    g_sync_avail = q > 0 && (q & MEMBARRIER_CMD_PRIVATE_EXPEDITED_SYNC_CORE);
+}
+
+/* Register membarrier SYNC_CORE for the process, once, when code is about to be
+ * written (the first code buffer, and before any patch), not when the agent is
+ * loaded.  A registered process serialises the core whenever one of its threads
+ * comes back to a CPU from the idle task, and most clients are never patched: a
+ * program that starts and joins threads by the thousand paid 0.2-0.3 % of its time
+ * for the registration alone (docs/design-notes.md, "Threads start unwrapped while
+ * nothing needs the wrapper").  With more than one thread, the kernel waits for an
+ * RCU grace period here (10-20 ms on this VM).  Whether it is registered. */
+int dbr_sync_core_ready(void)
+{
+    if (!__atomic_load_n(&g_sync_core, __ATOMIC_ACQUIRE) && g_sync_avail &&
+        syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_SYNC_CORE, 0, 0) == 0) {
+        __atomic_store_n(&g_sync_core, 1, __ATOMIC_RELEASE);
+        dbr_log("membarrier SYNC_CORE registered");
+    }
+    return __atomic_load_n(&g_sync_core, __ATOMIC_ACQUIRE);
 }
 
 static void make_wake_pipe(void)
@@ -1113,7 +1134,10 @@ void dbr_fork_child_reset(void)
     dbr_buffers_privatise();
     dbr_sampler_fork_child();
     dbr_transfer_fork_child();
-    register_sync_core();
+    /* a new address space, not registered; the parent's patches came with it, so
+     * register now if the parent had (one thread here: no grace period to wait) */
+    if (__atomic_exchange_n(&g_sync_core, 0, __ATOMIC_ACQ_REL))
+        dbr_sync_core_ready();
     if (__atomic_load_n(&g_retired, __ATOMIC_ACQUIRE))
         return;     /* the parent stepped aside (dbr_agent_retire): so does the child */
     dbr_agent_start_thread(1);
@@ -1132,14 +1156,14 @@ __attribute__((constructor)) static void dbr_agent_init(void)
     dbr_thread_init();
     init_wait_cv();
     dbr_self_scan();
-    register_sync_core();
+    query_sync_core();
     dbr_patch_init();
     dbr_unblock_trap();
     dbr_census_init();
     dbr_sampler_init();
     dbr_atfork_register();
     make_wake_pipe();
-    dbr_log("loaded: sync_core %d, census signal %d, sampler signal %d, agent [%#lx,%#lx)", g_sync_core,
+    dbr_log("loaded: sync_core %d, census signal %d, sampler signal %d, agent [%#lx,%#lx)", g_sync_avail,
             g_cfg.census_sig, g_cfg.sampler_sig, (unsigned long)g_agent_lo, (unsigned long)g_agent_hi);
     dbr_agent_start_thread(0);
 }

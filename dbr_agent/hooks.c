@@ -496,10 +496,11 @@ static int g_unwrapped_starts;
  * window is open), arm and delete the thread's sampler timer (agent-timer sampling),
  * and, when glibc counts the agent's thread, poke it at the last thread's end.  A
  * dormant agent needs none of them, and the wrapper (a slot, a thread-specific key
- * and its destructor at the thread's end) cost a program 0.3-0.4 us a thread, 2 %
- * of a thread start pinned to one CPU (docs/design-notes.md, "Threads started
- * unwrapped").  Called between the caller's count in g_unwrapped_starts and its
- * start, so that turning either on waits for unwrapped starts under way. */
+ * and its destructor at the thread's end) cost a program ~0.18 us of user time a
+ * thread, about 1 % of a thread start and join (docs/design-notes.md, "Threads
+ * start unwrapped while nothing needs the wrapper").  Called between the caller's
+ * count in g_unwrapped_starts and its start, so that turning either on waits for
+ * unwrapped starts under way. */
 static int wrap_needed(void)
 {
     return dbr_thread_notices() || dbr_sampler_running();

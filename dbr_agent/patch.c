@@ -478,7 +478,7 @@ static int validate_patch(const struct dbr_patch_site *s, const struct dbr_maps 
 
     if (s->len != DBR_PATCH_LEN || s->variant > DBR_VARIANT_SINGLE)
         return DBR_E_INVAL;
-    if (!g_sync_core)
+    if (!dbr_sync_core_ready())
         return DBR_E_NOSYNC;
     if (end < s->site || !range_exec(maps, s->site, end, &special))
         return DBR_E_NOT_EXEC;
@@ -516,7 +516,7 @@ static int validate_unpatch(const struct dbr_patch_site *s, const struct dbr_map
     for (i = 0; i < nops; i++)
         if (ops[i].addr == s->site)
             return DBR_E_NOT_PATCHED;   /* duplicate in this batch */
-    if (!g_sync_core)
+    if (!dbr_sync_core_ready())
         return DBR_E_NOSYNC;
     if (!range_exec(maps, s->site, s->site + DBR_PATCH_LEN, &special))
         return DBR_E_NOT_EXEC;

@@ -103,7 +103,7 @@ enum dbr_variant {
 
 /* HELLO.flags */
 #define DBR_HELLO_FORKED     0x1u /* this process is a fork child of a patched process */
-#define DBR_HELLO_SYNC_CORE  0x2u /* membarrier SYNC_CORE registered: live patching possible */
+#define DBR_HELLO_SYNC_CORE  0x2u /* membarrier SYNC_CORE offered (registered at the first code buffer): live patching possible */
 #define DBR_HELLO_INHERITED  0x4u /* carries patches inherited across fork */
 #define DBR_HELLO_HIDDEN_THREAD 0x8u /* the agent's thread is hidden from glibc (else a pthread) */
 #define DBR_HELLO_QUIET_THREADS 0x10u /* THREAD_NEW/THREAD_EXIT only while DBR_MSG_NOTICES

@@ -47,6 +47,40 @@ def finish_storm(client, originals: dict[int, bytes]) -> None:
     assert int(rest[-1].split("=")[1]) > 0
 
 
+# ---- membarrier SYNC_CORE: registered when code is about to be written -------
+
+REGISTERED = "membarrier SYNC_CORE registered"
+
+
+def test_sync_core_is_registered_at_the_first_code_buffer_not_at_load(svc, storm_exe):
+    """A process registered for membarrier SYNC_CORE serialises the core each time one
+    of its threads comes back to a CPU from the idle task, a cost to every client
+    that is never patched.  The agent registers after answering its first code
+    buffer request (the service writes code meanwhile) and before any patch; HELLO
+    says only that the kernel offers it."""
+    client, conn, sites = start_storm(svc, storm_exe, "2", "print",
+                                      env={"DBR_AGENT_DEBUG": "1"})
+    assert conn.hello.flags & P.HELLO_SYNC_CORE
+    client.out.expect("v 3007")
+    client.err.expect(f"dbr-agent[{client.pid}]: session ", timeout=5)
+    with pytest.raises(TimeoutError):   # dormant and connected: not registered
+        client.err.expect(f"dbr-agent[{client.pid}]: {REGISTERED}", timeout=0.5)
+    site = sites[0]
+    buf = conn.code_buffer(near=site, size=4096)
+    client.err.expect(f"dbr-agent[{client.pid}]: {REGISTERED}", timeout=5)
+    buf.write(buf.base, assemble("imul eax, edi, 1000; add eax, 8; ret", buf.base))
+    ps = patch_sites(conn, client.pid, {site: buf.base})
+    assert conn.patch(ps) == [P.Result.OK]
+    client.out.expect("v 3008", timeout=5)
+    assert conn.unpatch(ps) == [P.Result.OK]
+    client.out.expect("v 3007", timeout=5)
+    # once is enough: a second buffer does not register again
+    conn.code_buffer(near=site, size=4096)
+    rc, rest = client.finish()
+    assert rc == 0 and rest[-1].startswith("ok calls=")
+    assert sum(REGISTERED in line for line in client.err.rest() + client.err.lines) == 1
+
+
 # ---- 2: a function patched into replacement code, then restored ------------
 
 def test_patch_changes_output_then_unpatch_restores_bytes(svc, storm_exe):
