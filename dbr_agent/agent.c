@@ -31,7 +31,7 @@
 
 pthread_mutex_t g_agent_mu = PTHREAD_MUTEX_INITIALIZER;
 pid_t g_agent_tid;
-int g_sync_core;
+static int g_sync_core;      /* membarrier SYNC_CORE registered (dbr_sync_core_ready) */
 static int g_sync_avail;   /* the kernel offers membarrier SYNC_CORE */
 uint64_t g_agent_lo, g_agent_hi;
 

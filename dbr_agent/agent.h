@@ -127,7 +127,6 @@ int dbr_wait_unwrapped_starts(void);  /* agent thread: unwrapped thread starts d
 /* ---- agent.c (session) ---- */
 extern pthread_mutex_t g_agent_mu;
 extern pid_t g_agent_tid;           /* tid of the agent thread, 0 if none */
-extern int g_sync_core;             /* membarrier SYNC_CORE registered */
 int dbr_sync_core_ready(void);      /* register SYNC_CORE if not yet; whether it is */
 extern uint64_t g_agent_lo, g_agent_hi; /* the agent library's own mapped range */
 int dbr_connected(void);

@@ -23,6 +23,19 @@ def stat_fields(stat_path: str) -> list[str] | None:
     return text[close + 1:].decode("ascii", "replace").split() if close >= 0 else None
 
 
+def status_field(status_path: str, key: str) -> str | None:
+    """The first word after ``key:`` in a ``/proc/.../status`` file, None if the file is
+    unreadable or has no such line."""
+    try:
+        with open(status_path, "rb") as f:
+            text = "\n" + f.read(8192).decode("ascii", "replace")   # the first line too
+    except OSError:
+        return None
+    at = text.find(f"\n{key}:")
+    rest = text[at + len(key) + 2:].split(None, 1) if at >= 0 else []
+    return rest[0] if rest else None
+
+
 def thread_state(stat_path: str) -> str | None:
     """The state letter of a ``/proc/.../stat`` file (``R``, ``S``, ``Z``...), None if unreadable."""
     rest = stat_fields(stat_path)

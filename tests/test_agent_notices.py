@@ -8,12 +8,12 @@ new session starts quiet again.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 
 from dbr_service import protocol as P
+from dbr_service.sampling.perf import list_tids
 from harness import compile_c, fake_service_fixture  # noqa: F401
 
 NOTICES = (P.MsgType.THREAD_NEW, P.MsgType.THREAD_EXIT)
@@ -94,10 +94,6 @@ def churner_exe():
     return compile_c(["churner.c"])
 
 
-def _tids(pid: int) -> set[int]:
-    return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
-
-
 def _announced(conn, until: float) -> set[int]:
     """THREAD_NEW tids queued in the inbox, and those that arrive before ``until``."""
     new = set()
@@ -129,9 +125,9 @@ def test_threads_started_unwrapped_are_listed_when_notices_turn_on(svc, churner_
     missing: list[tuple[int, set[int]]] = []
     for rnd in range(25):
         assert conn.notices(P.NOTICE_THREADS) == P.Result.OK
-        listed = _tids(client.pid)
+        listed = set(list_tids(client.pid))
         time.sleep(0.01)
-        later = _tids(client.pid)   # all born within 40 ms of the answer: still alive
+        later = set(list_tids(client.pid))   # all born within 40 ms of the answer: still alive
         announced = _announced(conn, time.monotonic() + 0.05)
         assert conn.notices(0) == P.Result.OK
         announced |= _announced(conn, time.monotonic() + 0.02)

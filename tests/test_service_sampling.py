@@ -157,10 +157,11 @@ def test_short_lived_threads_turn_the_notices_off_and_late_ones_are_still_sample
         svc.stop()
 
 
-def test_continuous_sampling_looks_at_switch_rates_again_every_snapshot():
+def test_continuous_sampling_looks_at_switch_rates_again_once_a_second():
     """With continuous sampling the source stays open: a thread that gives up its CPU
     ~14 000 times a second gets no perf event (perf_max_switch_rate), its spinning
-    sibling does; once it spins too (SIGUSR1), a later snapshot's look gives it one."""
+    sibling does; once it spins too (SIGUSR1), a later look (once a second, GATE_LOOK_S)
+    gives it one."""
     import os
     import signal
     import time

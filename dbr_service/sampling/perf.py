@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from dbr_service.errors import SamplingError
-from dbr_service.procfs import stat_fields
+from dbr_service.procfs import stat_fields, status_field
 from dbr_service.sampling.base import Sample, SamplingSource
 
 # ---------------------------------------------------------------------------------------
@@ -390,14 +390,6 @@ def list_tids(pid: int) -> list[int]:
         raise SamplingError(f"cannot list threads of {pid}: {e}") from e
 
 
-def _read_text(path: str, limit: int) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit).decode("ascii", "replace")
-    except OSError:
-        return None
-
-
 class SwitchGate:
     """Which threads of one client are cheap enough to sample with an event of their own.
 
@@ -434,13 +426,10 @@ class SwitchGate:
 
     def switches(self, tid: int) -> int | None:
         """The thread's voluntary context switches so far (None: not readable)."""
-        text = _read_text(f"/proc/{self.pid}/task/{tid}/status", 8192)
-        at = text.find("\nvoluntary_ctxt_switches:") if text else -1
-        if at < 0:
-            return None
+        value = status_field(f"/proc/{self.pid}/task/{tid}/status", "voluntary_ctxt_switches")
         try:
-            return int(text[at:].split(None, 2)[1])
-        except (IndexError, ValueError):
+            return int(value) if value is not None else None
+        except ValueError:
             return None
 
     def _started(self, tid: int) -> float | None:
@@ -609,20 +598,19 @@ class PerfSource(SamplingSource):
         pid = self._require_open()
         current = set(list_tids(pid))
         self.gated &= current
+        was_gated = sorted(self.gated)
         if self.gate is not None:
             self.gate.forget(current)
-            was_gated = sorted(self.gated)
-            for tid in sorted(self._threads.keys() & current):
-                if not self.gate.allows(tid):
-                    self.remove_thread(tid)
-                    self.gated.add(tid)
-                    self.stats.extra["switch_gated"] += 1
-            for tid in was_gated:
-                self.gated.discard(tid)
-                self.add_thread(tid)   # back in the gated set if still too busy
         for tid in sorted(self._threads.keys() & current):
-            if self._threads[tid].ended():   # its tid reused, no THREAD_EXIT between
+            if self._threads[tid].ended():   # its tid reused, no THREAD_EXIT between:
+                self.remove_thread(tid)      # the new thread is added below
+            elif self.gate is not None and not self.gate.allows(tid):
                 self.remove_thread(tid)
+                self.gated.add(tid)
+                self.stats.extra["switch_gated"] += 1
+        for tid in was_gated:
+            self.gated.discard(tid)
+            self.add_thread(tid)   # back in the gated set if still too busy
         added = [t for t in sorted(current - self._threads.keys() - self.gated)
                  if self.add_thread(t) and t in self._threads]
         removed = sorted(self._threads.keys() - current)
