@@ -55,6 +55,9 @@
 #define DBR_CENSUS_SLOTS     4096u  /* threads one census can signal */
 #define DBR_TIMER_TABLE_MAX  4096u  /* sampler timers */
 
+#define DBR_QUIET_DEFAULT_MS 50u   /* DBR_AGENT_QUIET_MS unset */
+#define DBR_QUIET_MAX_MS     5000u
+
 /* ---- configuration (read once from the environment in the constructor) ---- */
 struct dbr_config {
     int  disabled;          /* DBR_AGENT_DISABLE=1 */
@@ -63,6 +66,7 @@ struct dbr_config {
     int  census_sig;
     int  sampler_sig;
     unsigned start_delay_us; /* DBR_AGENT_TEST_START_DELAY_US: tests widen an unwrapped start */
+    unsigned quiet_ms;      /* DBR_AGENT_QUIET_MS: the agent's thread waits this long first */
     char sock_path[108];    /* $DBR_RUNTIME_DIR/agent.sock; "" if unknown */
 };
 extern struct dbr_config g_cfg;

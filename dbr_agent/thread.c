@@ -183,6 +183,15 @@ static void release(void)
  * that ends sooner never had a session.  design-notes, "The agent's thread is
  * born in the real-time class": the placements and timings.
  *
+ * Off unless DBR_AGENT_RT_BIRTH=1.  The birth needs the
+ * creating thread to change its policy and back, and any such change of a
+ * program's thread in its first milliseconds (SCHED_BATCH and back, nice 1
+ * and back, as well as SCHED_FIFO) cost bench `churn` as many early stalls as
+ * the agent did; with the agent's thread born at the program's policy and
+ * quiet for its first 50 ms (agent.c, "quiet while the program starts") both
+ * churn and `threads` did better than with this birth.  design-notes, "Quiet
+ * while the program starts".
+ *
  * Only when the kernel allows it without a doubt: the creating thread's
  * policy is SCHED_OTHER or SCHED_BATCH (not SCHED_RESET_ON_FORK), and it
  * holds CAP_SYS_NICE in the initial user namespace or an RLIMIT_RTPRIO of at
@@ -190,8 +199,7 @@ static void release(void)
  * daemon that a security module denies sys_nice logs one denial per start and
  * is born as any thread).  Not in a fork child, which may carry a seccomp
  * filter that kills for sched_setscheduler (dbr_agent_start_thread).
- * Otherwise, or with DBR_AGENT_RT_BIRTH=0, the thread is born as any thread
- * and a program that starts threads at once may pay the placement above. */
+ * Otherwise the thread is born as any thread, at the program's policy. */
 #define RT_PARK_MS 4
 
 static int g_born_rt;              /* the current hidden thread was born SCHED_FIFO */
@@ -224,7 +232,7 @@ static int rt_birth_allowed(void)
     struct rlimit rl;
     int p;
 
-    if (v && strcmp(v, "0") == 0)
+    if (!v || strcmp(v, "1") != 0)
         return 0;
     p = sched_getscheduler(0);
     if (p != SCHED_OTHER && p != SCHED_BATCH)   /* also: SCHED_RESET_ON_FORK set */

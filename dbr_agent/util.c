@@ -147,6 +147,21 @@ void dbr_config_load(void)
      * its clone, the race dbr_wait_unwrapped_starts closes (tests/test_agent_notices.py) */
     v = getenv("DBR_AGENT_TEST_START_DELAY_US");
     g_cfg.start_delay_us = v ? (unsigned)strtoul(v, NULL, 10) % 1000000u : 0;
+    /* How long the agent's thread waits before its first connection (agent.c,
+     * "quiet while the program starts").  0 connects at once (`dbr run
+     * --aggressive` sets it); values over DBR_QUIET_MAX_MS, or not a number, are
+     * taken as that maximum and the default respectively. */
+    v = getenv("DBR_AGENT_QUIET_MS");
+    g_cfg.quiet_ms = DBR_QUIET_DEFAULT_MS;
+    if (v && *v) {
+        char *end;
+        unsigned long q = strtoul(v, &end, 10);
+
+        if (*end || *v == '-')
+            dbr_log("DBR_AGENT_QUIET_MS=%s is not a number of ms: %u ms", v, g_cfg.quiet_ms);
+        else
+            g_cfg.quiet_ms = q > DBR_QUIET_MAX_MS ? DBR_QUIET_MAX_MS : (unsigned)q;
+    }
     g_cfg.census_sig = env_signal("DBR_AGENT_CENSUS_SIGNAL", SIGRTMIN + 8);
     g_cfg.sampler_sig = env_signal("DBR_AGENT_SAMPLER_SIGNAL", SIGRTMIN + 9);
     if (g_cfg.sampler_sig == g_cfg.census_sig)

@@ -279,9 +279,14 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
     served = True
     if embedded is not None and args.aggressive:
         served = _start_embedded(args, embedded)
+    env = child_env(agent, runtime_dir)
+    if embedded is not None and args.aggressive:
+        # the agent's thread connects at once instead of staying quiet while PROG
+        # starts (dbr_agent/agent.c, "quiet while the program starts")
+        env.setdefault("DBR_AGENT_QUIET_MS", "0")
     t0 = time.monotonic()
     try:
-        proc = subprocess.Popen(prog, env=child_env(agent, runtime_dir))
+        proc = subprocess.Popen(prog, env=env)
     except OSError as exc:
         print(f"dbr run: cannot run {prog[0]}: {exc}", file=sys.stderr)
         return 127 if isinstance(exc, FileNotFoundError) else 126

@@ -173,6 +173,7 @@ NICE = os.getpriority(os.PRIO_PROCESS, 0)       # the tests' own (`nice make tes
 _LAUNCH = {"other": (None, SCHED_OTHER, NICE),
            "batch-nice5": (_batch_nice5, SCHED_BATCH, min(19, NICE + 5))}
 BORN_RT = "agent thread born at SCHED_FIFO"
+RT_BIRTH = {"DBR_AGENT_RT_BIRTH": "1"}   # opt-in since the quiet start (agent.c)
 LEFT_RT = "agent thread left SCHED_FIFO"
 
 
@@ -212,12 +213,13 @@ def _policies(alone_exe, preexec, session, env=None, mode="policy"):
 @pytest.mark.parametrize("launch", sorted(_LAUNCH))
 @pytest.mark.parametrize("session", [True, False], ids=["in-session", "no-service"])
 def test_agent_thread_is_born_real_time_and_takes_the_program_policy(alone_exe, launch, session):
-    """thread.c, "born in the real-time class": the agent's thread is born at
-    SCHED_FIFO (so it starts with no fair-class load or utilisation estimate), parks
-    there, and takes the program's policy and nice value before anything else, with a
-    service or without.  The program's own thread must end as it started."""
+    """thread.c, "born in the real-time class" (DBR_AGENT_RT_BIRTH=1): the agent's
+    thread is born at SCHED_FIFO (so it starts with no fair-class load or utilisation
+    estimate), parks there, and takes the program's policy and nice value before
+    anything else, with a service or without.  The program's own thread must end as it
+    started."""
     preexec, policy, nice = _LAUNCH[launch]
-    r = _policies(alone_exe, preexec, session)
+    r = _policies(alone_exe, preexec, session, env=RT_BIRTH)
     assert any(BORN_RT in line for line in r.log), r.log
     assert r.main == (policy, nice)
     assert r.others == [(policy, nice)]
@@ -238,20 +240,21 @@ def _sched_estimates(pid: int, tid: int) -> dict[str, int]:
                     reason="no /proc/PID/sched (kernel without CONFIG_SCHED_DEBUG)")
 @pytest.mark.parametrize("birth", ["real-time", "as-before"])
 def test_agent_thread_starts_with_no_scheduler_estimates_in_a_session_of_its_own(alone_exe, birth):
-    """What the real-time birth is for.  In a new session (a scheduling autogroup of its
-    own, as under a service manager) a thread born at any fair policy, SCHED_IDLE
-    included, starts with a utilisation estimate of half its CPU's spare capacity,
-    which then skews where the program's first threads are placed.  Born and parked in
-    the real-time class, the agent's thread joins the fair class with load and
-    utilisation 0.  DBR_AGENT_RT_BIRTH=0 shows the estimate it has otherwise; that is
-    read as it was set at birth, so only while it cannot have decayed much."""
+    """What the real-time birth (DBR_AGENT_RT_BIRTH=1) is for.  In a new session (a
+    scheduling autogroup of its own, as under a service manager) a thread born at any
+    fair policy, SCHED_IDLE included, starts with a utilisation estimate of half its
+    CPU's spare capacity, which then skews where the program's first threads are
+    placed.  Born and parked in the real-time class, the agent's thread joins the fair
+    class with load and utilisation 0.  The default birth shows the estimate it has
+    otherwise; that is read as it was set at birth, so only while it cannot have
+    decayed much."""
     svc = FakeService()
     svc.stop_listening()
     try:
         t0 = time.monotonic()
         client = svc.spawn([alone_exe, "policy"], preexec=os.setsid,
                            env={"DBR_AGENT_THREAD": "", "DBR_AGENT_DEBUG": "1",
-                                "DBR_AGENT_RT_BIRTH": "0" if birth == "as-before" else "1"})
+                                **({} if birth == "as-before" else RT_BIRTH)})
         _log(client, client.pid, "agent thread hidden from glibc")
         assert (BORN_RT in "".join(client.err.lines)) == (birth == "real-time"), client.err.lines
         if birth == "real-time":
@@ -278,16 +281,16 @@ def test_agent_thread_starts_with_no_scheduler_estimates_in_a_session_of_its_own
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop a capability")
-@pytest.mark.parametrize("how", ["without-sys_nice", "DBR_AGENT_RT_BIRTH=0"])
+@pytest.mark.parametrize("how", ["without-sys_nice", "by-default"])
 def test_agent_thread_without_the_privilege_is_born_as_before(alone_exe, how):
     """Without CAP_SYS_NICE and with RLIMIT_RTPRIO 0 (the default) a thread may not
-    take SCHED_FIFO: the agent does not try (no denial for a security module to log)
-    and its thread is born with the program's policy; DBR_AGENT_RT_BIRTH=0 asks for
-    that too."""
+    take SCHED_FIFO: though DBR_AGENT_RT_BIRTH=1 asks for it, the agent does not try
+    (no denial for a security module to log) and its thread is born with the program's
+    policy.  Without DBR_AGENT_RT_BIRTH=1 it is born so with the privilege too."""
     if how == "without-sys_nice":
-        preexec, env = _no_rtprio_nor_sys_nice, {}
+        preexec, env = _no_rtprio_nor_sys_nice, RT_BIRTH
     else:
-        preexec, env = None, {"DBR_AGENT_RT_BIRTH": "0"}
+        preexec, env = None, {}
     r = _policies(alone_exe, preexec, session=False, env=env)
     assert not any("SCHED_FIFO" in line for line in r.log), r.log
     assert r.main == (SCHED_OTHER, NICE) and r.others == [(SCHED_OTHER, NICE)]
@@ -298,7 +301,7 @@ def test_fork_child_agent_thread_is_born_as_before(alone_exe):
     """A fork child may carry a seccomp filter of the thread that forked, and the calls
     of a real-time birth are ones such a filter may kill for: its agent's thread is
     born with the program's policy, while the parent's was born at SCHED_FIFO."""
-    r = _policies(alone_exe, None, session=False, mode="fork-policy")
+    r = _policies(alone_exe, None, session=False, mode="fork-policy", env=RT_BIRTH)
     assert (r.main, r.others) == ((SCHED_OTHER, NICE), [(SCHED_OTHER, NICE)])
     by_pid: dict[int, list[str]] = {}
     for line in r.log:
@@ -317,9 +320,70 @@ def test_credentials_dropped_while_the_agent_thread_is_parked_reach_it(alone_exe
     """A program that drops privileges first thing does so while the agent's thread
     is still parked at SCHED_FIFO: the drop waits for it, the thread follows the
     program to nobody, and leaves SCHED_FIFO all the same (that needs no privilege)."""
-    r = _policies(alone_exe, None, session=False, mode="creds-early")
+    r = _policies(alone_exe, None, session=False, mode="creds-early", env=RT_BIRTH)
     assert any(BORN_RT in line for line in r.log), r.log
     assert r.out == ["creds same 2"] + [f"policy {SCHED_OTHER} {NICE}"] * 2
+
+
+QUIET = "agent thread quiet for"
+
+
+@pytest.mark.parametrize("quiet", [None, "0", "400"], ids=["default", "0", "400"])
+def test_agent_thread_stays_quiet_before_its_first_connection(alone_exe, quiet):
+    """agent.c, "quiet while the program starts": the agent's thread waits
+    DBR_AGENT_QUIET_MS (default 50) before it first connects; 0 connects at once."""
+    env = {"DBR_AGENT_THREAD": "", "DBR_AGENT_DEBUG": "1"}
+    if quiet is not None:
+        env["DBR_AGENT_QUIET_MS"] = quiet
+    svc = FakeService()
+    try:
+        t0 = time.monotonic()
+        client = svc.spawn([alone_exe, "single"], env=env)
+        client.out.expect("ready")
+        conn = svc.accept(pid=client.pid)
+        waited = time.monotonic() - t0
+        assert conn.hello.pid == client.pid
+        client.send("go")
+        rc, _ = client.finish(timeout=20)
+        client.err.rest()
+        log = client.err.lines   # rest() appends to it
+    finally:
+        svc.close()
+    assert rc == 0
+    said = [line for line in log if QUIET in line]
+    if quiet == "0":
+        assert not said, log
+    else:
+        assert said == [f"dbr-agent[{client.pid}]: {QUIET} {quiet or 50} ms"], log
+    if quiet == "400":
+        assert waited >= 0.4, waited
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
+def test_credentials_dropped_while_the_agent_thread_is_quiet_reach_it_at_once(alone_exe):
+    """A program that drops privileges first thing does so while the agent's thread is
+    quiet: the thread takes them at once (its quiet is the wait of its backoff, which
+    the drop wakes), not at the end of the quiet, and the program's drop does not wait
+    for it."""
+    svc = FakeService()
+    svc.stop_listening()
+    try:
+        t0 = time.monotonic()
+        client = svc.spawn([alone_exe, "creds-early"],
+                           env={"DBR_AGENT_THREAD": "", "DBR_AGENT_DEBUG": "1",
+                                "DBR_AGENT_QUIET_MS": "4000"})
+        client.out.expect("ready", timeout=10)
+        ready_after = time.monotonic() - t0
+        client.send("go")
+        rc, rest = client.finish(timeout=20)
+        client.err.rest()
+        log = client.err.lines
+    finally:
+        svc.close()
+    assert rc == 0, (rest, log)
+    assert any(f"{QUIET} 4000 ms" in line for line in log), log
+    assert rest[0] == "creds same 2", (rest, log)
+    assert ready_after < 2.0, ready_after
 
 
 # The hidden thread runs most of the agent.  While glibc sees one thread its heap and

@@ -42,6 +42,20 @@ def test_ld_preload_prepended(noservice_env, tmp_path):
     del other
 
 
+def test_aggressive_runs_have_the_agent_connect_at_once(noservice_env):
+    """The agent's thread stays quiet for its first 50 ms (dbr_agent/agent.c); `dbr run
+    --embedded --aggressive` wants optimization from PROG's first moments and sets
+    DBR_AGENT_QUIET_MS=0, unless the user set it."""
+    show = ["--", "sh", "-c", "echo \"q=${DBR_AGENT_QUIET_MS-unset}\""]
+    r = _run("--embedded", "--aggressive", "--quiet", *show, env=noservice_env)
+    assert r.returncode == 0 and r.stdout.strip() == "q=0", (r.stdout, r.stderr)
+    r = _run("--embedded", "--quiet", *show, env=noservice_env)
+    assert r.stdout.strip() == "q=unset", (r.stdout, r.stderr)
+    r = _run("--embedded", "--aggressive", "--quiet", *show,
+             env=dict(noservice_env, DBR_AGENT_QUIET_MS="20"))
+    assert r.stdout.strip() == "q=20", (r.stdout, r.stderr)
+
+
 def test_report_embedded_follows_forks_and_execs(noservice_env, tmp_path):
     prog = build_example("hotloop")
     rep_path = tmp_path / "rep.json"
