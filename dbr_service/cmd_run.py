@@ -270,6 +270,21 @@ def _start_embedded(args: argparse.Namespace, embedded: EmbeddedService,
     return True
 
 
+# The agent's thread waits DBR_AGENT_QUIET_MS before its first connection
+# (dbr_agent/agent.c, "quiet while the program starts"; DBR_QUIET_DEFAULT_MS and
+# DBR_QUIET_MAX_MS in agent.h).  A PROG that ended within it (plus the margin, for
+# the connection and HELLO) had no session for that reason.
+QUIET_DEFAULT_MS = 50
+QUIET_MAX_MS = 5000
+QUIET_MARGIN_S = 0.05
+
+
+def _agent_quiet_s(env: Mapping[str, str]) -> float:
+    v = env.get("DBR_AGENT_QUIET_MS", "")
+    ms = int(v) if v.isdigit() else QUIET_DEFAULT_MS
+    return min(ms, QUIET_MAX_MS) / 1000
+
+
 def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir: Path,
               embedded: EmbeddedService | None) -> int:
     # By default PROG starts at once and the embedded service starts beside it (its
@@ -320,6 +335,10 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
             extra["note"] = ("PROG ended as the embedded service (started beside it) came "
                              "up, before its agent's connection was taken; --aggressive "
                              "starts the service first")
+        elif _agent_quiet_s(env) and ended_at - t0 < _agent_quiet_s(env) + QUIET_MARGIN_S:
+            extra["note"] = (f"PROG ended within its agent's quiet start "
+                             f"({_agent_quiet_s(env) * 1000:.0f} ms, DBR_AGENT_QUIET_MS), "
+                             "before the agent first connected")
         else:
             extra["note"] = ("no agent connected: a static or setuid program, one that "
                              "clears LD_PRELOAD, or DBR_AGENT_DISABLE=1")

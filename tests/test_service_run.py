@@ -100,6 +100,22 @@ def test_uses_host_service():
         svc.stop()
 
 
+def test_a_program_gone_within_the_agent_quiet_start_is_explained():
+    """The agent's thread stays quiet for its first 50 ms: `true` under a host service
+    exits before its agent connects, and the report says why rather than blaming a
+    static program or a cleared LD_PRELOAD."""
+    svc = ServiceProc().wait_ready()
+    try:
+        r = _run("--", "true", env=svc.env)
+        assert r.returncode == 0, r.stderr
+        assert "(host service)" in r.stderr
+        assert "PROG ended within its agent's quiet start (50 ms" in r.stderr, r.stderr
+        r = _run("--", "sh", "-c", "sleep 0.5", env=dict(svc.env, DBR_AGENT_DISABLE="1"))
+        assert "no agent connected" in r.stderr, r.stderr
+    finally:
+        svc.stop()
+
+
 def test_run_starts_prog_without_importing_the_service():
     """`dbr run` on the host-service path imports neither the region/codegen code nor
     the session code before PROG starts (they cost 0.2 s of every run), and the report
