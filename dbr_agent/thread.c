@@ -183,14 +183,14 @@ static void release(void)
  * that ends sooner never had a session.  design-notes, "The agent's thread is
  * born in the real-time class": the placements and timings.
  *
- * Off unless DBR_AGENT_RT_BIRTH=1.  The birth needs the
- * creating thread to change its policy and back, and any such change of a
- * program's thread in its first milliseconds (SCHED_BATCH and back, nice 1
- * and back, as well as SCHED_FIFO) cost bench `churn` as many early stalls as
- * the agent did; with the agent's thread born at the program's policy and
- * quiet for its first 50 ms (agent.c, "quiet while the program starts") both
- * churn and `threads` did better than with this birth.  design-notes, "Quiet
- * while the program starts".
+ * Off unless DBR_AGENT_RT_BIRTH=1.  The birth needs the creating thread to
+ * change its policy and back, and any such change of a program's thread in its
+ * first milliseconds (SCHED_BATCH and back, nice 1 and back, as well as
+ * SCHED_FIFO) cost bench `churn` as many early stalls as the agent did; with
+ * the agent's thread born at the program's policy and quiet for its first
+ * 50 ms (agent.c, "quiet while the program starts") both churn and `threads`
+ * did better than with this birth.  design-notes, "Quiet while the program
+ * starts".
  *
  * Only when the kernel allows it without a doubt: the creating thread's
  * policy is SCHED_OTHER or SCHED_BATCH (not SCHED_RESET_ON_FORK), and it

@@ -329,15 +329,16 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
     clients = collect_report(ControlClient(runtime_dir), proc.pid) if served else []
     extra = {}
     if served and not clients:
+        quiet_s = _agent_quiet_s(env)
         if embedded is not None and not args.aggressive and ended_at - up_at < 0.25:
             # The service started beside PROG (above): a PROG that ended within its
             # start-up left before its agent's connection was taken.
             extra["note"] = ("PROG ended as the embedded service (started beside it) came "
                              "up, before its agent's connection was taken; --aggressive "
                              "starts the service first")
-        elif _agent_quiet_s(env) and ended_at - t0 < _agent_quiet_s(env) + QUIET_MARGIN_S:
+        elif quiet_s and ended_at - t0 < quiet_s + QUIET_MARGIN_S:
             extra["note"] = (f"PROG ended within its agent's quiet start "
-                             f"({_agent_quiet_s(env) * 1000:.0f} ms, DBR_AGENT_QUIET_MS), "
+                             f"({quiet_s * 1000:.0f} ms, DBR_AGENT_QUIET_MS), "
                              "before the agent first connected")
         else:
             extra["note"] = ("no agent connected: a static or setuid program, one that "
