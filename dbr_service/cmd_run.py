@@ -292,10 +292,9 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
     # socket's backlog meanwhile).  --aggressive wants optimization from PROG's first
     # moments, so there the service is up first, as before.
     served = True
-    if embedded is not None and args.aggressive:
-        served = _start_embedded(args, embedded)
     env = child_env(agent, runtime_dir)
     if embedded is not None and args.aggressive:
+        served = _start_embedded(args, embedded)
         # the agent's thread connects at once instead of staying quiet while PROG
         # starts (dbr_agent/agent.c, "quiet while the program starts")
         env.setdefault("DBR_AGENT_QUIET_MS", "0")
