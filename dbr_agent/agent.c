@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
@@ -968,16 +969,54 @@ static void wait_until(uint64_t until)
  * stalls of over 1 ms in the loop's first 40 ms, per run, were 2.7 natively,
  * 6.9 with the agent's thread born at the program's policy and connecting at
  * once, 4.0-4.7 with it quiet for 30, 60 or 120 ms.  A thread that only exists
- * and sleeps for good gave 3.8-4.1: the birth itself is the rest.  `dbr run
- * --aggressive` sets 0: it wants code patched from the program's first
- * moments.  A program that ends within the quiet never had a session (the
- * service does not sample such young clients anyway). */
+ * and sleeps for good gave 3.8-4.1: the birth itself is the rest.  A service
+ * run with --aggressive has it 0 (below): it wants code patched from the
+ * program's first moments.  A program that ends within the quiet never had a
+ * session (the service does not sample such young clients anyway). */
+
+/* Unless DBR_AGENT_QUIET_MS set it, a service that samples programs younger than
+ * the default quiet says so in DBR_QUIET_FILE beside agent.sock (service.py,
+ * write_quiet_hint): a host service started with --aggressive would otherwise get
+ * its clients 50 ms late, as their environment is not the service's to set.
+ * Read here, by the agent's thread, not in the constructor: a program start pays
+ * nothing for it.  A missing or unreadable file, or one that does not hold a
+ * number (logged), leaves the default. */
+static int quiet_hint(char *from, size_t from_len, unsigned *ms)
+{
+    const char *slash = strrchr(g_cfg.sock_path, '/');
+    char buf[16];
+    ssize_t n;
+    int fd;
+
+    if (g_cfg.quiet_from_env || !slash)
+        return 0;
+    snprintf(from, from_len, "%.*s/%s", (int)(slash - g_cfg.sock_path), g_cfg.sock_path,
+             DBR_QUIET_FILE);
+    /* O_NONBLOCK: a FIFO put there must not hold the thread; O_NOFOLLOW: nor a link */
+    fd = open(from, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0)
+        return 0;
+    n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    buf[n > 0 ? n : 0] = 0;
+    if (dbr_parse_ms(buf, DBR_QUIET_MAX_MS, ms) < 0) {
+        dbr_log("%s does not hold a number of ms: ignored", from);
+        return 0;
+    }
+    return 1;
+}
+
 static void stay_quiet(void)
 {
-    if (!g_cfg.quiet_ms)
-        return;
-    dbr_log("agent thread quiet for %u ms", g_cfg.quiet_ms);
-    wait_until(dbr_now_ms() + g_cfg.quiet_ms);
+    char from[sizeof g_cfg.sock_path + sizeof DBR_QUIET_FILE];
+    unsigned ms = g_cfg.quiet_ms;
+
+    if (quiet_hint(from, sizeof from, &ms))
+        dbr_log("agent thread quiet for %u ms (the service's hint, %s)", ms, from);
+    else if (ms)
+        dbr_log("agent thread quiet for %u ms", ms);
+    if (ms)
+        wait_until(dbr_now_ms() + ms);
 }
 
 static void *agent_main(void *arg)

@@ -55,9 +55,6 @@
 #define DBR_CENSUS_SLOTS     4096u  /* threads one census can signal */
 #define DBR_TIMER_TABLE_MAX  4096u  /* sampler timers */
 
-#define DBR_QUIET_DEFAULT_MS 50u   /* DBR_AGENT_QUIET_MS unset */
-#define DBR_QUIET_MAX_MS     5000u
-
 /* ---- configuration (read once from the environment in the constructor) ---- */
 struct dbr_config {
     int  disabled;          /* DBR_AGENT_DISABLE=1 */
@@ -67,12 +64,14 @@ struct dbr_config {
     int  sampler_sig;
     unsigned start_delay_us; /* DBR_AGENT_TEST_START_DELAY_US: tests widen an unwrapped start */
     unsigned quiet_ms;      /* DBR_AGENT_QUIET_MS: the agent's thread waits this long first */
+    int  quiet_from_env;    /* DBR_AGENT_QUIET_MS was given (else the service's hint may apply) */
     char sock_path[108];    /* $DBR_RUNTIME_DIR/agent.sock; "" if unknown */
 };
 extern struct dbr_config g_cfg;
 
 /* ---- util.c ---- */
 void dbr_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+int  dbr_parse_ms(const char *s, unsigned max, unsigned *out);
 pid_t dbr_gettid(void);
 uint64_t dbr_now_ms(void);
 void dbr_sleep_ms(unsigned ms);

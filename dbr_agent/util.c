@@ -119,6 +119,27 @@ static int seccomp_mode(void)
     return p && *p >= '0' && *p <= '9' ? *p - '0' : -1;
 }
 
+/* A count of milliseconds as the user or the service wrote it: decimal digits
+ * after optional blanks, then optionally one newline; over max is max.  0, or -1
+ * for anything else (a sign, other characters, nothing). */
+int dbr_parse_ms(const char *s, unsigned max, unsigned *out)
+{
+    unsigned long q;
+    char *end;
+
+    while (*s == ' ' || *s == '\t')
+        s++;
+    if (*s < '0' || *s > '9')
+        return -1;
+    q = strtoul(s, &end, 10);
+    if (*end == '\n')
+        end++;
+    if (*end)
+        return -1;
+    *out = q > max ? max : (unsigned)q;
+    return 0;
+}
+
 void dbr_config_load(void)
 {
     const char *v, *dir;
@@ -148,19 +169,22 @@ void dbr_config_load(void)
     v = getenv("DBR_AGENT_TEST_START_DELAY_US");
     g_cfg.start_delay_us = v ? (unsigned)strtoul(v, NULL, 10) % 1000000u : 0;
     /* How long the agent's thread waits before its first connection (agent.c,
-     * "quiet while the program starts").  0 connects at once (`dbr run
-     * --aggressive` sets it); values over DBR_QUIET_MAX_MS, or not a number, are
-     * taken as that maximum and the default respectively. */
+     * "quiet while the program starts").  0 connects at once; values over
+     * DBR_QUIET_MAX_MS are that maximum.  Not a number: logged, and the value is
+     * left to the service's hint (agent.c, quiet_hint) or the default, as when
+     * unset. */
     v = getenv("DBR_AGENT_QUIET_MS");
     g_cfg.quiet_ms = DBR_QUIET_DEFAULT_MS;
+    g_cfg.quiet_from_env = 0;
     if (v && *v) {
-        char *end;
-        unsigned long q = strtoul(v, &end, 10);
+        unsigned q;
 
-        if (*end || *v == '-')
-            dbr_log("DBR_AGENT_QUIET_MS=%s is not a number of ms: %u ms", v, g_cfg.quiet_ms);
-        else
-            g_cfg.quiet_ms = q > DBR_QUIET_MAX_MS ? DBR_QUIET_MAX_MS : (unsigned)q;
+        if (dbr_parse_ms(v, DBR_QUIET_MAX_MS, &q) < 0) {
+            dbr_log("DBR_AGENT_QUIET_MS=%s is not a number of ms: ignored", v);
+        } else {
+            g_cfg.quiet_ms = q;
+            g_cfg.quiet_from_env = 1;
+        }
     }
     g_cfg.census_sig = env_signal("DBR_AGENT_CENSUS_SIGNAL", SIGRTMIN + 8);
     g_cfg.sampler_sig = env_signal("DBR_AGENT_SAMPLER_SIGNAL", SIGRTMIN + 9);

@@ -23,3 +23,54 @@ def resolve_runtime_dir(configured: str = "", env: Mapping[str, str] | None = No
         return Path("/run/dbr")
     xdg = env.get("XDG_RUNTIME_DIR") or f"/tmp/dbr-{os.getuid()}"
     return Path(xdg) / "dbr"
+
+
+# The agent's quiet start (dbr_agent/agent.c, "quiet while the program starts";
+# shared/dbr_protocol.h: DBR_QUIET_DEFAULT_MS, DBR_QUIET_MAX_MS, DBR_QUIET_FILE, which
+# tests/test_protocol_layout.py checks these against).  The agent's thread waits
+# this long before its first connection: DBR_AGENT_QUIET_MS if it holds a number,
+# else the number a service wrote to QUIET_FILE in its runtime dir, else the default.
+QUIET_DEFAULT_MS = 50
+QUIET_MAX_MS = 5000
+QUIET_FILE = "agent-quiet-ms"
+
+
+def parse_ms(text: str, maximum: int = QUIET_MAX_MS) -> int | None:
+    """The agent's dbr_parse_ms: decimal digits after optional blanks, then at most
+    one newline; over ``maximum`` is ``maximum``; None for anything else."""
+    s = text.lstrip(" \t")
+    if s.endswith("\n"):
+        s = s[:-1]
+    if not s or not all("0" <= c <= "9" for c in s):
+        return None
+    return min(int(s), maximum)
+
+
+def agent_quiet_ms(env: Mapping[str, str], runtime_dir: Path | None) -> int:
+    """How long an agent started with ``env`` beside a service in ``runtime_dir``
+    stays quiet, as the agent decides it."""
+    ms = parse_ms(env.get("DBR_AGENT_QUIET_MS", ""))
+    if ms is not None:
+        return ms
+    if runtime_dir is not None:
+        try:
+            fd = os.open(runtime_dir / QUIET_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return QUIET_DEFAULT_MS
+        try:
+            hint = parse_ms(os.read(fd, 15).decode("ascii", "replace"))
+        except OSError:
+            hint = None
+        finally:
+            os.close(fd)
+        if hint is not None:
+            return hint
+    return QUIET_DEFAULT_MS
+
+
+def quiet_hint_ms(min_client_age_s: float) -> int | None:
+    """What a service that does not sample clients younger than ``min_client_age_s``
+    tells its agents to wait (QUIET_FILE), or None when the agent's default is no
+    longer than that: a longer quiet would only delay the first samples."""
+    ms = int(max(0.0, min_client_age_s) * 1000)
+    return ms if ms < QUIET_DEFAULT_MS else None

@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence, TypeVar
 
+from dbr_service import paths
 from dbr_service.errors import ProtocolError
 
 __all__ = ["ProtocolError"]
@@ -298,6 +299,7 @@ C_CONSTANTS: dict[str, int] = {
     "DBR_CENSUS_OK": CENSUS_OK, "DBR_CENSUS_NO_REPLY": CENSUS_NO_REPLY,
     "DBR_CENSUS_AGENT": CENSUS_AGENT, "DBR_CENSUS_GONE": CENSUS_GONE,
     "DBR_CENSUS_MORE": CENSUS_MORE, "DBR_RING_MAGIC": RING_MAGIC,
+    "DBR_QUIET_DEFAULT_MS": paths.QUIET_DEFAULT_MS, "DBR_QUIET_MAX_MS": paths.QUIET_MAX_MS,
     **{f"DBR_MSG_{m.name}": m.value for m in MsgType},
     **{f"DBR_{r.name}": r.value for r in Result},
     **{f"DBR_VARIANT_{v.name}": v.value for v in Variant},

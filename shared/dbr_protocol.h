@@ -128,6 +128,16 @@ enum dbr_map_kind {
 /* BYE.flags */
 #define DBR_BYE_REVERT 0x1u /* S->A: revert every patch before closing */
 
+/* The agent's quiet start (dbr_agent/agent.c, "quiet while the program starts"):
+ * its thread waits this long before its first connection.  DBR_AGENT_QUIET_MS in
+ * the program's environment sets it; else a service that samples younger programs
+ * writes a shorter one, as decimal ms, to DBR_QUIET_FILE beside agent.sock
+ * (service.py, write_quiet_hint); else the default.  Over the maximum is the
+ * maximum. */
+#define DBR_QUIET_DEFAULT_MS 50u
+#define DBR_QUIET_MAX_MS     5000u
+#define DBR_QUIET_FILE       "agent-quiet-ms"
+
 /* PC_CENSUS entry.state */
 #define DBR_CENSUS_OK       0u /* pc is the thread's interrupted user PC */
 #define DBR_CENSUS_NO_REPLY 1u /* thread did not answer within the bound: assume anywhere */

@@ -22,6 +22,7 @@ import pytest
 
 import dbr_agent
 from dbr_service import protocol as P
+from dbr_service.paths import QUIET_FILE
 from harness import FakeService, compile_c
 
 
@@ -357,6 +358,53 @@ def test_agent_thread_stays_quiet_before_its_first_connection(alone_exe, quiet):
         assert said == [f"dbr-agent[{client.pid}]: {QUIET} {quiet or 50} ms"], log
     if quiet == "400":
         assert waited >= 0.4, waited
+
+
+HINT = "the service's hint"
+
+
+@pytest.mark.parametrize("hint, env_quiet, said, min_wait", [
+    ("0\n", None, "0 ms (the service's hint, {f})", 0.0),
+    (" 400\n", None, "400 ms (the service's hint, {f})", 0.4),
+    ("400\n", "0", None, 0.0),                            # the program's own setting wins
+    ("soon\n", None, "50 ms", 0.0),                       # not a number: logged, default
+    ("fifo", None, "50 ms", 0.0),                          # must not hold the thread
+], ids=["zero", "400", "env-wins", "garbage", "fifo"])
+def test_agent_thread_takes_the_services_quiet_hint(alone_exe, hint, env_quiet, said, min_wait):
+    """A service that samples programs younger than the agent's default quiet writes a
+    shorter one to paths.QUIET_FILE beside agent.sock (service.py, write_quiet_hint);
+    the agent's thread reads it unless DBR_AGENT_QUIET_MS is set.  A FIFO there would
+    block a plain open: the agent opens it non-blocking and keeps its default."""
+    svc = FakeService()
+    path = os.path.join(svc.runtime_dir, QUIET_FILE)
+    if hint == "fifo":
+        os.mkfifo(path)
+    else:
+        with open(path, "w") as f:
+            f.write(hint)
+    env = {"DBR_AGENT_THREAD": "", "DBR_AGENT_DEBUG": "1"}
+    if env_quiet is not None:
+        env["DBR_AGENT_QUIET_MS"] = env_quiet
+    try:
+        t0 = time.monotonic()
+        client = svc.spawn([alone_exe, "single"], env=env)
+        client.out.expect("ready")
+        conn = svc.accept(pid=client.pid, timeout=10)
+        waited = time.monotonic() - t0
+        assert conn.hello.pid == client.pid
+        client.send("go")
+        rc, _ = client.finish(timeout=20)
+        client.err.rest()
+        log = client.err.lines
+    finally:
+        svc.close()
+    assert rc == 0
+    quiet = [line.split(f"{QUIET} ", 1)[1] for line in log if QUIET in line]
+    assert quiet == ([said.format(f=path)] if said else []), log
+    assert (HINT in " ".join(log)) == bool(said and HINT in said), log
+    if hint in ("soon\n", "fifo"):
+        assert any(f"{path} does not hold a number of ms: ignored" in line for line in log), log
+    assert waited >= min_wait, waited
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")

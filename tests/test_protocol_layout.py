@@ -82,3 +82,29 @@ def test_unpack_rejects_bad_input(mutate, why):
     raw = protocol.pack(protocol.Ack(req_id=1, result=0), protocol.MsgType.ACK, seq=1)
     with pytest.raises(protocol.ProtocolError):
         protocol.unpack(mutate(raw))
+
+
+def test_quiet_file_name_and_parsing_match_the_agent(tmp_path):
+    """The agent's quiet start (shared/dbr_protocol.h): the hint file's name, and the
+    Python reading of DBR_AGENT_QUIET_MS and of the file, as the agent reads them
+    (util.c, dbr_parse_ms: digits after blanks, one newline at most, capped)."""
+    import re
+
+    from dbr_service import paths
+
+    m = re.search(r'^#define DBR_QUIET_FILE\s+"([^"]+)"', HEADER.read_text(), re.M)
+    assert m and m.group(1) == paths.QUIET_FILE
+    cases = {"0": 0, "12": 12, " \t7\n": 7, "99999999999999999999": paths.QUIET_MAX_MS,
+             "": None, "+3": None, "-1": None, "12x": None, "1 2": None, "0\n\n": None,
+             "\n": None}
+    assert {k: paths.parse_ms(k) for k in cases} == cases
+    env = {"DBR_AGENT_QUIET_MS": "7"}
+    assert paths.agent_quiet_ms({}, None) == paths.QUIET_DEFAULT_MS
+    assert paths.agent_quiet_ms({}, tmp_path) == paths.QUIET_DEFAULT_MS   # no file
+    (tmp_path / paths.QUIET_FILE).write_text("20\n")
+    assert paths.agent_quiet_ms({}, tmp_path) == 20
+    assert paths.agent_quiet_ms(env, tmp_path) == 7
+    assert paths.agent_quiet_ms({"DBR_AGENT_QUIET_MS": "soon"}, tmp_path) == 20
+    (tmp_path / paths.QUIET_FILE).write_text("later\n")
+    assert paths.agent_quiet_ms({}, tmp_path) == paths.QUIET_DEFAULT_MS
+    assert [paths.quiet_hint_ms(a) for a in (0.0, 0.02, 0.05, 1.0, -1.0)] == [0, 20, None, None, 0]
