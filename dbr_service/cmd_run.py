@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dbr_service.paths import AGENT_SOCKET, resolve_runtime_dir
+from dbr_service.paths import AGENT_SOCKET, QUIET_FILE, agent_quiet_ms, resolve_runtime_dir
 from dbr_service.report import format_report, run_report
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -270,19 +270,10 @@ def _start_embedded(args: argparse.Namespace, embedded: EmbeddedService,
     return True
 
 
-# The agent's thread waits DBR_AGENT_QUIET_MS before its first connection
-# (dbr_agent/agent.c, "quiet while the program starts"; DBR_QUIET_DEFAULT_MS and
-# DBR_QUIET_MAX_MS in agent.h).  A PROG that ended within it (plus the margin, for
-# the connection and HELLO) had no session for that reason.
-QUIET_DEFAULT_MS = 50
-QUIET_MAX_MS = 5000
+# A PROG that ended within its agent's quiet start (dbr_agent/agent.c, "quiet while
+# the program starts"; paths.agent_quiet_ms), plus this margin for the connection and
+# HELLO, had no session for that reason.
 QUIET_MARGIN_S = 0.05
-
-
-def _agent_quiet_s(env: Mapping[str, str]) -> float:
-    v = env.get("DBR_AGENT_QUIET_MS", "")
-    ms = int(v) if v.isdigit() else QUIET_DEFAULT_MS
-    return min(ms, QUIET_MAX_MS) / 1000
 
 
 def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir: Path,
@@ -294,10 +285,9 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
     served = True
     env = child_env(agent, runtime_dir)
     if embedded is not None and args.aggressive:
+        # up first: its hint (paths.QUIET_FILE, min_client_age_s 0) has the agent's
+        # thread connect at once instead of staying quiet while PROG starts
         served = _start_embedded(args, embedded)
-        # the agent's thread connects at once instead of staying quiet while PROG
-        # starts (dbr_agent/agent.c, "quiet while the program starts")
-        env.setdefault("DBR_AGENT_QUIET_MS", "0")
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(prog, env=env)
@@ -328,7 +318,7 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
     clients = collect_report(ControlClient(runtime_dir), proc.pid) if served else []
     extra = {}
     if served and not clients:
-        quiet_s = _agent_quiet_s(env)
+        quiet_s = agent_quiet_ms(env, runtime_dir) / 1000
         if embedded is not None and not args.aggressive and ended_at - up_at < 0.25:
             # The service started beside PROG (above): a PROG that ended within its
             # start-up left before its agent's connection was taken.
@@ -337,7 +327,8 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
                              "starts the service first")
         elif quiet_s and ended_at - t0 < quiet_s + QUIET_MARGIN_S:
             extra["note"] = (f"PROG ended within its agent's quiet start "
-                             f"({quiet_s * 1000:.0f} ms, DBR_AGENT_QUIET_MS), "
+                             f"({quiet_s * 1000:.0f} ms: DBR_AGENT_QUIET_MS, or the "
+                             f"service's {QUIET_FILE}), "
                              "before the agent first connected")
         else:
             extra["note"] = ("no agent connected: a static or setuid program, one that "

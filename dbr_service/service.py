@@ -38,7 +38,7 @@ from dbr_service.config import Config, ConfigSources
 from dbr_service.control import ControlServer, EventBus
 from dbr_service.errors import ConfigError, DbrError, SamplingError
 from dbr_service.notify import Notifier
-from dbr_service.paths import AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET
+from dbr_service.paths import AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET, QUIET_FILE, quiet_hint_ms
 from dbr_service.reuse import ReusedThreads
 from dbr_service.sampling.aggregate import SampleAggregator
 from dbr_service.scheduler import (QUICK_JOBS, ClientJob, JobResult, Scheduler, quick_job,
@@ -193,6 +193,7 @@ class Service:
                 0o600 if allowed <= {0, os.getuid()} else 0o666)
             self._listen = agentconn.listen(self.path(AGENT_SOCKET), mode=mode)
         self._listen.setblocking(False)
+        self.write_quiet_hint()   # only now: the runtime dir is this service's
         self._ctx = zmq.Context()
         self._control = ControlServer(self, self._ctx, self.path(CONTROL_SOCKET))
         self.events = EventBus(self._ctx, self.path(EVENTS_SOCKET))
@@ -220,6 +221,31 @@ class Service:
             raise ServiceError(f"socket_group {group!r} does not exist") from None
         except OSError as exc:
             raise ServiceError(f"runtime dir {d}: {exc}") from None
+
+    def write_quiet_hint(self) -> None:
+        """Tell agents how long to stay quiet at their start (paths.QUIET_FILE, read by
+        the agent's thread unless DBR_AGENT_QUIET_MS is set): when this service samples
+        clients younger than the agent's default quiet (``min_client_age_s``, 0 under
+        --aggressive), the default would only delay them, and a host service cannot set
+        its clients' environment.  Otherwise no file (a stale one is removed).  Written
+        whole (a temporary file renamed), so an agent never reads half of it; failing
+        to write it is logged and costs only those milliseconds."""
+        path = self.path(QUIET_FILE)
+        ms = quiet_hint_ms(self.config.min_client_age_s)
+        try:
+            if ms is None:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                return
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{ms}\n")
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("cannot write the agents' quiet hint %s: %s", path, exc)
 
     def _chgrp_sockets(self) -> None:
         group = self.config.socket_group
@@ -669,6 +695,8 @@ class Service:
             self.source_kind = choose_source(new.sampling_source, self.capabilities)
         if new.log_level != old.log_level:
             logging.getLogger("dbr").setLevel(new.log_level.upper())
+        if new.min_client_age_s != old.min_client_age_s and self._started:
+            self.write_quiet_hint()
         changed = {k: v for k, v in new.to_dict().items() if old.to_dict()[k] != v}
         self.events.publish("config-changed", changed=changed)
 
@@ -738,7 +766,7 @@ class Service:
         self.events.close()
         if self._listen is not None:
             self._listen.close()
-            for name in (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET):
+            for name in (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET, QUIET_FILE):
                 try:
                     os.unlink(self.path(name))
                 except FileNotFoundError:

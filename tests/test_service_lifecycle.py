@@ -14,6 +14,7 @@ import pytest
 from service_helpers import FakeAgent, ServiceProc, agent_path, build_example, kill, spawn_client
 
 from dbr_service import protocol as P
+from dbr_service.paths import QUIET_FILE
 
 
 def _dbr(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -121,6 +122,50 @@ def test_notify_ctl_reload_and_sigterm(tmp_path):
             fa.close()
         svc.stop()
         nsock.close()
+
+
+def test_service_tells_its_agents_how_long_to_stay_quiet(tmp_path):
+    """A service that samples clients younger than the agent's 50 ms quiet start
+    (min_client_age_s; --aggressive sets 0) writes the shorter quiet to QUIET_FILE in
+    its runtime dir, keeps it in step with its configuration, and removes it when it
+    stops: its clients' environment is not its to set.  A stale file is replaced.  A
+    real agent started beside it connects without the default quiet."""
+    rdir = tmp_path / "rt"
+    rdir.mkdir()
+    hint = rdir / QUIET_FILE
+    hint.write_text("3000\n")   # a killed service's
+    svc = ServiceProc("--aggressive", runtime_dir=str(rdir)).wait_ready()
+    client = None
+    try:
+        assert hint.read_text() == "0\n"
+        if agent_path():
+            client = spawn_client(svc.dir, [build_example("hotloop"), "800"],
+                                  env={"DBR_AGENT_DEBUG": "1"})
+            svc.wait_for(lambda: svc.call("status")["clients"] >= 1, 10.0, "client attached")
+        svc.call("config_set", {"key": "min_client_age_s", "value": 0.02})
+        assert hint.read_text() == "20\n"
+        svc.call("config_set", {"key": "min_client_age_s", "value": 0.05})
+        assert not hint.exists()   # no shorter than the agent's default: no hint
+        svc.call("config_set", {"key": "min_client_age_s", "value": 0})
+        assert hint.read_text() == "0\n"
+        svc.proc.send_signal(signal.SIGTERM)
+        svc.proc.wait(5)
+        assert not hint.exists()
+        if client is not None:
+            _, err = client.communicate(timeout=30)
+            assert f"agent thread quiet for 0 ms (the service's hint, {hint})" in err, err
+    finally:
+        if client is not None:
+            kill(client)
+        svc.stop()
+    # the default service (clients of 1 s and older) leaves the agents' default alone
+    rdir.mkdir(exist_ok=True)   # stop() removed it
+    hint.write_text("0\n")
+    svc = ServiceProc(runtime_dir=str(rdir)).wait_ready()
+    try:
+        assert not hint.exists()
+    finally:
+        svc.stop()
 
 
 def test_ctl_without_service_and_usage_errors(tmp_path):

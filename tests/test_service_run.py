@@ -10,6 +10,8 @@ import sys
 import pytest
 from service_helpers import ServiceProc, agent_path, build_example, symbol_range
 
+from dbr_service.paths import QUIET_FILE
+
 pytestmark = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 
 
@@ -44,16 +46,18 @@ def test_ld_preload_prepended(noservice_env, tmp_path):
 
 def test_aggressive_runs_have_the_agent_connect_at_once(noservice_env):
     """The agent's thread stays quiet for its first 50 ms (dbr_agent/agent.c); `dbr run
-    --embedded --aggressive` wants optimization from PROG's first moments and sets
-    DBR_AGENT_QUIET_MS=0, unless the user set it."""
-    show = ["--", "sh", "-c", "echo \"q=${DBR_AGENT_QUIET_MS-unset}\""]
+    --embedded --aggressive` wants optimization from PROG's first moments: its service
+    is up before PROG and tells the agent to connect at once (paths.QUIET_FILE, 0); a
+    DBR_AGENT_QUIET_MS the user set reaches PROG unchanged (the agent prefers it)."""
+    show = ["--", "sh", "-c", f"cat \"$DBR_RUNTIME_DIR/{QUIET_FILE}\" 2>/dev/null || echo none;"
+            " echo \"q=${DBR_AGENT_QUIET_MS-unset}\""]
     r = _run("--embedded", "--aggressive", "--quiet", *show, env=noservice_env)
-    assert r.returncode == 0 and r.stdout.strip() == "q=0", (r.stdout, r.stderr)
+    assert r.returncode == 0 and r.stdout.split() == ["0", "q=unset"], (r.stdout, r.stderr)
     r = _run("--embedded", "--quiet", *show, env=noservice_env)
-    assert r.stdout.strip() == "q=unset", (r.stdout, r.stderr)
+    assert r.stdout.split() == ["none", "q=unset"], (r.stdout, r.stderr)
     r = _run("--embedded", "--aggressive", "--quiet", *show,
              env=dict(noservice_env, DBR_AGENT_QUIET_MS="20"))
-    assert r.stdout.strip() == "q=20", (r.stdout, r.stderr)
+    assert r.stdout.split() == ["0", "q=20"], (r.stdout, r.stderr)
 
 
 def test_report_embedded_follows_forks_and_execs(noservice_env, tmp_path):
