@@ -329,6 +329,24 @@ def test_credentials_dropped_while_the_agent_thread_is_parked_reach_it(alone_exe
 QUIET = "agent thread quiet for"
 
 
+def _first_connection(svc: FakeService, alone_exe: str, env: dict[str, str]):
+    """Run `alone single` against ``svc`` (closed after): its exit status, pid, the
+    seconds from its start to its agent's connection, and the agent's log."""
+    try:
+        t0 = time.monotonic()
+        client = svc.spawn([alone_exe, "single"], env=env)
+        client.out.expect("ready")
+        conn = svc.accept(pid=client.pid, timeout=10)
+        waited = time.monotonic() - t0
+        assert conn.hello.pid == client.pid
+        client.send("go")
+        rc, _ = client.finish(timeout=20)
+        client.err.rest()
+        return rc, client.pid, waited, client.err.lines   # rest() appends to them
+    finally:
+        svc.close()
+
+
 @pytest.mark.parametrize("quiet", [None, "0", "400"], ids=["default", "0", "400"])
 def test_agent_thread_stays_quiet_before_its_first_connection(alone_exe, quiet):
     """agent.c, "quiet while the program starts": the agent's thread waits
@@ -336,26 +354,13 @@ def test_agent_thread_stays_quiet_before_its_first_connection(alone_exe, quiet):
     env = {"DBR_AGENT_THREAD": "", "DBR_AGENT_DEBUG": "1"}
     if quiet is not None:
         env["DBR_AGENT_QUIET_MS"] = quiet
-    svc = FakeService()
-    try:
-        t0 = time.monotonic()
-        client = svc.spawn([alone_exe, "single"], env=env)
-        client.out.expect("ready")
-        conn = svc.accept(pid=client.pid)
-        waited = time.monotonic() - t0
-        assert conn.hello.pid == client.pid
-        client.send("go")
-        rc, _ = client.finish(timeout=20)
-        client.err.rest()
-        log = client.err.lines   # rest() appends to it
-    finally:
-        svc.close()
+    rc, pid, waited, log = _first_connection(FakeService(), alone_exe, env)
     assert rc == 0
     said = [line for line in log if QUIET in line]
     if quiet == "0":
         assert not said, log
     else:
-        assert said == [f"dbr-agent[{client.pid}]: {QUIET} {quiet or 50} ms"], log
+        assert said == [f"dbr-agent[{pid}]: {QUIET} {quiet or 50} ms"], log
     if quiet == "400":
         assert waited >= 0.4, waited
 
@@ -385,19 +390,7 @@ def test_agent_thread_takes_the_services_quiet_hint(alone_exe, hint, env_quiet, 
     env = {"DBR_AGENT_THREAD": "", "DBR_AGENT_DEBUG": "1"}
     if env_quiet is not None:
         env["DBR_AGENT_QUIET_MS"] = env_quiet
-    try:
-        t0 = time.monotonic()
-        client = svc.spawn([alone_exe, "single"], env=env)
-        client.out.expect("ready")
-        conn = svc.accept(pid=client.pid, timeout=10)
-        waited = time.monotonic() - t0
-        assert conn.hello.pid == client.pid
-        client.send("go")
-        rc, _ = client.finish(timeout=20)
-        client.err.rest()
-        log = client.err.lines
-    finally:
-        svc.close()
+    rc, _, waited, log = _first_connection(svc, alone_exe, env)
     assert rc == 0
     quiet = [line.split(f"{QUIET} ", 1)[1] for line in log if QUIET in line]
     assert quiet == ([said.format(f=path)] if said else []), log
