@@ -16,6 +16,7 @@ posted to its session thread and collected through futures.
 from __future__ import annotations
 
 import collections
+import contextlib
 import grp
 import itertools
 import logging
@@ -172,7 +173,10 @@ class Service:
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
-        """Create the runtime dir, bind every socket, start serving control requests."""
+        """Create the runtime dir, bind every socket, start serving control requests.
+        The signal handlers come first: a service manager may send SIGTERM the moment
+        the service answers, and the loop then stops it cleanly (BYE, sockets removed)."""
+        self._install_signals()
         try:
             self._start()
         except (OSError, zmq.ZMQError) as exc:
@@ -240,10 +244,15 @@ class Service:
                     pass
                 return
             tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                f.write(f"{ms}\n")
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "w") as f:
+                    f.write(f"{ms}\n")
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         except OSError as exc:
             log.warning("cannot write the agents' quiet hint %s: %s", path, exc)
 
@@ -284,7 +293,6 @@ class Service:
         """The control thread's loop, until :meth:`request_stop`; then shut down."""
         if not self._started:
             self.start()
-        self._install_signals()
         try:
             while not self.stopping:
                 try:
@@ -297,8 +305,8 @@ class Service:
             self._shutdown()
 
     def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # embedded in a thread: the host program owns signals
+        if self.embedded or threading.current_thread() is not threading.main_thread():
+            return  # embedded (dbr run forwards its signals to PROG): not the service's
         signal.signal(signal.SIGTERM, lambda *_: self.request_stop("SIGTERM"))
         signal.signal(signal.SIGINT, lambda *_: self.request_stop("SIGINT"))
         signal.signal(signal.SIGHUP, lambda *_: self.request_reload())
@@ -766,11 +774,13 @@ class Service:
         self.events.close()
         if self._listen is not None:
             self._listen.close()
-            for name in (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET, QUIET_FILE):
+            for name in (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET):
                 try:
                     os.unlink(self.path(name))
                 except FileNotFoundError:
                     pass
+            with contextlib.suppress(OSError):   # not ours if it is not a file
+                os.unlink(self.path(QUIET_FILE))
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

@@ -124,6 +124,20 @@ def test_notify_ctl_reload_and_sigterm(tmp_path):
         nsock.close()
 
 
+def test_sigterm_as_soon_as_the_service_is_ready_is_a_clean_stop():
+    """A service manager may stop a unit the moment it reports ready: the handlers are
+    in place before the service answers (a SIGTERM in between used to kill it with
+    the default action, leaving its sockets behind and its agents without BYE)."""
+    for _ in range(6):
+        svc = ServiceProc().wait_ready()
+        try:
+            svc.proc.send_signal(signal.SIGTERM)
+            assert svc.proc.wait(5) == 0, svc.output()
+            assert not os.path.exists(os.path.join(svc.dir, "agent.sock"))
+        finally:
+            svc.stop()
+
+
 def test_service_tells_its_agents_how_long_to_stay_quiet(tmp_path):
     """A service that samples clients younger than the agent's 50 ms quiet start
     (min_client_age_s; --aggressive sets 0) writes the shorter quiet to QUIET_FILE in
@@ -164,6 +178,23 @@ def test_service_tells_its_agents_how_long_to_stay_quiet(tmp_path):
     svc = ServiceProc(runtime_dir=str(rdir)).wait_ready()
     try:
         assert not hint.exists()
+    finally:
+        svc.stop()
+    # a hint that cannot be written (a directory in its place): logged, the service
+    # serves and stops cleanly, and leaves neither a temporary file nor the directory's
+    # contents changed
+    rdir.mkdir(exist_ok=True)
+    hint.mkdir()
+    (hint / "keep").write_text("x")
+    svc = ServiceProc("--aggressive", runtime_dir=str(rdir)).wait_ready()
+    try:
+        assert svc.call("status")["clients"] == 0
+        svc.wait_for(lambda: "cannot write the agents' quiet hint" in svc.output(), 5.0,
+                     "warning logged")
+        assert sorted(p.name for p in rdir.iterdir() if "quiet" in p.name) == [QUIET_FILE]
+        svc.proc.send_signal(signal.SIGTERM)
+        assert svc.proc.wait(5) == 0
+        assert (hint / "keep").read_text() == "x"
     finally:
         svc.stop()
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from service_helpers import ServiceProc, agent_path, build_example, symbol_range
@@ -58,6 +61,33 @@ def test_aggressive_runs_have_the_agent_connect_at_once(noservice_env):
     r = _run("--embedded", "--aggressive", "--quiet", *show,
              env=dict(noservice_env, DBR_AGENT_QUIET_MS="20"))
     assert r.stdout.split() == ["0", "q=20"], (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("aggressive", [False, True], ids=["beside", "first"])
+def test_signals_to_dbr_run_reach_prog(noservice_env, aggressive):
+    """SIGTERM to `dbr run` goes to PROG, whether the embedded service started beside
+    PROG (after dbr run's forwarding handlers) or before it: the embedded service never
+    takes the process's signal handlers."""
+    script = 'trap "echo got TERM; exit 3" TERM; echo ready $$; while :; do sleep 0.05; done'
+    argv = [sys.executable, "-m", "dbr_service.cli", "run", "--embedded", "--quiet",
+            *(["--aggressive"] if aggressive else []), "--", "sh", "-c", script]
+    p = subprocess.Popen(argv, env=noservice_env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    prog = None
+    try:
+        word, prog = p.stdout.readline().split()
+        assert word == "ready"
+        time.sleep(0.5)   # the service beside PROG is up by now
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=20)
+        assert "got TERM" in out and p.returncode == 3, (out, err, p.returncode)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(5)
+        if prog is not None:   # PROG outlives a dbr run that did not forward
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(prog), signal.SIGKILL)
 
 
 def test_report_embedded_follows_forks_and_execs(noservice_env, tmp_path):
