@@ -985,20 +985,14 @@ static int quiet_hint(char *from, size_t from_len, unsigned *ms)
 {
     const char *slash = strrchr(g_cfg.sock_path, '/');
     char buf[16];
-    ssize_t n;
-    int fd;
 
     if (g_cfg.quiet_from_env || !slash)
         return 0;
     snprintf(from, from_len, "%.*s/%s", (int)(slash - g_cfg.sock_path), g_cfg.sock_path,
              DBR_QUIET_FILE);
     /* O_NONBLOCK: a FIFO put there must not hold the thread; O_NOFOLLOW: nor a link */
-    fd = open(from, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-    if (fd < 0)
+    if (dbr_read_small(from, O_NOFOLLOW | O_NONBLOCK, buf, sizeof buf) < 0)
         return 0;
-    n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    buf[n > 0 ? n : 0] = 0;
     if (dbr_parse_ms(buf, DBR_QUIET_MAX_MS, ms) < 0) {
         dbr_log("%s does not hold a number of ms: ignored", from);
         return 0;

@@ -86,21 +86,32 @@ static int env_signal(const char *name, int def)
     return (int)s;
 }
 
+/* A small file (one read of at most cap - 1 bytes) into buf, NUL-terminated:
+ * the bytes read (0 when the read fails), or -1 if it cannot be opened.  flags
+ * are added to O_RDONLY | O_CLOEXEC. */
+ssize_t dbr_read_small(const char *path, int flags, char *buf, size_t cap)
+{
+    ssize_t n;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | flags);
+
+    if (fd < 0)
+        return -1;
+    n = read(fd, buf, cap - 1);
+    close(fd);
+    if (n < 0)
+        n = 0;
+    buf[n] = 0;
+    return n;
+}
+
 /* The value of field `key` ("\nName:") of a /proc status file, read into buf:
  * its first character after the blanks, or NULL. */
 static const char *status_field(const char *path, const char *key, char *buf, size_t cap)
 {
     const char *p;
-    ssize_t n;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
 
-    if (fd < 0)
+    if (dbr_read_small(path, 0, buf, cap) <= 0)
         return NULL;
-    n = read(fd, buf, cap - 1);
-    close(fd);
-    if (n <= 0)
-        return NULL;
-    buf[n] = 0;
     p = strstr(buf, key);
     if (!p)
         return NULL;
@@ -516,18 +527,10 @@ char dbr_thread_state(pid_t tid)
 {
     char path[64], buf[512];
     const char *p;
-    ssize_t n;
-    int fd;
 
     snprintf(path, sizeof path, "/proc/self/task/%d/stat", (int)tid);
-    fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
+    if (dbr_read_small(path, 0, buf, sizeof buf) <= 0)
         return '?';
-    n = read(fd, buf, sizeof buf - 1);
-    close(fd);
-    if (n <= 0)
-        return '?';
-    buf[n] = 0;
     p = strrchr(buf, ')');       /* comm may hold spaces and parentheses */
     return p && p[1] == ' ' && p[2] ? p[2] : '?';
 }
