@@ -238,10 +238,8 @@ class Service:
         ms = quiet_hint_ms(self.config.min_client_age_s)
         try:
             if ms is None:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-                except FileNotFoundError:
-                    pass
                 return
             tmp = f"{path}.{os.getpid()}.tmp"
             try:
