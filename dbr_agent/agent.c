@@ -321,6 +321,7 @@ static uint32_t fixed_size(uint32_t type)
     case DBR_MSG_TRANSFER:         return sizeof(struct dbr_transfer);
     case DBR_MSG_SAMPLER_START:    return sizeof(struct dbr_sampler_start);
     case DBR_MSG_SAMPLER_STOP:     return sizeof(struct dbr_ack);
+    case DBR_MSG_SAMPLER_THREAD:   return sizeof(struct dbr_sampler_thread);
     case DBR_MSG_BYE:              return sizeof(struct dbr_bye);
     case DBR_MSG_ERROR:            return sizeof(struct dbr_error);
     case DBR_MSG_NOTICES:          return sizeof(struct dbr_notices);
@@ -567,7 +568,7 @@ static int handle(size_t n)
 
         memset(&rep, 0, sizeof rep);
         rep.req_id = r->req_id;
-        rep.result = dbr_sampler_start(r->period_us, r->ring_entries, &fd, &rep.ring_bytes);
+        rep.result = dbr_sampler_start(r->period_us, r->ring_entries, r->flags, &fd, &rep.ring_bytes);
         rc = dbr_send(&rep, DBR_MSG_SAMPLER_RING, sizeof rep, rep.result == DBR_OK ? fd : -1, 0);
         if (fd >= 0)
             close(fd);
@@ -576,6 +577,11 @@ static int handle(size_t n)
     case DBR_MSG_SAMPLER_STOP: {
         const struct dbr_ack *r = (const void *)g_rx;
         rc = send_ack(r->req_id, dbr_sampler_stop());
+        break;
+    }
+    case DBR_MSG_SAMPLER_THREAD: {
+        const struct dbr_sampler_thread *r = (const void *)g_rx;
+        rc = send_ack(r->req_id, r->on > 1 ? DBR_E_INVAL : dbr_sampler_thread(r->tid, (int)r->on));
         break;
     }
     case DBR_MSG_NOTICES: {
@@ -651,7 +657,8 @@ static int send_hello(void)
     m.uid = (uint32_t)getuid();
     m.flags = (g_sync_avail ? DBR_HELLO_SYNC_CORE : 0) | (g_forked ? DBR_HELLO_FORKED : 0) |
               (g_forked && dbr_any_installed() ? DBR_HELLO_INHERITED : 0) |
-              (dbr_thread_hidden() ? DBR_HELLO_HIDDEN_THREAD : 0) | DBR_HELLO_QUIET_THREADS;
+              (dbr_thread_hidden() ? DBR_HELLO_HIDDEN_THREAD : 0) | DBR_HELLO_QUIET_THREADS |
+              DBR_HELLO_SAMPLER_LISTED;
     m.agent_version = DBR_AGENT_VERSION;
     m.n_threads = (uint32_t)dbr_count_threads();
     m.page_size = (uint32_t)dbr_page_size();

@@ -229,11 +229,13 @@ int dbr_thread_apply_creds(void);            /* agent thread: 1 applied, 0 none,
 
 /* ---- sampler.c ---- */
 void dbr_sampler_init(void);
-int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, int *fd, uint64_t *bytes);
+int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, uint32_t flags, int *fd,
+                      uint64_t *bytes);
+int dbr_sampler_thread(pid_t tid, int on);   /* listed sampler: arm/delete one thread's timer */
 int dbr_sampler_stop(void);
 void dbr_sampler_thread_start(void);  /* calling thread: arm its timer if running */
 void dbr_sampler_thread_exit(void);   /* calling thread: delete its timer */
-int dbr_sampler_running(void);        /* timers armed for new threads */
+int dbr_sampler_arms_new(void);       /* timers armed for new threads (running, not listed) */
 void dbr_sampler_fork_child(void);
 
 #endif /* DBR_AGENT_H */

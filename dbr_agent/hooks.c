@@ -493,7 +493,8 @@ static int g_unwrapped_starts;
 
 /* Whether a thread started now needs the wrapper.  Only for what it does at the
  * thread's start and end: tell the service (thread notices, asked for while a perf
- * window is open), arm and delete the thread's sampler timer (agent-timer sampling),
+ * window is open), arm and delete the thread's sampler timer (agent-timer sampling
+ * of every thread; a listed sampler arms only the threads the service names),
  * and, when glibc counts the agent's thread, poke it at the last thread's end.  A
  * dormant agent needs none of them, and the wrapper (a slot, a thread-specific key
  * and its destructor at the thread's end) cost a program ~0.18 us of user time a
@@ -503,7 +504,7 @@ static int g_unwrapped_starts;
  * unwrapped starts under way. */
 static int wrap_needed(void)
 {
-    return dbr_thread_notices() || dbr_sampler_running();
+    return dbr_thread_notices() || dbr_sampler_arms_new();
 }
 
 /* The agent's thread, after it turned thread notices or the sampler on and before

@@ -3,6 +3,12 @@
  * thread (never the agent thread) firing the sampler signal at that thread;
  * the handler pushes the interrupted PC into a shared memfd ring
  * (struct dbr_ring_header + capacity x struct dbr_ring_entry).
+ *
+ * Started DBR_SAMPLER_LISTED, it arms no timer of its own: the service names
+ * the threads (DBR_MSG_SAMPLER_THREAD), those its perf events leave out
+ * because they give up their CPU too often (a CPU-time timer is checked at the
+ * scheduler tick and costs a thread nothing per switch; a perf software clock
+ * is stopped and restarted at each).
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -34,6 +40,7 @@ static struct dbr_ring_header *g_old_ring;  /* stopped ring, unmapped at the nex
 static uint64_t g_old_ring_bytes, g_ring_bytes;
 static uint32_t g_period_us;
 static int g_running;
+static int g_listed;        /* DBR_SAMPLER_LISTED: only threads the service names */
 
 static void sampler_handler(int sig, siginfo_t *si, void *ucv)
 {
@@ -146,7 +153,8 @@ static void delete_all_timers(void)
         }
 }
 
-int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, int *fd_out, uint64_t *bytes_out)
+int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, uint32_t flags, int *fd_out,
+                      uint64_t *bytes_out)
 {
     uint64_t pg = (uint64_t)dbr_page_size(), bytes;
     struct dbr_ring_header *h = MAP_FAILED;
@@ -156,7 +164,7 @@ int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, int *fd_out, ui
     *fd_out = -1;
     *bytes_out = 0;
     if (period_us == 0 || ring_entries == 0 || ring_entries > RING_ENTRIES_MAX ||
-        (ring_entries & (ring_entries - 1)) != 0)
+        (ring_entries & (ring_entries - 1)) != 0 || (flags & ~(uint32_t)DBR_SAMPLER_LISTED))
         return DBR_E_INVAL;
     if (period_us < PERIOD_MIN_US)
         period_us = PERIOD_MIN_US;
@@ -188,8 +196,14 @@ int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, int *fd_out, ui
     h->entry_size = sizeof(struct dbr_ring_entry);
     g_ring_bytes = bytes;
     g_period_us = period_us;
+    g_listed = (flags & DBR_SAMPLER_LISTED) != 0;
     __atomic_store_n(&g_ring, h, __ATOMIC_RELEASE);
     __atomic_store_n(&g_running, 1, __ATOMIC_SEQ_CST);
+    if (g_listed) {
+        dbr_log("sampler started: period %u us, %u entries, listed threads only", period_us,
+                ring_entries);
+        goto handed;
+    }
     dbr_wait_unwrapped_starts();   /* their threads arm no timer: listed below */
 
     tids = dbr_alloc(DBR_TIMER_TABLE_MAX * sizeof *tids);
@@ -204,6 +218,7 @@ int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, int *fd_out, ui
         if (tids[i] != g_agent_tid && tids[i] != dbr_gettid() && arm_timer(tids[i], 0) == DBR_OK)
             armed++;
     dbr_log("sampler started: period %u us, %u entries, %d timers", period_us, ring_entries, armed);
+handed:
     *fd_out = fd;
     *bytes_out = bytes;
     fd = -1;
@@ -235,12 +250,46 @@ int dbr_sampler_stop(void)
     return DBR_OK;
 }
 
+/* Agent thread (DBR_MSG_SAMPLER_THREAD): arm (again) or delete the timer of one
+ * thread of a listed sampler.  Arming always creates a new timer: a slot with the
+ * same tid may be an ended thread's whose tid was reused. */
+int dbr_sampler_thread(pid_t tid, int on)
+{
+    int rc = DBR_OK;
+    unsigned i;
+
+    if (tid <= 0 || tid == g_agent_tid || tid == dbr_gettid())
+        return DBR_E_INVAL;
+    /* a thread of this process (tgkill checks the thread group), before its tid
+     * goes into a clock id */
+    if (on && syscall(SYS_tgkill, getpid(), tid, 0) < 0)
+        return DBR_E_UNKNOWN;
+    pthread_mutex_lock(&g_sampler_mu);
+    if (!g_running || !g_listed)
+        rc = DBR_E_INVAL;
+    else if (on)
+        rc = arm_timer(tid, 1);
+    else
+        for (i = 0; i < DBR_TIMER_TABLE_MAX; i++)
+            if (g_timers[i].tid == tid) {
+                syscall(SYS_timer_delete, g_timers[i].kid);
+                g_timers[i].tid = 0;
+            }
+    pthread_mutex_unlock(&g_sampler_mu);
+    return rc;
+}
+
+int dbr_sampler_arms_new(void)
+{
+    return __atomic_load_n(&g_running, __ATOMIC_ACQUIRE) && !__atomic_load_n(&g_listed, __ATOMIC_RELAXED);
+}
+
 void dbr_sampler_thread_start(void)
 {
-    if (!__atomic_load_n(&g_running, __ATOMIC_ACQUIRE))
+    if (!dbr_sampler_arms_new())
         return;
     pthread_mutex_lock(&g_sampler_mu);
-    if (g_running)
+    if (g_running && !g_listed)
         arm_timer(dbr_gettid(), 1);
     pthread_mutex_unlock(&g_sampler_mu);
 }
@@ -262,11 +311,6 @@ void dbr_sampler_thread_exit(void)
     pthread_mutex_unlock(&g_sampler_mu);
 }
 
-int dbr_sampler_running(void)
-{
-    return __atomic_load_n(&g_running, __ATOMIC_ACQUIRE);
-}
-
 /* fork child: POSIX timers are not inherited; the ring belongs to the parent */
 void dbr_sampler_fork_child(void)
 {
@@ -274,5 +318,6 @@ void dbr_sampler_fork_child(void)
     memset(g_timers, 0, sizeof g_timers);
     __atomic_store_n(&g_ring, NULL, __ATOMIC_RELEASE);
     g_running = 0;
+    g_listed = 0;
     g_old_ring = NULL;
 }

@@ -39,6 +39,7 @@ _REPLY_OF: dict[P.MsgType, tuple[P.MsgType, str]] = {
     P.MsgType.SAMPLER_STOP: (P.MsgType.ACK, "req_id"),
     P.MsgType.TRANSFER: (P.MsgType.TRANSFER_RESULT, "req_id"),
     P.MsgType.NOTICES: (P.MsgType.ACK, "req_id"),
+    P.MsgType.SAMPLER_THREAD: (P.MsgType.ACK, "req_id"),
 }
 
 
@@ -329,18 +330,28 @@ class AgentConnection:
                            items=items, timeout=timeout_ms / 1000 + 3.0)
         return rec.msg.body
 
-    def sampler_start(self, period_us: int, ring_entries: int,
+    def sampler_start(self, period_us: int, ring_entries: int, flags: int = 0,
                       timeout: float = 2.0) -> tuple[int, int]:
-        """Start the agent-timer sampler; returns (ring fd, ring bytes)."""
+        """Start the agent-timer sampler; returns (ring fd, ring bytes).  With
+        ``SAMPLER_LISTED`` only the threads :meth:`sampler_thread` names are sampled."""
         rec = self.request(P.MsgType.SAMPLER_START,
                            P.SamplerStart(req_id=self.next_id(), period_us=period_us,
-                                          ring_entries=ring_entries), timeout=timeout)
+                                          ring_entries=ring_entries, flags=flags),
+                           timeout=timeout)
         body: P.SamplerRing = rec.msg.body  # type: ignore[assignment]
         if body.result != P.Result.OK or len(rec.fds) != 1:
             for fd in rec.fds:
                 os.close(fd)
             raise AgentError(f"sampler refused: {result_name(body.result)}")
         return rec.fds[0], body.ring_bytes
+
+    def sampler_thread(self, tid: int, on: bool, timeout: float = 2.0) -> int:
+        """Arm (again) or delete the timer of one thread of a listed sampler; the
+        agent's result (OK, E_UNKNOWN: no such thread in the client, E_INVAL: not
+        listed or the agent's own thread, E_LIMIT: timer table full)."""
+        return self.request(P.MsgType.SAMPLER_THREAD,
+                            P.SamplerThread(req_id=self.next_id(), tid=tid, on=int(on)),
+                            timeout=timeout).msg.body.result
 
     def sampler_stop(self, timeout: float = 2.0) -> int:
         return self.request(P.MsgType.SAMPLER_STOP, P.Ack(req_id=self.next_id()),

@@ -57,9 +57,10 @@ class MsgType(enum.IntEnum):
     TRANSFER = 22
     TRANSFER_RESULT = 23
     NOTICES = 24
+    SAMPLER_THREAD = 25
 
 
-MSG_TYPE_MAX = 24
+MSG_TYPE_MAX = 25
 
 
 class Result(enum.IntEnum):
@@ -104,6 +105,9 @@ HELLO_SYNC_CORE = 0x2
 HELLO_INHERITED = 0x4
 HELLO_HIDDEN_THREAD = 0x8
 HELLO_QUIET_THREADS = 0x10
+HELLO_SAMPLER_LISTED = 0x20
+
+SAMPLER_LISTED = 0x1
 
 NOTICE_THREADS = 0x1
 
@@ -242,7 +246,11 @@ class TransferResult(_S):
 
 class SamplerStart(_S):
     _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("period_us", u32), ("ring_entries", u32),
-                ("reserved", u32)]
+                ("flags", u32)]
+
+
+class SamplerThread(_S):
+    _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("tid", i32), ("on", u32), ("reserved", u32)]
 
 
 class SamplerRing(_S):
@@ -280,7 +288,7 @@ C_STRUCTS: dict[str, type[_S]] = {
     "dbr_transfer_point": TransferPoint, "dbr_transfer": Transfer,
     "dbr_transfer_result": TransferResult, "dbr_notices": Notices,
     "dbr_sampler_start": SamplerStart, "dbr_sampler_ring": SamplerRing,
-    "dbr_bye": Bye, "dbr_error": Error, "dbr_ring_header": RingHeader,
+    "dbr_sampler_thread": SamplerThread, "dbr_bye": Bye, "dbr_error": Error, "dbr_ring_header": RingHeader,
     "dbr_ring_entry": RingEntry,
 }
 
@@ -294,6 +302,7 @@ C_CONSTANTS: dict[str, int] = {
     "DBR_HELLO_FORKED": HELLO_FORKED, "DBR_HELLO_SYNC_CORE": HELLO_SYNC_CORE,
     "DBR_HELLO_INHERITED": HELLO_INHERITED, "DBR_HELLO_HIDDEN_THREAD": HELLO_HIDDEN_THREAD,
     "DBR_HELLO_QUIET_THREADS": HELLO_QUIET_THREADS, "DBR_NOTICE_THREADS": NOTICE_THREADS,
+    "DBR_HELLO_SAMPLER_LISTED": HELLO_SAMPLER_LISTED, "DBR_SAMPLER_LISTED": SAMPLER_LISTED,
     "DBR_DISCONNECT_KEEP": DISCONNECT_KEEP,
     "DBR_DISCONNECT_REVERT": DISCONNECT_REVERT, "DBR_BYE_REVERT": BYE_REVERT,
     "DBR_CENSUS_OK": CENSUS_OK, "DBR_CENSUS_NO_REPLY": CENSUS_NO_REPLY,
@@ -318,7 +327,7 @@ MSG_CLASS: dict[MsgType, type[_S]] = {
     MsgType.SAMPLER_START: SamplerStart, MsgType.SAMPLER_RING: SamplerRing,
     MsgType.SAMPLER_STOP: Ack, MsgType.BYE: Bye, MsgType.ERROR: Error,
     MsgType.TRANSFER: Transfer, MsgType.TRANSFER_RESULT: TransferResult,
-    MsgType.NOTICES: Notices,
+    MsgType.NOTICES: Notices, MsgType.SAMPLER_THREAD: SamplerThread,
 }
 
 # Array element class of the variable-length messages.

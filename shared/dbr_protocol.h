@@ -67,7 +67,9 @@ enum dbr_msg_type {
     DBR_MSG_TRANSFER_RESULT  = 23, /* A: what TRANSFER did */
     DBR_MSG_NOTICES          = 24, /* S: which advisory notices to send (agents with
                                     * DBR_HELLO_QUIET_THREADS); reply ACK */
-    DBR_MSG_TYPE_MAX         = 24
+    DBR_MSG_SAMPLER_THREAD   = 25, /* S: arm or delete one thread's timer of a listed
+                                    * sampler (agents with DBR_HELLO_SAMPLER_LISTED); reply ACK */
+    DBR_MSG_TYPE_MAX         = 25
 };
 
 /* Result codes: 0 is success, errors are negative. */
@@ -108,6 +110,12 @@ enum dbr_variant {
 #define DBR_HELLO_HIDDEN_THREAD 0x8u /* the agent's thread is hidden from glibc (else a pthread) */
 #define DBR_HELLO_QUIET_THREADS 0x10u /* THREAD_NEW/THREAD_EXIT only while DBR_MSG_NOTICES
                                        * asks for them (else always) */
+#define DBR_HELLO_SAMPLER_LISTED 0x20u /* SAMPLER_START takes DBR_SAMPLER_LISTED and
+                                        * DBR_MSG_SAMPLER_THREAD names the threads */
+
+/* SAMPLER_START.flags */
+#define DBR_SAMPLER_LISTED   0x1u /* no thread gets a timer until SAMPLER_THREAD names it
+                                   * (threads started later neither); else every thread */
 
 /* NOTICES.flags */
 #define DBR_NOTICE_THREADS   0x1u /* send THREAD_NEW and THREAD_EXIT */
@@ -348,6 +356,18 @@ struct dbr_sampler_start {
     uint32_t req_id;
     uint32_t period_us;    /* per-thread CPU-time period */
     uint32_t ring_entries; /* power of two */
+    uint32_t flags;        /* DBR_SAMPLER_*; 0 from a service that predates them */
+};
+
+/* One thread of a listed sampler (DBR_SAMPLER_LISTED): on arms its timer (again,
+ * from a full period), off deletes it.  ACK: DBR_OK, DBR_E_UNKNOWN (no such thread
+ * in this process), DBR_E_INVAL (the agent's thread, or no listed sampler running),
+ * DBR_E_LIMIT (timer table full). */
+struct dbr_sampler_thread {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    int32_t  tid;
+    uint32_t on;
     uint32_t reserved;
 };
 

@@ -2,12 +2,13 @@
  * thousands of CPU switches a second), or with "alone" only the main thread, sleeping
  * so.  Prints "spin TID" and "switchy TID" (flushed); a line on stdin or SIGUSR1
  * makes the switchy thread spin too ("calm": it then leaves its CPU only when
- * preempted). */
+ * preempted).  SWITCHY_WORK=K: K units of work between two sleeps (default 1). */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -43,12 +44,15 @@ static void *spin(void *arg)
 static void *switchy(void *arg)
 {
     struct timespec ts = {0, 1000};
+    const char *k = getenv("SWITCHY_WORK");
+    int units = k ? atoi(k) : 1;
 
     (void)arg;
     printf("switchy %ld\n", (long)syscall(SYS_gettid));
     fflush(stdout);
     for (;;) {
-        work();
+        for (int i = 0; i < units; i++)
+            work();
         if (!atomic_load(&calm))
             nanosleep(&ts, NULL);
     }

@@ -1,0 +1,100 @@
+"""The agent's listed timer sampler (DBR_SAMPLER_LISTED, DBR_MSG_SAMPLER_THREAD): only the
+threads the service names are sampled, each from when it is named until it is not, and
+names that are not a thread of the client are refused."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dbr_service import protocol as P
+from dbr_service.errors import AgentError
+from dbr_service.sampling.agent_timer import AgentTimerRing
+from dbr_service.sampling.perf import list_tids
+from harness import compile_c, fake_service_fixture  # noqa: F401
+
+PROGS = Path(__file__).resolve().parent / "sampling_progs"
+
+
+@pytest.fixture(scope="module")
+def switchy_exe():
+    return compile_c([PROGS / "switchy.c"], flags=["-O1", "-pthread"])
+
+
+def _samples(ring: AgentTimerRing, seconds: float) -> Counter:
+    """Samples per tid drained from the ring over ``seconds``."""
+    got: Counter = Counter()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        got.update(tid for _, tid in ring.read())
+    got.update(tid for _, tid in ring.read())
+    return got
+
+
+def test_listed_sampler_times_only_the_named_threads(svc, switchy_exe):
+    # 20 units of work between sleeps: ~12 000 switches a second at ~35 % of a CPU
+    client = svc.spawn([switchy_exe], env={"SWITCHY_WORK": "20"})
+    tids = {w: int(t) for w, t in (client.out.expect(w).split() for w in ("spin", "switchy"))}
+    conn = svc.accept(pid=client.pid)
+    assert conn.hello.flags & P.HELLO_SAMPLER_LISTED
+    agent_tid = (set(list_tids(client.pid)) - {client.pid, *tids.values()}).pop()
+
+    # not started: nothing to name; an unknown flag: refused
+    assert conn.sampler_thread(tids["spin"], True) == P.Result.E_INVAL
+    with pytest.raises(AgentError, match="E_INVAL"):
+        conn.sampler_start(1000, 4096, flags=0x2)
+
+    fd, _ = conn.sampler_start(1000, 4096, flags=P.SAMPLER_LISTED)
+    ring = AgentTimerRing(fd)
+    os.close(fd)
+    try:
+        # listed: the spinning thread burns CPU, but nobody named it
+        assert _samples(ring, 0.3) == Counter()
+        assert conn.sampler_thread(tids["spin"], True) == P.Result.OK
+        got = _samples(ring, 0.4)
+        # (a CPU-time timer fires at the scheduler tick: 250 a second at most here)
+        assert set(got) == {tids["spin"]} and got[tids["spin"]] >= 40, got
+        # the thread that sleeps between short bursts: its timer fires only at a tick
+        # that finds it running, which its CPU's idle stops often (measured: ~40 a
+        # second where a perf event takes ~260), but it fires
+        assert conn.sampler_thread(tids["switchy"], True) == P.Result.OK
+        assert conn.sampler_thread(tids["spin"], False) == P.Result.OK
+        _samples(ring, 0.05)     # a signal already on its way to spin
+        got = _samples(ring, 0.6)
+        assert set(got) == {tids["switchy"]} and got[tids["switchy"]] >= 5, got
+        # named twice: armed again, still one timer
+        assert conn.sampler_thread(tids["switchy"], True) == P.Result.OK
+        # not threads of the client, or the agent's own: refused, the others go on
+        assert conn.sampler_thread(os.getpid(), True) == P.Result.E_UNKNOWN
+        assert conn.sampler_thread(2**31 - 1, True) == P.Result.E_UNKNOWN
+        assert conn.sampler_thread(0, True) == P.Result.E_INVAL
+        assert conn.sampler_thread(-5, True) == P.Result.E_INVAL
+        assert conn.sampler_thread(agent_tid, True) == P.Result.E_INVAL
+        got = _samples(ring, 0.3)
+        assert set(got) == {tids["switchy"]}, got
+        assert conn.sampler_stop() == P.Result.OK
+        _samples(ring, 0.05)
+        assert _samples(ring, 0.2) == Counter()
+        # stopped: naming a thread is refused until the next start
+        assert conn.sampler_thread(tids["spin"], True) == P.Result.E_INVAL
+    finally:
+        ring.close()
+
+    # started for every thread again (no flag): the old behaviour, naming refused
+    fd, _ = conn.sampler_start(1000, 4096)
+    ring = AgentTimerRing(fd)
+    os.close(fd)
+    try:
+        assert conn.sampler_thread(tids["spin"], True) == P.Result.E_INVAL
+        got = _samples(ring, 0.4)
+        assert got[tids["spin"]] >= 40 and got[tids["switchy"]] >= 3, got
+        assert conn.sampler_stop() == P.Result.OK
+    finally:
+        ring.close()
+    client.send("calm")
+    assert client.proc.poll() is None
