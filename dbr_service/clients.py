@@ -200,6 +200,12 @@ class ClientSession:
         #: Which threads a per-thread perf event may follow (perf_max_switch_rate);
         #: kept for the session so a thread's rate is measured from window to window.
         self.switch_gate = SwitchGate(self.pid, service.config.perf_max_switch_rate)
+        #: Threads the gate refused that the agent's timer sampled instead
+        #: (sampling/gated.py), the samples those timers gave, and why that fallback
+        #: was given up for the session, if it was.
+        self.timer_sampled_tids: set[int] = set()
+        self.gated_timer_samples = 0
+        self.gated_timer_failed: str | None = None
         self._gate_look = 0.0   # monotonic s of catch_up_threads' last look
         self.maps: list[MapEntry] = []
         self.map_changes = 0
@@ -602,6 +608,7 @@ class ClientSession:
                 if not keep_open:
                     src.disable()
                 samples = src.read()
+                self._count_gated_timer(src)
                 if not keep_open:
                     self._close_source()
         if not keep_open:
@@ -616,6 +623,23 @@ class ClientSession:
                     src.close()
                 except SamplingError as exc:
                     self.errors.append(str(exc))
+                self._count_gated_timer(src)
+
+    def _count_gated_timer(self, src: SamplingSource) -> None:
+        """Add what a gated timer source (sampling/gated.py) did since the last look;
+        a fallback it gave up is not tried again in this session."""
+        take = getattr(src, "take_counts", None)
+        if take is None:
+            return
+        tids, n, failed = take()
+        if len(self.timer_sampled_tids) > 1024:      # ended threads' tids go first
+            self.timer_sampled_tids &= self.threads
+        self.timer_sampled_tids |= tids
+        self.gated_timer_samples += n
+        if failed is not None:
+            self.gated_timer_failed = failed
+            self.errors.append(failed)
+            log.warning("pid %d: %s; such threads stay unsampled", self.pid, failed)
 
     def add_samples(self, ips: collections.Counter[int],
                     per_thread: dict[int, int] | None = None) -> None:
@@ -875,6 +899,8 @@ class ClientSession:
                 "short_thread_windows": self.short_thread_windows,
                 "notices_after_quiet": self.notices_after_quiet,
                 "threads_switch_gated": self.switch_gate.refused,
+                "threads_timer_sampled": len(self.timer_sampled_tids),
+                "gated_timer_samples": self.gated_timer_samples,
                 "samples": self.samples_total, "snapshots": self.snapshots,
                 "paused": self.paused, "source": self.source_name,
                 "map_changes": self.map_changes, "jobs_done": self.jobs_done,

@@ -62,6 +62,11 @@ class Config:
         "a client thread that gives up its CPU more often than this a second gets no "
         "perf event (each switch of a sampled thread costs it ~11 us on a VM's "
         "software clock); 0: every thread is sampled", min=0.0))
+    gated_thread_timer: bool = field(default=True, metadata=_doc(
+        "sample the threads perf_max_switch_rate leaves without a perf event with the "
+        "agent's CPU-time timer instead (no cost per switch; a signal per "
+        "sample_period_us of their CPU time, which can make a blocking call it lands in "
+        "return EINTR); false: leave them unsampled"))
     sampling_source: str = field(default="auto", metadata=_doc(
         "auto | perf | agent-timer (auto: perf, agent-timer when perf is refused)",
         choices=SAMPLING_SOURCES))

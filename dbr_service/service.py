@@ -34,6 +34,7 @@ from typing import Any
 import zmq
 
 from dbr_service import agentconn
+from dbr_service import protocol as P
 from dbr_service.clients import ClientSession, RegionRecord, RegionState, SessionState
 from dbr_service.config import Config, ConfigSources
 from dbr_service.control import ControlServer, EventBus
@@ -46,6 +47,10 @@ from dbr_service.scheduler import (QUICK_JOBS, ClientJob, JobResult, Scheduler, 
                                    sampling_interval)
 
 log = logging.getLogger("dbr.service")
+
+#: Ring of a listed timer sampler (sampling/gated.py): it holds the samples of the few
+#: threads perf leaves out, a window at most (16 bytes an entry, 64 KiB).
+GATED_RING_ENTRIES = 4096
 
 
 class ServiceError(DbrError):
@@ -76,14 +81,29 @@ def choose_source(configured: str, caps: dict[str, Any]) -> str:
 
 def make_perf_source(session: ClientSession, cfg: Config, kind: str):
     """perf sampling of every thread of the client (threads added later via THREAD_NEW,
-    which the agent sends from now until the window ends)."""
+    which the agent sends from now until the window ends).  Threads that switch too
+    often for a perf event get the agent's timer, where the agent offers a listed
+    sampler (sampling/gated.py)."""
+    from dbr_service.sampling.agent_timer import AgentTimerSource
+    from dbr_service.sampling.gated import GatedTimerSource
     from dbr_service.sampling.perf import PerfSource
 
     session.thread_notices(True)
 
     pages = 64 if cfg.continuous_sampling else 16
-    src = PerfSource(event=kind.removeprefix("perf-"), sample_period_us=cfg.sample_period_us,
-                     data_pages=pages, gate=session.switch_gate)
+    perf = PerfSource(event=kind.removeprefix("perf-"), sample_period_us=cfg.sample_period_us,
+                      data_pages=pages, gate=session.switch_gate)
+    if not (cfg.gated_thread_timer and cfg.perf_max_switch_rate > 0
+            and session.hello_flags & P.HELLO_SAMPLER_LISTED
+            and session.gated_timer_failed is None):
+        perf.open(session.pid)
+        return perf
+    conn = session.conn
+    timer = AgentTimerSource(
+        lambda period, entries: conn.sampler_start(period, entries, P.SAMPLER_LISTED)[0],
+        lambda: conn.sampler_stop(timeout=1.0),
+        period_us=cfg.sample_period_us, ring_entries=GATED_RING_ENTRIES)
+    src = GatedTimerSource(perf, timer, lambda tid, on: conn.sampler_thread(tid, on, timeout=1.0))
     src.open(session.pid)
     return src
 

@@ -459,6 +459,132 @@ def test_perf_gate_refusing_every_thread_is_no_error(bins, spawn):
         src.close()
 
 
+class _ScriptedAgent:
+    """The agent's side of a listed timer sampler, scripted: start() hands over a ring
+    (whose samples a test writes itself), arm() answers from ``answers`` (tid -> result
+    or exception), OK otherwise; every call is recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.answers: dict[int, object] = {}
+        self.start_error: Exception | None = None
+        self.fd = -1
+
+    def start(self, period_us: int, ring_entries: int) -> int:
+        self.calls.append(("start", period_us, ring_entries))
+        if self.start_error is not None:
+            raise self.start_error
+        self.fd = create_ring_memfd(ring_entries)
+        return os.dup(self.fd)
+
+    def stop(self) -> None:
+        self.calls.append(("stop",))
+
+    def arm(self, tid: int, on: bool) -> int:
+        self.calls.append((tid, on))
+        a = self.answers.get(tid, protocol.Result.OK)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    def push(self, *samples: tuple[int, int]) -> None:
+        """Publish (pc, tid) samples into the ring as the agent's handler would."""
+        with mmap.mmap(self.fd, 0) as mm:
+            head = struct.unpack_from("<Q", mm, protocol.RingHeader.head.offset)[0]
+            for i, (pc, tid) in enumerate(samples, head):
+                struct.pack_into("<QII", mm, 64 + 16 * (i % 64), pc, tid, i + 1)
+            struct.pack_into("<Q", mm, protocol.RingHeader.head.offset, head + len(samples))
+
+
+@needs_perf
+def test_gated_threads_get_the_agents_timer_and_failures_leave_perf_going(bins, spawn):
+    """sampling/gated.py: the threads the gate refuses are named to a listed agent
+    sampler, started only once one needs it; a thread the gate lets back in is
+    unnamed; timer samples join perf's.  An agent answer other than OK / E_UNKNOWN,
+    or a start it refuses, gives the fallback up (``failed``, told once) while
+    perf goes on."""
+    from dbr_service.errors import AgentError
+    from dbr_service.sampling.gated import GatedTimerSource
+
+    p = spawn(bins["switchy"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    tids = _read_tagged(p, "spin", "switchy")
+
+    def make(agent):
+        gate = _ListGate(p.pid)
+        timer = AgentTimerSource(agent.start, agent.stop, period_us=1000, ring_entries=64)
+        return gate, GatedTimerSource(perf.PerfSource(sample_period_us=1000, gate=gate),
+                                      timer, agent.arm)
+
+    agent = _ScriptedAgent()
+    gate, src = make(agent)
+    src.open(p.pid)
+    try:
+        src.enable()                       # nothing gated: no sampler started
+        assert agent.calls == [] and src.name == "perf-cpu-clock+agent-timer"
+        gate.block = {tids["switchy"]}
+        src.refresh_threads()
+        assert agent.calls == [("start", 1000, 64), (tids["switchy"], True)]
+        assert src.timed == {tids["switchy"]} and src.gated == {tids["switchy"]}
+        agent.push((0x1234, tids["switchy"]), (0x1238, tids["switchy"]))
+        got = Counter((s.tid, s.ip) for s in sample_for(src, 0.2))
+        assert got[(tids["switchy"], 0x1234)] == 1 and got[(tids["switchy"], 0x1238)] == 1
+        assert sum(n for (t, _), n in got.items() if t == tids["spin"]) >= 30, got
+        assert src.take_counts() == ({tids["switchy"]}, 2, None)
+        assert src.take_counts() == (set(), 0, None)
+        # calmed down: perf takes it back, its timer is deleted, the sampler stays
+        gate.block = {tids["spin"]}
+        del agent.calls[:]
+        src.refresh_threads()
+        assert agent.calls == [(tids["switchy"], False), (tids["spin"], True)]
+        assert src.timed == {tids["spin"]} and tids["switchy"] in src.tids
+        # a thread that ended before it was named is no failure
+        gate.block = {tids["spin"], tids["switchy"]}
+        agent.answers[tids["switchy"]] = protocol.Result.E_UNKNOWN
+        src.refresh_threads()
+        assert src.timed == {tids["spin"]} and src.failed is None
+        del agent.calls[:]
+        src.disable()
+        assert agent.calls == [("stop",)] and src.timed == set()
+        src.enable()                      # the next window names them again
+        assert agent.calls[-2:] == [(tids["spin"], True), (tids["switchy"], True)]
+        # a full timer table: given up for good, perf goes on
+        agent.answers[tids["switchy"]] = protocol.Result.E_LIMIT
+        src.disable()
+        src.enable()
+        assert src.failed and "E_LIMIT" in src.failed and src.timed == set()
+        assert agent.calls[-1] == ("stop",)
+        assert src.take_counts()[2] == src.failed and src.take_counts()[2] is None
+        del agent.calls[:]
+        src.refresh_threads()
+        assert agent.calls == []
+        src.read()      # what spin's event took before it was gated, kept for read()
+        assert Counter(s.tid for s in sample_for(src, 0.2))[tids["spin"]] == 0  # gated
+        gate.block = set()
+        src.refresh_threads()
+        assert Counter(s.tid for s in sample_for(src, 0.2))[tids["spin"]] >= 30
+    finally:
+        src.close()
+    assert src.timed == set() and src.pid is None
+
+    # the agent refuses to start, or stops answering: perf alone
+    for failure in (AgentError("sampler refused: E_NOMEM"), None):
+        agent = _ScriptedAgent()
+        if failure is not None:
+            agent.start_error = failure
+        else:
+            agent.answers[tids["switchy"]] = AgentError("no reply within 1.0 s")
+        gate, src = make(agent)
+        gate.block = {tids["switchy"]}
+        src.open(p.pid)
+        try:
+            src.enable()
+            assert src.failed and src.timed == set(), src.failed
+            assert Counter(s.tid for s in sample_for(src, 0.2))[tids["spin"]] >= 30
+            src.disable()
+        finally:
+            src.close()
+
+
 class _FakeGate(perf.SwitchGate):
     """A gate over made-up counts: {tid: switches}, starts in s, and a clock."""
 

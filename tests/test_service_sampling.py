@@ -168,7 +168,10 @@ def test_continuous_sampling_looks_at_switch_rates_again_once_a_second():
 
     from harness import compile_c
 
-    svc = ServiceProc("--aggressive", "continuous_sampling=true").wait_ready()
+    # (without the agent's timer for gated threads, test below, so that a gated
+    # thread takes no sample at all)
+    svc = ServiceProc("--aggressive", "continuous_sampling=true",
+                      "gated_thread_timer=false").wait_ready()
     prog = str(compile_c([ROOT / "tests" / "sampling_progs" / "switchy.c"],
                          flags=["-O1", "-pthread"]))
     client = None
@@ -193,6 +196,46 @@ def test_continuous_sampling_looks_at_switch_rates_again_once_a_second():
                            lambda h: h["threads"].get(tids["switchy"], 0) >= gated_at + 20,
                            timeout=15.0)
         assert h["threads"][tids["switchy"]] >= gated_at + 20, h["threads"]
+        assert client.poll() is None
+    finally:
+        kill(client)
+        svc.stop()
+
+
+@pytest.mark.parametrize("continuous", [False, True], ids=["windows", "continuous"])
+def test_threads_that_switch_too_often_for_perf_get_the_agents_timer(continuous):
+    """A thread that gives up its CPU ~12 000 times a second gets no perf event
+    (perf_max_switch_rate), so the service names it to the agent's listed timer
+    sampler: its samples arrive all the same, counted in the client's row, and its
+    spinning sibling keeps its perf event (no timer).  gated_thread_timer=false
+    (test above) leaves it unsampled."""
+    from harness import compile_c
+
+    svc = ServiceProc("--aggressive", f"continuous_sampling={str(continuous).lower()}"
+                      ).wait_ready()
+    prog = str(compile_c([ROOT / "tests" / "sampling_progs" / "switchy.c"],
+                         flags=["-O1", "-pthread"]))
+    client = None
+    try:
+        client = spawn_client(svc.dir, [prog], env={"SWITCHY_WORK": "20"})
+        tids = dict(client.stdout.readline().split() for _ in range(2))
+        assert set(tids) == {"spin", "switchy"}, tids
+
+        def row():
+            return next((c for c in svc.call("clients") if c["pid"] == client.pid), {})
+        # (a thread younger than 50 ms has no rate yet and may get a perf event first:
+        # count from when the gate has refused it)
+        svc.wait_for(lambda: row().get("threads_switch_gated", 0) >= 1, 15.0, "a gated thread")
+        at = svc.call("hotspots", {"pid": client.pid, "top": 50})["threads"].get(
+            tids["switchy"], 0)
+        h = _hotspots_when(svc, client.pid,
+                           lambda h: h["threads"].get(tids["switchy"], 0) >= at + 10,
+                           timeout=20.0)
+        assert h["threads"][tids["switchy"]] >= at + 10, (at, h["threads"])
+        r = row()
+        assert r["threads_timer_sampled"] == 1 and r["gated_timer_samples"] >= 5, r
+        assert r["source"] == "perf-cpu-clock+agent-timer", r
+        assert not [e for e in r["errors"] if "timer" in e], r["errors"]
         assert client.poll() is None
     finally:
         kill(client)
