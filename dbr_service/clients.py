@@ -45,6 +45,10 @@ log = logging.getLogger("dbr.clients")
 SHORT_THREADS_MIN = 32
 SHORT_THREADS_SHARE = 0.8
 SHORT_LIFE_S = 0.01
+#: How many programs whose threads were too short-lived to sample the service
+#: remembers (config short_thread_memory_s: for how long), the least recently seen
+#: forgotten first (ShortThreadPrograms).
+SHORT_THREADS_PROGRAMS = 256
 #: With continuous sampling, how often the switch rates of a client's threads are
 #: looked at again (ClientSession.catch_up_threads).
 GATE_LOOK_S = 1.0
@@ -155,6 +159,45 @@ class SessionState(str, enum.Enum):
     CLOSED = "closed"
 
 
+class ShortThreadPrograms:
+    """Programs seen starting threads too short-lived to sample (a window whose notices
+    were turned off early, ClientSession._quiet_if_short_lived), by (exe, build id).
+
+    Each such window cost the program a system call per thread started and the service
+    a wake-up per notice (churn: 280-1350 notices, 6-40 ms of the service's CPU, most of
+    a window's cost), and taught nothing: the threads end before an event can be
+    opened.  A program seen doing it is not asked for notices again for
+    ``keep_s`` (config short_thread_memory_s; 0 remembers nothing); a long-lived
+    thread it starts meanwhile is found in /proc/PID/task when the next window
+    opens, as after a quiet.  Shared by the session threads."""
+
+    def __init__(self, keep_s: float, max_programs: int = SHORT_THREADS_PROGRAMS) -> None:
+        self.keep_s, self.max_programs = keep_s, max_programs
+        self._seen: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def note(self, exe: str, build_id: str, now: float | None = None) -> None:
+        if not exe or self.keep_s <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._seen[(exe, build_id)] = now
+            self._seen.move_to_end((exe, build_id))
+            while len(self._seen) > self.max_programs:
+                self._seen.popitem(last=False)
+
+    def known(self, exe: str, build_id: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            at = self._seen.get((exe, build_id))
+            if at is None:
+                return False
+            if now - at > self.keep_s or self.keep_s <= 0:
+                del self._seen[(exe, build_id)]
+                return False
+            return True
+
+
 class ClientSession:
     """One agent session: the connection, the client's threads, map, samples and regions.
 
@@ -197,6 +240,9 @@ class ClientSession:
         #: THREAD_NEW notices that arrived after the quiet was asked for (no event
         #: opened for them).
         self.notices_after_quiet = 0
+        #: perf windows opened without asking for notices (a program known to start
+        #: threads too short-lived to sample: ShortThreadPrograms).
+        self.windows_without_notices = 0
         #: Which threads a per-thread perf event may follow (perf_max_switch_rate);
         #: kept for the session so a thread's rate is measured from window to window.
         self.switch_gate = SwitchGate(self.pid, service.config.perf_max_switch_rate)
@@ -501,6 +547,7 @@ class ClientSession:
             return
         self._quiet_gen = self._notices_gen
         self.short_thread_windows += 1
+        self.service.short_thread_programs.note(self.exe, self.build_id)
         # Not from here: this may run inside another request's wait (its reply could
         # be taken for ours); the session thread's next command asks.
         gen = self._notices_gen
@@ -510,6 +557,12 @@ class ClientSession:
                 self.thread_notices(False)
         self._commands.put((quiet, Future()))
         self._wake()
+
+    def want_thread_notices(self) -> bool:
+        """Whether an open perf source should ask for THREAD_NEW/THREAD_EXIT: not for a
+        program (this one, or an earlier run of the same executable) whose threads
+        proved too short-lived to sample (ShortThreadPrograms)."""
+        return not self.service.short_thread_programs.known(self.exe, self.build_id)
 
     def thread_notices(self, on: bool) -> None:
         """Session thread: ask the agent for THREAD_NEW/THREAD_EXIT (on) or for quiet.
@@ -578,7 +631,8 @@ class ClientSession:
 
     def catch_up_threads(self) -> None:
         """Session thread, continuous sampling (the source stays open), each snapshot:
-        after a quiet for short-lived threads, notices on again, then open events for
+        after a quiet for short-lived threads, notices on again (not for a program
+        known to start such threads: ShortThreadPrograms), then open events for
         the threads /proc/PID/task lists now and drop those of ended ones.  With a
         switch gate, also once a second (GATE_LOOK_S) while the notices are on: a
         sampled thread that now switches too often loses its event, a gated one that
@@ -593,7 +647,10 @@ class ClientSession:
                                            or now - self._gate_look < GATE_LOOK_S):
                 return
             self._gate_look = now
-            self.thread_notices(True)
+            if self.want_thread_notices():
+                self.thread_notices(True)
+            else:
+                self.windows_without_notices += 1
             try:
                 src.refresh_threads()
             except SamplingError as exc:
@@ -898,6 +955,7 @@ class ClientSession:
                 "thread_notices_received": self.thread_notices_received,
                 "short_thread_windows": self.short_thread_windows,
                 "notices_after_quiet": self.notices_after_quiet,
+                "windows_without_notices": self.windows_without_notices,
                 "threads_switch_gated": self.switch_gate.refused,
                 "threads_timer_sampled": len(self.timer_sampled_tids),
                 "gated_timer_samples": self.gated_timer_samples,

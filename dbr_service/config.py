@@ -62,6 +62,10 @@ class Config:
         "a client thread that gives up its CPU more often than this a second gets no "
         "perf event (each switch of a sampled thread costs it ~11 us on a VM's "
         "software clock); 0: every thread is sampled", min=0.0))
+    short_thread_memory_s: float = field(default=3600.0, metadata=_doc(
+        "seconds the service remembers a program (executable and build id) whose "
+        "threads proved too short-lived to sample: its later windows, in the same run "
+        "or a later one, ask for no thread notices (0: ask in every window)", min=0.0))
     gated_thread_timer: bool = field(default=True, metadata=_doc(
         "sample the threads perf_max_switch_rate leaves without a perf event with the "
         "agent's CPU-time timer instead (no cost per switch; a signal per "

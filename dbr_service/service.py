@@ -35,7 +35,8 @@ import zmq
 
 from dbr_service import agentconn
 from dbr_service import protocol as P
-from dbr_service.clients import ClientSession, RegionRecord, RegionState, SessionState
+from dbr_service.clients import (ClientSession, RegionRecord, RegionState, SessionState,
+                                 ShortThreadPrograms)
 from dbr_service.config import Config, ConfigSources
 from dbr_service.control import ControlServer, EventBus
 from dbr_service.errors import ConfigError, DbrError, SamplingError
@@ -88,7 +89,10 @@ def make_perf_source(session: ClientSession, cfg: Config, kind: str):
     from dbr_service.sampling.gated import GatedTimerSource
     from dbr_service.sampling.perf import PerfSource
 
-    session.thread_notices(True)
+    if session.want_thread_notices():
+        session.thread_notices(True)
+    else:
+        session.windows_without_notices += 1
 
     pages = 64 if cfg.continuous_sampling else 16
     perf = PerfSource(event=kind.removeprefix("perf-"), sample_period_us=cfg.sample_period_us,
@@ -159,6 +163,7 @@ class Service:
         self.sessions: dict[int, ClientSession] = {}
         self.pending: dict[int, ClientSession] = {}
         self.history: collections.deque[ClientSession] = collections.deque(maxlen=1024)
+        self.short_thread_programs = ShortThreadPrograms(self.config.short_thread_memory_s)
         self.sessions_seen = 0
         #: pid -> live session, rebuilt at each snapshot (sample attribution).
         self._by_pid: dict[int, ClientSession] = {}
@@ -719,6 +724,7 @@ class Service:
             for s in self.live_sessions():
                 s.forced_source = None
             self.source_kind = choose_source(new.sampling_source, self.capabilities)
+        self.short_thread_programs.keep_s = new.short_thread_memory_s
         if new.log_level != old.log_level:
             logging.getLogger("dbr").setLevel(new.log_level.upper())
         if new.min_client_age_s != old.min_client_age_s and self._started:

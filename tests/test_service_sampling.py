@@ -122,8 +122,10 @@ def test_short_lived_threads_turn_the_notices_off_and_late_ones_are_still_sample
     from harness import compile_c
     from dbr_service.clients import SHORT_THREADS_MIN
 
-    svc = ServiceProc("--aggressive", f"continuous_sampling={str(continuous).lower()}"
-                      ).wait_ready()
+    # first without the service's memory of such programs (below), so that every
+    # window asks for notices and is quieted
+    svc = ServiceProc("--aggressive", f"continuous_sampling={str(continuous).lower()}",
+                      "short_thread_memory_s=0").wait_ready()
     prog = str(compile_c([ROOT / "bench" / "workloads" / "churn.c"], flags=["-O2"]))
     client = None
     try:
@@ -152,9 +154,62 @@ def test_short_lived_threads_turn_the_notices_off_and_late_ones_are_still_sample
         # thread started; with it, a few hundred per window at most
         assert row["short_thread_windows"] * SHORT_THREADS_MIN <= \
             row["thread_notices_received"] < 0.5 * started, (row, started)
+
+        # With the memory (ShortThreadPrograms), a run's first quieted window is its
+        # last window with notices, and a later run of the same program asks for
+        # none at all; its long-lived thread is still sampled, found in
+        # /proc/PID/task when a window opens (or the open source is refreshed).
+        svc.call("config_set", {"key": "short_thread_memory_s", "value": 3600})
+        for run in ("first", "later"):
+            client = spawn_client(svc.dir, [prog, "40000", "late"])
+            line = client.stdout.readline()
+            assert line.startswith("late tid"), line
+            late = line.split()[2]
+            h = _hotspots_when(svc, client.pid, lambda h: h["threads"].get(late, 0) >= 5,
+                               timeout=10.0)
+            assert h["threads"].get(late, 0) >= 5, h["threads"]
+            out, _ = client.communicate(timeout=30)
+            assert client.returncode == 0 and "churn: 40000" in out, out
+            row = next(c for c in svc.call("clients", {"all": True})
+                       if c["pid"] == client.pid)
+            assert row["windows_without_notices"] >= 1, (run, row)
+            if run == "first":
+                assert row["short_thread_windows"] == 1, row
+            else:
+                assert row["thread_notices_received"] == 0, row
+                assert row["short_thread_windows"] == 0, row
     finally:
         kill(client)
         svc.stop()
+
+
+def test_programs_with_short_lived_threads_are_remembered():
+    """ShortThreadPrograms: by executable and build id, for keep_s after the last
+    sighting, at most max_programs (least recently seen first out); an unknown
+    executable (empty name) is never remembered."""
+    from dbr_service.clients import ShortThreadPrograms
+
+    m = ShortThreadPrograms(keep_s=10.0, max_programs=2)
+    m.note("/bin/churn", "ab", now=100.0)
+    assert m.known("/bin/churn", "ab", now=105.0)
+    assert not m.known("/bin/churn", "cd", now=105.0)     # another build
+    assert not m.known("/bin/other", "ab", now=105.0)
+    m.note("/bin/churn", "ab", now=108.0)                 # seen again: kept longer
+    assert m.known("/bin/churn", "ab", now=117.0)
+    assert not m.known("/bin/churn", "ab", now=118.5)     # forgotten
+    assert not m.known("/bin/churn", "ab", now=100.0)     # and gone, not only old
+    m.note("a", "1", now=200.0)
+    m.note("b", "1", now=201.0)
+    m.note("a", "1", now=202.0)                           # a is now the most recent
+    m.note("c", "1", now=203.0)                           # b goes
+    assert m.known("a", "1", now=204.0) and m.known("c", "1", now=204.0)
+    assert not m.known("b", "1", now=204.0)
+    m.note("", "", now=205.0)
+    assert not m.known("", "", now=205.0)
+    m.keep_s = 0.0                                        # short_thread_memory_s=0
+    assert not m.known("a", "1", now=204.0)
+    m.note("d", "1", now=206.0)
+    assert not m.known("d", "1", now=206.0)
 
 
 def test_continuous_sampling_looks_at_switch_rates_again_once_a_second():
