@@ -56,6 +56,19 @@ static void sampler_handler(int sig, siginfo_t *si, void *ucv)
     h = __atomic_load_n(&g_ring, __ATOMIC_ACQUIRE);
     if (!h)
         return;
+    /* Delivered on the way out of a system call: the tick that fired the timer
+     * found the thread in the kernel, and the interrupted PC is only where the
+     * call returns to.  The syscall instruction left that address in rcx and the
+     * flags in r11 (rip is 2 bytes before it when the kernel restarts the call).
+     * perf's exclude_kernel drops such samples; a thread that lives in system
+     * calls (starting threads, waiting on futexes) would otherwise have its
+     * kernel time piled on its libc call sites. */
+    if (((uint64_t)uc->uc_mcontext.gregs[REG_RCX] == (uint64_t)uc->uc_mcontext.gregs[REG_RIP] ||
+         (uint64_t)uc->uc_mcontext.gregs[REG_RCX] == (uint64_t)uc->uc_mcontext.gregs[REG_RIP] + 2) &&
+        uc->uc_mcontext.gregs[REG_R11] == uc->uc_mcontext.gregs[REG_EFL]) {
+        __atomic_add_fetch(&h->in_kernel, 1, __ATOMIC_RELAXED);
+        return;
+    }
     ents = (struct dbr_ring_entry *)(h + 1);
     head = __atomic_load_n(&h->head, __ATOMIC_RELAXED);
     for (;;) {

@@ -268,7 +268,8 @@ class Error(_S):
 
 class RingHeader(_S):
     _fields_ = [("magic", u32), ("version", u32), ("capacity", u32), ("entry_size", u32),
-                ("head", u64), ("tail", u64), ("dropped", u64), ("reserved", u64 * 3)]
+                ("head", u64), ("tail", u64), ("dropped", u64), ("in_kernel", u64),
+                ("reserved", u64 * 2)]
 
 
 class RingEntry(_S):

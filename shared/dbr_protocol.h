@@ -409,7 +409,9 @@ struct dbr_ring_header {
     uint64_t head;      /* next slot to reserve (producers) */
     uint64_t tail;      /* next slot to consume (service) */
     uint64_t dropped;   /* samples lost because the ring was full */
-    uint64_t reserved[3];
+    uint64_t in_kernel; /* timer signals not taken as samples: delivered on the way
+                         * out of a system call (the tick came in the kernel) */
+    uint64_t reserved[2];
 };
 
 struct dbr_ring_entry {

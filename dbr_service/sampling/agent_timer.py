@@ -31,6 +31,7 @@ ENTRY_SIZE = ctypes.sizeof(protocol.RingEntry)    # 16
 _TAIL_OFF = protocol.RingHeader.tail.offset
 _HEAD_OFF = protocol.RingHeader.head.offset
 _DROPPED_OFF = protocol.RingHeader.dropped.offset
+_IN_KERNEL_OFF = protocol.RingHeader.in_kernel.offset
 _SEQ_WORD = protocol.RingEntry.seq.offset // 4    # u32 index of seq inside an entry
 _TID_WORD = protocol.RingEntry.tid.offset // 4
 _PC_WORD = protocol.RingEntry.pc.offset // 4
@@ -94,6 +95,8 @@ class AgentTimerRing:
         self._head = ctypes.c_uint64.from_buffer(self.mm, _HEAD_OFF)
         self._tail = ctypes.c_uint64.from_buffer(self.mm, _TAIL_OFF)
         self._dropped = ctypes.c_uint64.from_buffer(self.mm, _DROPPED_OFF)
+        self._in_kernel = ctypes.c_uint64.from_buffer(self.mm, _IN_KERNEL_OFF)
+        self.in_kernel_seen = 0
         self.tail = self._tail.value
         # drops since the ring was created count, even those before we mapped it
         self.dropped_seen = 0
@@ -173,12 +176,19 @@ class AgentTimerRing:
         delta, self.dropped_seen = now - self.dropped_seen, now
         return delta
 
+    def new_in_kernel(self) -> int:
+        """Timer signals the producers did not take as samples since the last call:
+        delivered on the way out of a system call (the tick came in the kernel)."""
+        now = self._in_kernel.value
+        delta, self.in_kernel_seen = now - self.in_kernel_seen, now
+        return delta
+
     def same_file(self, fd: int) -> bool:
         """Whether ``fd`` refers to the memfd this ring maps (agent reused its ring)."""
         return self._ident is not None and _ident(fd) == self._ident
 
     def close(self) -> None:
-        for attr in ("_words", "_view", "_head", "_tail", "_dropped"):
+        for attr in ("_words", "_view", "_head", "_tail", "_dropped", "_in_kernel"):
             obj = self.__dict__.pop(attr, None)
             if isinstance(obj, memoryview):
                 obj.release()
@@ -219,7 +229,9 @@ class AgentTimerSource(SamplingSource):
         self.period_us, self.ring_entries = period_us, ring_entries
         self.ring: AgentTimerRing | None = None
         self._pending: list[Sample] = []
-        self.stats.extra.update(skipped=0)
+        #: skipped: unpublished slots given up; in_kernel: timer signals that came on
+        #: the way out of a system call, not samples (perf's exclude_kernel)
+        self.stats.extra.update(skipped=0, in_kernel=0)
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -281,6 +293,7 @@ class AgentTimerSource(SamplingSource):
         out.extend(Sample(pid, tid, pc) for pc, tid in ring.read())
         self.stats.lost += ring.new_drops() + ring.skipped - skipped
         self.stats.extra["skipped"] += ring.skipped - skipped
+        self.stats.extra["in_kernel"] += ring.new_in_kernel()
 
     def read(self) -> list[Sample]:
         out, self._pending = self._pending, []
