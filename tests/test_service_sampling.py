@@ -127,21 +127,8 @@ def test_short_lived_threads_turn_the_notices_off_and_late_ones_are_still_sample
     svc = ServiceProc("--aggressive", f"continuous_sampling={str(continuous).lower()}",
                       "short_thread_memory_s=0").wait_ready()
     prog = str(compile_c([ROOT / "bench" / "workloads" / "churn.c"], flags=["-O2"]))
-    client = None
     try:
-        # ~3.5 s natively; the long-lived thread starts halfway, at ~0.4 s
-        client = spawn_client(svc.dir, [prog, "40000", "late"])
-        line = client.stdout.readline()
-        assert line.startswith("late tid"), line
-        late = line.split()[2]
-        h = _hotspots_when(svc, client.pid, lambda h: h["threads"].get(late, 0) >= 5,
-                           timeout=10.0)
-        assert h["threads"].get(late, 0) >= 5, h["threads"]
-        row = next(c for c in svc.call("clients") if c["pid"] == client.pid)
-        out, _ = client.communicate(timeout=30)
-        assert client.returncode == 0, out
-        started = int(out.split("churn:")[1].split()[0])
-        assert started == 40000, out
+        row, started = _churn_with_a_late_thread(svc, prog)
         assert row["short_thread_windows"] >= 1, row
         # the main thread, starting and joining them, leaves its CPU tens of thousands
         # of times a second: no perf event for it (perf_max_switch_rate)
@@ -161,17 +148,7 @@ def test_short_lived_threads_turn_the_notices_off_and_late_ones_are_still_sample
         # /proc/PID/task when a window opens (or the open source is refreshed).
         svc.call("config_set", {"key": "short_thread_memory_s", "value": 3600})
         for run in ("first", "later"):
-            client = spawn_client(svc.dir, [prog, "40000", "late"])
-            line = client.stdout.readline()
-            assert line.startswith("late tid"), line
-            late = line.split()[2]
-            h = _hotspots_when(svc, client.pid, lambda h: h["threads"].get(late, 0) >= 5,
-                               timeout=10.0)
-            assert h["threads"].get(late, 0) >= 5, h["threads"]
-            out, _ = client.communicate(timeout=30)
-            assert client.returncode == 0 and "churn: 40000" in out, out
-            row = next(c for c in svc.call("clients", {"all": True})
-                       if c["pid"] == client.pid)
+            row, _ = _churn_with_a_late_thread(svc, prog)
             assert row["windows_without_notices"] >= 1, (run, row)
             if run == "first":
                 assert row["short_thread_windows"] == 1, row
@@ -179,8 +156,29 @@ def test_short_lived_threads_turn_the_notices_off_and_late_ones_are_still_sample
                 assert row["thread_notices_received"] == 0, row
                 assert row["short_thread_windows"] == 0, row
     finally:
-        kill(client)
         svc.stop()
+
+
+def _churn_with_a_late_thread(svc, prog: str) -> tuple[dict, int]:
+    """Run churn 40000 (~3.5 s natively) whose long-lived thread starts halfway, at
+    ~0.4 s; once that thread has 5 samples, let it finish.  Its row of `clients`
+    (once it has ended) and the threads it started."""
+    client = spawn_client(svc.dir, [prog, "40000", "late"])
+    try:
+        line = client.stdout.readline()
+        assert line.startswith("late tid"), line
+        late = line.split()[2]
+        h = _hotspots_when(svc, client.pid, lambda h: h["threads"].get(late, 0) >= 5,
+                           timeout=10.0)
+        assert h["threads"].get(late, 0) >= 5, h["threads"]
+        out, _ = client.communicate(timeout=30)
+        assert client.returncode == 0, out
+        started = int(out.split("churn:")[1].split()[0])
+        assert started == 40000, out
+        return next(c for c in svc.call("clients", {"all": True})
+                    if c["pid"] == client.pid), started
+    finally:
+        kill(client)
 
 
 def test_programs_with_short_lived_threads_are_remembered():
