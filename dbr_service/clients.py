@@ -603,6 +603,15 @@ class ClientSession:
             with self.lock:
                 self.threads = tids
 
+    @property
+    def sampling_source_name(self) -> str:
+        """The source's name, with "+agent-timer" once the agent's timer has sampled a
+        thread perf left out (each window's source starts as plain perf)."""
+        name = self.source_name
+        if self.timer_sampled_tids and not name.endswith("+agent-timer"):
+            name += "+agent-timer"
+        return name
+
     def thread_count(self) -> int:
         """Threads of the client now (the notices only arrive during perf windows); of
         an ended session, those it had last (its pid may be another process's now)."""
@@ -960,7 +969,7 @@ class ClientSession:
                 "threads_timer_sampled": len(self.timer_sampled_tids),
                 "gated_timer_samples": self.gated_timer_samples,
                 "samples": self.samples_total, "snapshots": self.snapshots,
-                "paused": self.paused, "source": self.source_name,
+                "paused": self.paused, "source": self.sampling_source_name,
                 "map_changes": self.map_changes, "jobs_done": self.jobs_done,
                 "hotspots_found": len(self.hotspots),
                 "regions": len(self.regions), "patches_installed": self.patches_installed,

@@ -177,7 +177,7 @@ def verb_hotspots(service: Service, args: dict[str, Any]) -> dict[str, Any]:
         maps = list(s.maps)
         threads = {str(t): n for t, n in sorted(s.thread_samples.items())}
     return {"pid": s.pid, "samples": sum(counts.values()), "snapshots": s.snapshots,
-            "source": s.source_name, "threads": threads,
+            "source": s.sampling_source_name, "threads": threads,
             "hotspots": find_hotspots(counts, maps, threshold=service.config.hot_threshold,
                                       top=top)}
 

@@ -31,7 +31,7 @@ def client_report(s: ClientSession) -> dict[str, Any]:
         "regions_went_live": s.regions_went_live,
         "threads_transferred": 0 if s.installer is None else s.installer.threads_transferred,
         "regions": [r.to_json() for r in s.regions.values()],
-        "sampling_source": s.source_name,
+        "sampling_source": s.sampling_source_name,
         "snapshots": s.snapshots,
         "hotspots": find_hotspots(dict(s.ip_counts), s.maps, threshold=cfg.hot_threshold,
                                   top=10),

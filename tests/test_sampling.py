@@ -520,10 +520,11 @@ def test_gated_threads_get_the_agents_timer_and_failures_leave_perf_going(bins, 
     src.open(p.pid)
     try:
         src.enable()                       # nothing gated: no sampler started
-        assert agent.calls == [] and src.name == "perf-cpu-clock+agent-timer"
+        assert agent.calls == [] and src.name == "perf-cpu-clock"
         gate.block = {tids["switchy"]}
         src.refresh_threads()
         assert agent.calls == [("start", 1000, 64), (tids["switchy"], True)]
+        assert src.name == "perf-cpu-clock+agent-timer"
         assert src.timed == {tids["switchy"]} and src.gated == {tids["switchy"]}
         agent.push((0x1234, tids["switchy"]), (0x1238, tids["switchy"]))
         got = Counter((s.tid, s.ip) for s in sample_for(src, 0.2))

@@ -46,7 +46,8 @@ class GatedTimerSource(SamplingSource):
         if perf.gate is None:
             raise SamplingError("a gated timer source needs a perf source with a switch gate")
         self.perf, self.timer, self._arm = perf, timer, arm
-        self.name = f"{perf.name}+agent-timer"
+        #: perf's name, with "+agent-timer" once a thread has been timed
+        self.name = perf.name
         self.stats = perf.stats
         #: threads whose timer the agent has armed now
         self.timed: set[int] = set()
@@ -133,6 +134,7 @@ class GatedTimerSource(SamplingSource):
                 if on:
                     self.timed.add(tid)
                     self._new_timed.add(tid)
+                    self.name = f"{self.perf.name}+agent-timer"
                 else:
                     self.timed.discard(tid)
             elif rc == P.Result.E_UNKNOWN:
