@@ -155,6 +155,18 @@ static int arm_timer(pid_t tid, int new_thread)
     return DBR_OK;
 }
 
+/* g_sampler_mu held.  Delete the timer of thread tid, if it has one. */
+static void delete_timers_of(pid_t tid)
+{
+    unsigned i;
+
+    for (i = 0; i < DBR_TIMER_TABLE_MAX; i++)
+        if (g_timers[i].tid == tid) {
+            syscall(SYS_timer_delete, g_timers[i].kid);
+            g_timers[i].tid = 0;
+        }
+}
+
 static void delete_all_timers(void)
 {
     unsigned i;
@@ -269,7 +281,6 @@ int dbr_sampler_stop(void)
 int dbr_sampler_thread(pid_t tid, int on)
 {
     int rc = DBR_OK;
-    unsigned i;
 
     if (tid <= 0 || tid == g_agent_tid || tid == dbr_gettid())
         return DBR_E_INVAL;
@@ -283,11 +294,7 @@ int dbr_sampler_thread(pid_t tid, int on)
     else if (on)
         rc = arm_timer(tid, 1);
     else
-        for (i = 0; i < DBR_TIMER_TABLE_MAX; i++)
-            if (g_timers[i].tid == tid) {
-                syscall(SYS_timer_delete, g_timers[i].kid);
-                g_timers[i].tid = 0;
-            }
+        delete_timers_of(tid);
     pthread_mutex_unlock(&g_sampler_mu);
     return rc;
 }
@@ -310,17 +317,12 @@ void dbr_sampler_thread_start(void)
 void dbr_sampler_thread_exit(void)
 {
     pid_t tid;
-    unsigned i;
 
     if (!__atomic_load_n(&g_running, __ATOMIC_ACQUIRE))
         return;       /* before gettid: a thread's end costs no system call here */
     tid = dbr_gettid();
     pthread_mutex_lock(&g_sampler_mu);
-    for (i = 0; i < DBR_TIMER_TABLE_MAX; i++)
-        if (g_timers[i].tid == tid) {
-            syscall(SYS_timer_delete, g_timers[i].kid);
-            g_timers[i].tid = 0;
-        }
+    delete_timers_of(tid);
     pthread_mutex_unlock(&g_sampler_mu);
 }
 
