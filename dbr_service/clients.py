@@ -558,11 +558,15 @@ class ClientSession:
         self._commands.put((quiet, Future()))
         self._wake()
 
-    def want_thread_notices(self) -> bool:
-        """Whether an open perf source should ask for THREAD_NEW/THREAD_EXIT: not for a
-        program (this one, or an earlier run of the same executable) whose threads
-        proved too short-lived to sample (ShortThreadPrograms)."""
-        return not self.service.short_thread_programs.known(self.exe, self.build_id)
+    def window_notices(self) -> None:
+        """Session thread, a perf window opening (or a continuous one looking again):
+        ask for THREAD_NEW/THREAD_EXIT, unless the program (this one, or an earlier run
+        of the same executable) proved its threads too short-lived to sample
+        (ShortThreadPrograms); that window is counted instead."""
+        if self.service.short_thread_programs.known(self.exe, self.build_id):
+            self.windows_without_notices += 1
+        else:
+            self.thread_notices(True)
 
     def thread_notices(self, on: bool) -> None:
         """Session thread: ask the agent for THREAD_NEW/THREAD_EXIT (on) or for quiet.
@@ -656,10 +660,7 @@ class ClientSession:
                                            or now - self._gate_look < GATE_LOOK_S):
                 return
             self._gate_look = now
-            if self.want_thread_notices():
-                self.thread_notices(True)
-            else:
-                self.windows_without_notices += 1
+            self.window_notices()
             try:
                 src.refresh_threads()
             except SamplingError as exc:

@@ -85,14 +85,10 @@ def make_perf_source(session: ClientSession, cfg: Config, kind: str):
     which the agent sends from now until the window ends).  Threads that switch too
     often for a perf event get the agent's timer, where the agent offers a listed
     sampler (sampling/gated.py)."""
-    from dbr_service.sampling.agent_timer import AgentTimerSource
     from dbr_service.sampling.gated import GatedTimerSource
     from dbr_service.sampling.perf import PerfSource
 
-    if session.want_thread_notices():
-        session.thread_notices(True)
-    else:
-        session.windows_without_notices += 1
+    session.window_notices()
 
     pages = 64 if cfg.continuous_sampling else 16
     perf = PerfSource(event=kind.removeprefix("perf-"), sample_period_us=cfg.sample_period_us,
@@ -103,24 +99,27 @@ def make_perf_source(session: ClientSession, cfg: Config, kind: str):
         perf.open(session.pid)
         return perf
     conn = session.conn
-    timer = AgentTimerSource(
-        lambda period, entries: conn.sampler_start(period, entries, P.SAMPLER_LISTED)[0],
-        lambda: conn.sampler_stop(timeout=1.0),
-        period_us=cfg.sample_period_us, ring_entries=GATED_RING_ENTRIES)
+    timer = _agent_timer(session, cfg, GATED_RING_ENTRIES, P.SAMPLER_LISTED)
     src = GatedTimerSource(perf, timer, lambda tid, on: conn.sampler_thread(tid, on, timeout=1.0))
     src.open(session.pid)
     return src
 
 
-def make_agent_timer_source(session: ClientSession, cfg: Config):
-    """The agent's own per-thread timers, through the ring it hands over (SAMPLER_RING).
-    start/stop run on the session thread, the connection's only reader."""
+def _agent_timer(session: ClientSession, cfg: Config, ring_entries: int, flags: int = 0):
+    """An (unopened) source of the agent's per-thread timers, through the ring it hands
+    over (SAMPLER_RING); start/stop run on the session thread, the connection's only
+    reader.  flags: SAMPLER_LISTED for only the threads named to it."""
     from dbr_service.sampling.agent_timer import AgentTimerSource
 
     conn = session.conn
-    src = AgentTimerSource(lambda period, entries: conn.sampler_start(period, entries)[0],
-                           lambda: conn.sampler_stop(timeout=1.0),
-                           period_us=cfg.sample_period_us, ring_entries=cfg.agent_ring_entries)
+    return AgentTimerSource(lambda period, entries: conn.sampler_start(period, entries, flags)[0],
+                            lambda: conn.sampler_stop(timeout=1.0),
+                            period_us=cfg.sample_period_us, ring_entries=ring_entries)
+
+
+def make_agent_timer_source(session: ClientSession, cfg: Config):
+    """The agent's own timers on every thread of the client."""
+    src = _agent_timer(session, cfg, cfg.agent_ring_entries)
     src.open(session.pid)
     return src
 

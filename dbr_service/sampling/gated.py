@@ -22,6 +22,7 @@ request's wait, and only change what the next of those sends.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 from dbr_service import protocol as P
@@ -51,10 +52,9 @@ class GatedTimerSource(SamplingSource):
         self.stats = perf.stats
         #: threads whose timer the agent has armed now
         self.timed: set[int] = set()
-        self.timer_samples = 0
         self.failed: str | None = None
-        self._new_timed: set[int] = set()
-        self._counted = 0
+        self._new_timed: set[int] = set()     # since take_counts
+        self._new_samples = 0
         self._failure_told = False
 
     @property
@@ -106,10 +106,8 @@ class GatedTimerSource(SamplingSource):
         self.failed = f"timer for threads perf leaves out: {why}"
         self.timed.clear()
         if self.timer.enabled:
-            try:
+            with contextlib.suppress(SamplingError):
                 self.timer.disable()
-            except SamplingError:
-                pass
 
     def _sync(self) -> None:
         """Arm the timers of the threads the gate refuses now, delete those of the
@@ -158,7 +156,7 @@ class GatedTimerSource(SamplingSource):
         out = self.perf.read()
         if self.timer.ring is not None:
             got = self.timer.read()
-            self.timer_samples += len(got)
+            self._new_samples += len(got)
             self.stats.samples += len(got)
             out += got
         return out
@@ -170,7 +168,7 @@ class GatedTimerSource(SamplingSource):
         """What happened since the last call: threads timed, samples from their
         timers, and why the fallback was given up (once)."""
         tids, self._new_timed = self._new_timed, set()
-        n, self._counted = self.timer_samples - self._counted, self.timer_samples
+        n, self._new_samples = self._new_samples, 0
         failed = self.failed if not self._failure_told else None
         self._failure_told = self.failed is not None
         return tids, n, failed
