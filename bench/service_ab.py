@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -27,18 +26,9 @@ import tempfile
 from pathlib import Path
 
 import dbr_agent
-from bench.common import machine, write_results
+from bench.common import machine, ratio_ci, write_results
 from bench.compare import HostService, run_once
 from dbr_service.cmd_run import preload_env
-
-
-def bootstrap(a: list[float], b: list[float], n: int = 2000, seed: int = 1) -> tuple[float, float]:
-    """95 % interval of median(b) / median(a) over rounds resampled whole."""
-    rng = random.Random(seed)
-    idx = range(len(a))
-    stats = sorted(statistics.median(b[i] for i in pick) / statistics.median(a[i] for i in pick)
-                   for pick in ([rng.choice(idx) for _ in idx] for _ in range(n)))
-    return stats[int(0.025 * n)], stats[int(0.975 * n) - 1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     prog = args.prog[1:] if args.prog[:1] == ["--"] else args.prog
     if not prog:
         ap.error("no program given (-- PROG [ARG ...])")
-    if args.runs < 3:
-        ap.error("--runs must be at least 3")
+    if args.runs < 5:   # ratio_ci's floor: fewer rounds say nothing
+        ap.error("--runs must be at least 5")
     exe = shutil.which(prog[0])
     if exe is None:
         ap.error(f"{prog[0]}: not found")
@@ -111,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{rows[n]['ratio']:.4f} (paired {rows[n]['paired']:.4f})"
               + (f"  service CPU a run {rows[n]['service_cpu_mean_s'] * 1e3:.1f} ms"
                  if "service_cpu_mean_s" in rows[n] else ""))
-    lo, hi = bootstrap(walls["A"], walls["B"])
+    lo, hi = ratio_ci(list(zip(walls["B"], walls["A"])))   # as bench.compare's verdicts
     ba = statistics.median(walls["B"]) / statistics.median(walls["A"])
     print(f"B over A {ba:.4f} [{lo:.4f}-{hi:.4f}]  (A: {' '.join(args.a) or 'defaults'}; "
           f"B: {' '.join(args.b) or 'defaults'})")

@@ -430,26 +430,26 @@ def test_steady_state_rejects_unknown_workloads():
 
 
 def test_service_ab_runs_a_program_under_two_services(tmp_path, monkeypatch, capsys):
-    """bench/service_ab.py: three rounds of /bin/true natively and under two host
+    """bench/service_ab.py: five rounds of /bin/true natively and under two host
     services (one with a setting changed), the figures printed and written; a missing
     program or too few rounds is a usage error."""
     import bench.common
     from bench import service_ab
 
     monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
-    assert service_ab.main(["--runs", "3", "-a", "short_thread_memory_s=0", "--",
+    assert service_ab.main(["--runs", "5", "-a", "short_thread_memory_s=0", "--",
                             "/bin/true"]) == 0
     out = capsys.readouterr().out
     assert "B over A" in out and "A: short_thread_memory_s=0; B: defaults" in out, out
     data = json.loads((tmp_path / "service_ab.json").read_text())
     assert set(data["configs"]) == {"native", "A", "B"}
-    assert all(len(w) == 3 for w in data["walls"].values())
+    assert all(len(w) == 5 for w in data["walls"].values())
     lo, hi = data["b_over_a_ci95"]
     assert lo <= data["b_over_a"] <= hi
     # a setting the service refuses: it does not start, and nothing is run
-    assert service_ab.main(["--runs", "3", "-b", "no_such_key=1", "--", "/bin/true"]) == 1
+    assert service_ab.main(["--runs", "5", "-b", "no_such_key=1", "--", "/bin/true"]) == 1
     assert "service B unavailable" in capsys.readouterr().err
-    for bad in (["--runs", "3"], ["--runs", "2", "--", "/bin/true"],
+    for bad in (["--runs", "5"], ["--runs", "4", "--", "/bin/true"],
                 ["--", "/no/such/program"]):
         with pytest.raises(SystemExit) as exc:
             service_ab.main(bad)
