@@ -88,9 +88,16 @@ def ab(name: str, run_a: Callable[[], float], run_b: Callable[[], float], runs: 
     return ABResult(name, runs, am, bm, bm / am if am else float("nan"), a, b)
 
 
+def results_dir() -> Path:
+    """Where results go: ``$DBR_BENCH_RESULTS`` if set, else ``bench/results``."""
+    return Path(os.environ.get("DBR_BENCH_RESULTS") or RESULTS)
+
+
 def write_results(stem: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{stem}.json"
+    """Write ``STEM.json`` into results_dir(), beside bench.compare's results."""
+    where = results_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"{stem}.json"
     path.write_text(json.dumps(payload, indent=2, default=lambda o: asdict(o)))
     return path
 
@@ -227,7 +234,7 @@ class Results:
              directory: Path | None = None) -> "Results":
         session = os.environ.get("DBR_BENCH_SESSION") or f"{os.getpid()}-{time.time():.0f}"
         cmd = os.environ.get("DBR_BENCH_COMMAND")
-        where = directory or Path(os.environ.get("DBR_BENCH_RESULTS") or RESULTS)
+        where = directory or results_dir()
         return cls(where, session, quick,
                    cmd.split() if cmd else list(command or ["python", "-m", "bench"]))
 

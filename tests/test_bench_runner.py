@@ -402,10 +402,9 @@ def test_steady_state_runs_all_four_ways_and_reports_what_the_service_did(tmp_pa
     host-sampling all ran with native's output, ratios are medians over medians, and
     the service's view of each run (windows sampled, interval) came back by pid;
     host-sampling never patches."""
-    import bench.common
     from bench import steady_state
 
-    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    monkeypatch.setenv("DBR_BENCH_RESULTS", str(tmp_path))
     assert steady_state.main(["--runs", "2", "--seconds", "0.6", "threads"]) == 0
     res = json.loads((tmp_path / "steady_state.json").read_text())
     row = res["workloads"]["threads"]["configs"]
@@ -433,10 +432,9 @@ def test_service_ab_runs_a_program_under_two_services(tmp_path, monkeypatch, cap
     """bench/service_ab.py: five rounds of /bin/true natively and under two host
     services (one with a setting changed), the figures printed and written; a missing
     program or too few rounds is a usage error."""
-    import bench.common
     from bench import service_ab
 
-    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    monkeypatch.setenv("DBR_BENCH_RESULTS", str(tmp_path))
     assert service_ab.main(["--runs", "5", "-a", "short_thread_memory_s=0", "--",
                             "/bin/true"]) == 0
     out = capsys.readouterr().out
