@@ -48,6 +48,8 @@ class InstallState(str, enum.Enum):
     WRITTEN = "written"          # bytes in the buffer, no site patched yet
     INSTALLED = "installed"      # at least one entry site patched, or (a region without
                                  # patch sites) at least one thread moved in
+    SUSPENDED = "suspended"      # sites restored for a while (a speed check), code and
+                                 # REGION kept: resume() patches the same sites again
     REMOVED = "removed"          # every site restored; code space quarantined
     FAILED = "failed"            # nothing patched (agent refused every site)
 
@@ -78,6 +80,8 @@ class InstalledRegion:
     orig_ranges: list[tuple[int, int]] = field(default_factory=list)
     #: Threads the agent moved from original code into this region (TRANSFER).
     transferred: int = 0
+    #: While SUSPENDED: the sites that were patched, to patch again on resume.
+    suspended_sites: list[P.PatchSite] = field(default_factory=list)
 
     @property
     def patched_sites(self) -> list[P.PatchSite]:
@@ -205,8 +209,9 @@ class Installer:
         self.buffer_ranges: tuple[tuple[int, int], ...] = ()
 
     def _refresh_live(self) -> None:
+        # a suspended region's code stays: threads inside it finish there
         self.live = tuple((*r.code_range(), r) for r in self.regions.values()
-                          if r.state is InstallState.INSTALLED)
+                          if r.state in (InstallState.INSTALLED, InstallState.SUSPENDED))
         self.buffer_ranges = tuple((b.base, b.base + b.size)
                                    for b in list(self.conn.buffers.values()))
 
@@ -301,25 +306,63 @@ class Installer:
         self.threads_transferred += moved
         return moved
 
+    # ---- suspension (speed checks) ----------------------------------------
+    def suspend(self, region_id: int) -> InstalledRegion:
+        """Restore a live region's patched sites but keep its code and its REGION with
+        the agent, so that resume() can patch them again: new entries run the original
+        code meanwhile (threads already inside the replacement code finish there)."""
+        reg = self.regions[region_id]
+        if reg.state is not InstallState.INSTALLED:
+            raise AgentError(f"region {reg.name} is {reg.state.value}, not installed")
+        sites = reg.patched_sites
+        self._unpatch(reg, sites)
+        reg.suspended_sites = sites
+        reg.state = InstallState.SUSPENDED
+        self._refresh_live()
+        return reg
+
+    def resume(self, region_id: int) -> InstalledRegion:
+        """Patch a suspended region's sites again.  If the agent refuses every one (the
+        original bytes changed meanwhile, say), the region is retired."""
+        reg = self.regions[region_id]
+        if reg.state is not InstallState.SUSPENDED:
+            raise AgentError(f"region {reg.name} is {reg.state.value}, not suspended")
+        sites, reg.suspended_sites = reg.suspended_sites, []
+        results = self.conn.patch(sites) if sites else []
+        reg.results.update({s.site: r for s, r in zip(sites, results)})
+        if sites and not any(r == P.Result.OK for r in results):
+            self._retire(reg, "agent refused every site on resume: " +
+                         ", ".join(sorted({result_name(r) for r in results})))
+            return reg
+        reg.state = InstallState.INSTALLED
+        self._refresh_live()
+        return reg
+
+    def _unpatch(self, reg: InstalledRegion, sites: list[P.PatchSite]) -> int:
+        """Restore ``sites``; how many the agent restored (the rest it had already)."""
+        results = self.conn.unpatch(sites) if sites else []
+        n = 0
+        for s, r in zip(sites, results):
+            # NOT_PATCHED: the agent already restored it (e.g. its own hook timed out).
+            if r in (P.Result.OK, P.Result.E_NOT_PATCHED):
+                reg.results[s.site] = P.Result.E_NOT_PATCHED
+                n += r == P.Result.OK
+            else:
+                raise AgentError(f"unpatch of {s.site:#x} refused: {result_name(r)}")
+        return n
+
     # ---- removal ---------------------------------------------------------
     def uninstall(self, region_id: int, why: str = "") -> InstalledRegion:
         """Restore every patched site of a region, then quarantine its code."""
         reg = self.regions[region_id]
         if reg.state is InstallState.INSTALLED:
-            sites = reg.patched_sites
-            results = self.conn.unpatch(sites) if sites else []
-            for s, r in zip(sites, results):
-                # NOT_PATCHED: the agent already restored it (e.g. its own hook timed out).
-                if r in (P.Result.OK, P.Result.E_NOT_PATCHED):
-                    reg.results[s.site] = P.Result.E_NOT_PATCHED
-                    self.patches_removed += r == P.Result.OK
-                else:
-                    raise AgentError(f"unpatch of {s.site:#x} refused: {result_name(r)}")
+            self.patches_removed += self._unpatch(reg, reg.patched_sites)
             self.on_event("patch-removed", {"region": reg.name, "why": why})
         self._retire(reg, why)
         return reg
 
     def _retire(self, reg: InstalledRegion, why: str) -> None:
+        reg.suspended_sites = []
         if reg.state is not InstallState.FAILED:
             reg.state = InstallState.REMOVED
         reg.removed_at = time.monotonic()
@@ -333,16 +376,17 @@ class Installer:
 
     def uninstall_all(self, why: str = "") -> None:
         for rid, reg in list(self.regions.items()):
-            if reg.state is InstallState.INSTALLED:
+            if reg.state in (InstallState.INSTALLED, InstallState.SUSPENDED):
                 self.uninstall(rid, why)
 
     def affected_by(self, lo: int, hi: int) -> list[InstalledRegion]:
-        """Installed regions with a patch site or an exit target in [lo, hi)."""
+        """Installed (or suspended) regions with a patch site or an exit target in
+        [lo, hi)."""
         out = []
         for reg in self.regions.values():
-            if reg.state is not InstallState.INSTALLED:
+            if reg.state not in (InstallState.INSTALLED, InstallState.SUSPENDED):
                 continue
-            if any(lo <= s.site < hi for s in reg.patched_sites) or \
+            if any(lo <= s.site < hi for s in reg.patched_sites + reg.suspended_sites) or \
                     any(lo <= t < hi for _, t in reg.gen.exits) or \
                     any(lo <= o < hi for _, _, o in reg.gen.addr_map):
                 out.append(reg)
@@ -375,7 +419,7 @@ class Installer:
         """Lines for /tmp/perf-PID.map naming every live piece of replacement code."""
         lines = []
         for reg in self.regions.values():
-            if reg.state is InstallState.INSTALLED:
+            if reg.state in (InstallState.INSTALLED, InstallState.SUSPENDED):
                 for lo, hi, orig in reg.gen.addr_map:
                     lines.append(f"{lo:x} {hi - lo:x} dbr:{reg.name}@{orig:#x}")
         return lines

@@ -169,3 +169,60 @@ def test_code_that_does_not_fit_its_chunk_is_refused(client_conn):
     with pytest.raises(CodegenError):
         inst.reserve(64, reach=[sites[0], sites[0] + (3 << 30)])
     assert read_mem(client.pid, sites[0], 6) == SITE_INSN
+
+
+def test_suspend_restores_sites_keeps_code_and_resume_patches_again(client_conn):
+    """A speed check's phases: suspend() restores a live region's sites while its code
+    and REGION stay (no quarantine, attribution still maps its code), resume() patches
+    the same sites again; neither counts as a patch removed or installed.  The storm
+    threads keep running through the sites all along (the fixture checks they exit
+    cleanly)."""
+    _, client, conn, sites = client_conn
+    inst = Installer(conn, lambda a, n: read_mem(client.pid, a, n))
+    chunk = inst.reserve(64, reach=sites[:2])
+    reg = inst.install(chunk, stub_gen(chunk.addr, sites[:2]))
+    for _ in range(3):
+        inst.suspend(reg.region_id)
+        assert reg.state is InstallState.SUSPENDED and not reg.patched_sites
+        assert [s.site for s in reg.suspended_sites] == sites[:2]
+        for s in sites[:2]:
+            assert read_mem(client.pid, s, 6) == SITE_INSN
+        assert not inst.space.quarantine and inst.patched_ranges() == []
+        assert inst.attribute(reg.gen.entries[sites[1]] + 2) == (sites[1], reg)
+        with pytest.raises(Exception, match="not installed"):
+            inst.suspend(reg.region_id)
+        inst.resume(reg.region_id)
+        assert reg.state is InstallState.INSTALLED and not reg.suspended_sites
+        for s in sites[:2]:
+            assert read_mem(client.pid, s, 5) == jmp_rel32(s, reg.gen.entries[s])
+        time.sleep(0.02)
+    assert inst.patches_installed == 2 and inst.patches_removed == 0
+    with pytest.raises(Exception, match="not suspended"):
+        inst.resume(reg.region_id)
+    inst.uninstall(reg.region_id, "done")
+    assert inst.patches_removed == 2
+
+
+def test_suspended_region_is_retired_by_map_change_and_uninstall(client_conn):
+    """A suspended region still depends on the original code: a map change over one of
+    its (restored) sites retires it, as does uninstall, without an unpatch; a resume
+    the agent refuses (original bytes changed meanwhile) retires it too."""
+    _, client, conn, sites = client_conn
+    inst = Installer(conn, lambda a, n: read_mem(client.pid, a, n))
+    regs = []
+    for s in (sites[0], sites[3], sites[6]):
+        c = inst.reserve(32, reach=[s])
+        regs.append(inst.install(c, stub_gen(c.addr, [s])))
+        inst.suspend(regs[-1].region_id)
+    assert inst.on_map_changed(sites[0], sites[0] + 1) == [regs[0]]
+    assert regs[0].state is InstallState.REMOVED and len(inst.space.quarantine) == 1
+    inst.uninstall(regs[1].region_id, "operator")
+    assert regs[1].state is InstallState.REMOVED and inst.patches_removed == 0
+    wrong = P.PatchSite.from_buffer_copy(bytes(regs[2].suspended_sites[0]))
+    wrong.orig[0] ^= 0xFF
+    regs[2].suspended_sites[0] = wrong
+    inst.resume(regs[2].region_id)
+    assert regs[2].state is InstallState.REMOVED
+    assert "E_MISMATCH" in regs[2].why_removed
+    for s in (sites[0], sites[3], sites[6]):
+        assert read_mem(client.pid, s, 6) == SITE_INSN
