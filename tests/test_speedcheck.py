@@ -35,7 +35,7 @@ def run_check(rates: dict[str, list[float]], pairs: int = 6, cpu_s: float = 0.4,
 
 def test_phases_alternate_and_the_first_runs_the_regions_as_installed():
     chk = SpeedCheck([1], ["a"], pairs=4)
-    assert chk.order == [REPLACEMENT, ORIGINAL, ORIGINAL, REPLACEMENT,
+    assert chk.order == [REPLACEMENT, REPLACEMENT, ORIGINAL, ORIGINAL, REPLACEMENT,
                          REPLACEMENT, ORIGINAL, ORIGINAL, REPLACEMENT]
     assert chk.next_kind() == REPLACEMENT
 
@@ -44,25 +44,38 @@ def test_a_consistently_slower_region_is_called_slower():
     chk = run_check({REPLACEMENT: [9.0e6, 9.1e6, 8.9e6], ORIGINAL: [10.0e6]})
     assert chk.verdict == "slower", chk.why
     assert chk.ratio == pytest.approx(0.90, abs=0.01)
-    assert len(chk.ratios) == 6 and len(chk.phases) == 12
+    assert chk.interval[0] < chk.ratio < chk.interval[1] < 1.0
+    assert len(chk.ratios) == 6 and len(chk.phases) == 13
     s = chk.summary()
-    assert s["verdict"] == "slower" and s["regions"] == ["a", "b"] and s["phases"] == 12
+    assert s["verdict"] == "slower" and s["regions"] == ["a", "b"] and s["phases"] == 13
+
+
+def test_the_first_phase_is_not_counted():
+    """It runs the regions as installed right after the last sampling window: a
+    slow first phase (here a fifth of the rate) changes nothing."""
+    chk = run_check({REPLACEMENT: [2e6, 10e6, 10e6, 10e6, 10e6, 10e6, 10e6], ORIGINAL: [10e6]})
+    assert chk.verdict == "same" and chk.ratios == [1.0] * 6
 
 
 def test_faster_and_same():
-    assert run_check({REPLACEMENT: [11e6], ORIGINAL: [10e6]}).verdict == "faster"
-    same = run_check({REPLACEMENT: [10.1e6, 9.9e6], ORIGINAL: [10e6]})
-    assert same.verdict == "same" and "within 3%" in same.why
+    fast = run_check({REPLACEMENT: [11e6, 11.1e6, 10.9e6], ORIGINAL: [10e6]})
+    assert fast.verdict == "faster" and fast.interval[0] > 1.0
+    # a consistent 1 % is shown but within the 3 % margin
+    small = run_check({REPLACEMENT: [10.1e6, 10.11e6, 10.09e6], ORIGINAL: [10e6]})
+    assert small.verdict == "same" and "within 3%" in small.why, small.why
 
 
-def test_one_contrary_pair_is_allowed_two_are_not():
-    # pairs: R/O rates (9,10) x5 and (11,10) once: median 0.9, one contrary pair
-    one = run_check({REPLACEMENT: [9e6, 9e6, 9e6, 9e6, 9e6, 11e6],
-                     ORIGINAL: [10e6]})
-    assert one.verdict == "slower"
-    two = run_check({REPLACEMENT: [9e6, 11e6, 9e6, 9e6, 11e6, 9e6], ORIGINAL: [10e6]})
-    assert sum(r > 1 for r in two.ratios) == 2
-    assert two.verdict == "same", two.ratios
+def test_a_noisy_program_shows_no_difference():
+    """Pair ratios spread as native xz's half seconds do (0.8-1.35): even a geometric
+    mean 8 % below 1 is no verdict when the interval reaches past 1."""
+    noisy = run_check({REPLACEMENT: [10e6, 8.0e6, 10.4e6, 7.6e6, 9.2e6, 11.5e6, 8.3e6],
+                       ORIGINAL: [10e6]})
+    assert noisy.ratio < 0.97 and noisy.interval[0] < 1.0 < noisy.interval[1]
+    assert noisy.verdict == "same" and "no difference shown" in noisy.why
+    # the same spread around 0.5 is shown
+    slow = run_check({REPLACEMENT: [5e6, 4.0e6, 5.2e6, 3.8e6, 4.6e6, 5.75e6, 4.15e6],
+                      ORIGINAL: [10e6]})
+    assert slow.verdict == "slower" and slow.interval[1] < 1.0
 
 
 def test_a_program_with_little_io_is_unmeasurable_after_one_phase():
