@@ -30,7 +30,8 @@ from dbr_service.procfs import proc_dir
 from dbr_service.reuse import Job
 from dbr_service.sampling.perf import SwitchGate
 from dbr_service.install import Installer, InstallState
-from dbr_service.optimize import Evaluator, install_regions
+from dbr_service.optimize import Evaluator, install_regions, region_extent
+from dbr_service.speedcheck import ORIGINAL, SpeedCheck, read_progress
 
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.sampling.base import SamplingSource
@@ -139,12 +140,17 @@ class RegionRecord:
     info: dict[str, Any] = field(default_factory=dict)
     #: Original code an installed region replaces ([lo, hi) byte ranges).
     orig_ranges: list[tuple[int, int]] = field(default_factory=list)
+    #: When it went live (time.monotonic()); 0 if it never did.
+    installed_mono: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "module": self.module, "entries": list(self.entries),
                 "blocks": self.blocks, "code_bytes": self.code_bytes,
                 "state": self.state.value, "info": self.info}
 
+
+#: Speed checks whose summaries a client keeps (dbr ctl clients, the report).
+SPEED_CHECKS_KEPT = 16
 
 #: Evaluation moves threads into a live region (TRANSFER) when a window finds at
 #: least this many of the region's samples, and this share of them, in its original code.
@@ -298,6 +304,14 @@ class ClientSession:
         self.recent: collections.deque[collections.Counter[int]] = collections.deque(maxlen=4)
         #: Region ids never to install again (judged not effective).
         self.blocked_regions: set[str] = set()
+        #: The speed check under way (dbr_service/speedcheck.py), its finished ones,
+        #: and original code a region was found slower than: (module, lo, hi).
+        self.speed_check: SpeedCheck | None = None
+        self.speed_checks: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=SPEED_CHECKS_KEPT)
+        self.slow_ranges: list[tuple[str, int, int]] = []
+        #: The last speed-check command posted (control thread).
+        self.speed_fut: Future | None = None
         self._perf_map_ours = False
         #: Seconds from connection to the first occurrence of each step of the cycle.
         self.timeline: dict[str, float] = {}
@@ -773,6 +787,8 @@ class ClientSession:
         """Session thread: emit and install the regions not yet installed (nor covered
         by an installed one); regions installed.  One region's failure is recorded;
         the others go on."""
+        if self.speed_check is not None:
+            return 0   # not while one is measured: selected again at the next snapshot
         inst = self._get_installer()
         todo = []
         for rid, sr in zip(ids, srs):
@@ -782,6 +798,10 @@ class ClientSession:
                 continue
             if rec is not None and self.covered(rid, rec.module, rec.entries):
                 rec.info["not_installed"] = "its entries are in code an installed region replaces"
+                continue
+            if rec is not None and self._in_slow_code(rec.module, region_extent(sr)[0]):
+                rec.info["not_installed"] = ("it copies code that a region was found "
+                                             "slower than (speed check)")
                 continue
             todo.append((rid, sr))
         if not todo:
@@ -807,6 +827,7 @@ class ClientSession:
                         rec.info["install_error"] = f"{why} (gave up after {tries} attempts)"
                     continue
                 rec.state = RegionState.INSTALLED
+                rec.installed_mono = reg.installed_at
                 rec.sites = reg.patched_sites
                 rec.orig_ranges = list(reg.orig_ranges)
                 rec.code_bytes = reg.gen.size
@@ -835,11 +856,130 @@ class ClientSession:
         if rec is None or rec.state is not RegionState.INSTALLED or self.installer is None:
             return False
         reg = self.installer.regions.get(rec.info.get("install_id", -1))
-        if reg is not None and reg.state is InstallState.INSTALLED:
+        if reg is not None and reg.state in (InstallState.INSTALLED, InstallState.SUSPENDED):
             self.installer.uninstall(reg.region_id, why)
         self._region_removed(rec, why)
         self._write_perf_map()
         return True
+
+    # ------------------------------------------------------------------ speed checks
+    def _in_slow_code(self, module: str, ranges: list[tuple[int, int]]) -> bool:
+        """Whether a region copying ``ranges`` overlaps code whose region a speed
+        check found slower: a variant of it would most likely be slower too."""
+        return any(m == module and lo < b and a < hi
+                   for a, b in ranges for m, lo, hi in self.slow_ranges)
+
+    def speed_candidates(self, settle_s: float, now: float) -> list[str]:
+        """Any thread: ids of the live regions with patch sites that no speed check has
+        judged yet, once the youngest of them has been live for ``settle_s`` (until
+        then the set may still grow); [] if there are none."""
+        with self.lock:
+            new = [r for r in self.regions.values()
+                   if r.state is RegionState.INSTALLED and r.sites
+                   and "speed_check" not in r.info]
+            if not new or now - max(r.installed_mono for r in new) < settle_s:
+                return []
+            return [r.id for r in new]
+
+    def speed_start(self, rids: list[str], pairs: int, phase_s: float, margin: float) -> bool:
+        """Session thread: begin a speed check of the regions ``rids`` still live.  The
+        first phase runs them as installed.  False if none is live, a sampling window
+        is open (its samples would see the phases), or a check is under way."""
+        if self.speed_check is not None or self.source is not None or self.installer is None:
+            return False
+        todo = []
+        for rid in rids:
+            rec = self.regions.get(rid)
+            reg = None if rec is None else self.installer.regions.get(
+                rec.info.get("install_id", -1))
+            if reg is not None and reg.state is InstallState.INSTALLED and reg.patched_sites:
+                todo.append((rid, reg.region_id))
+        if not todo:
+            return False
+        chk = SpeedCheck([i for _, i in todo], [r for r, _ in todo], pairs=pairs,
+                         phase_s=phase_s, margin=margin)
+        self.speed_check = chk
+        chk.begin(chk.next_kind() or "", read_progress(self.pid), time.monotonic())
+        if chk.done:
+            self._speed_finish()
+        return True
+
+    def speed_step(self) -> None:
+        """Session thread: end the running phase of the check, set the regions for the
+        next one and begin it; or finish the check."""
+        chk = self.speed_check
+        if chk is None:
+            return
+        chk.end(read_progress(self.pid))
+        kind = chk.next_kind()
+        if kind is not None:
+            try:
+                if self._speed_set(chk, kind):
+                    chk.begin(kind, read_progress(self.pid), time.monotonic())
+                else:
+                    chk.stop("abandoned", "a region of the check was removed meanwhile")
+            except AgentError as exc:
+                # the agent refused an UNPATCH or PATCH: end the check, and put every
+                # region it can back as installed (a session that is gone raises again)
+                chk.stop("abandoned", f"the agent refused a step: {exc}")
+        if chk.done:
+            self._speed_finish()
+
+    def _speed_set(self, chk: SpeedCheck, kind: str) -> bool:
+        """Suspend (ORIGINAL) or resume (REPLACEMENT) every region of the check; False
+        if one of them is gone (map change, evaluation, operator) or failed to resume."""
+        inst = self.installer
+        assert inst is not None
+        for iid in chk.region_ids:
+            reg = inst.regions.get(iid)
+            if reg is None or reg.state not in (InstallState.INSTALLED, InstallState.SUSPENDED):
+                return False
+            if kind == ORIGINAL and reg.state is InstallState.INSTALLED:
+                inst.suspend(iid)
+            elif kind != ORIGINAL and reg.state is InstallState.SUSPENDED:
+                inst.resume(iid)
+                if reg.state is not InstallState.INSTALLED:
+                    rec = self._record_of(iid)
+                    if rec is not None:
+                        self._region_removed(rec, reg.why_removed)
+                    return False
+        return True
+
+    def _speed_finish(self) -> None:
+        """Session thread: act on the verdict.  Regions found slower are removed and
+        their original code is left alone from then on; every other region of the
+        check is patched again (if it is suspended) and stays."""
+        chk, self.speed_check = self.speed_check, None
+        if chk is None or self.installer is None:
+            return
+        inst = self.installer
+        slower = chk.verdict == "slower"
+        why = f"slower than its original code (speed check: {chk.why})"
+        try:
+            for iid in chk.region_ids:
+                reg = inst.regions.get(iid)
+                rec = self._record_of(iid)
+                if rec is not None:
+                    rec.info["speed_check"] = {"verdict": chk.verdict, "ratio": chk.ratio}
+                if reg is None or reg.state not in (InstallState.INSTALLED,
+                                                    InstallState.SUSPENDED):
+                    continue
+                if slower:
+                    inst.uninstall(iid, why)
+                    if rec is not None:
+                        self.blocked_regions.add(rec.id)
+                        self.slow_ranges += [(rec.module, lo, hi) for lo, hi in rec.orig_ranges]
+                        self._region_removed(rec, why)
+                elif reg.state is InstallState.SUSPENDED:
+                    inst.resume(iid)
+                    if reg.state is not InstallState.INSTALLED and rec is not None:
+                        self._region_removed(rec, reg.why_removed)
+        finally:
+            summary = chk.summary()
+            with self.lock:
+                self.speed_checks.append(summary)
+            self.service.events.publish("speed-check", pid=self.pid, **summary)
+            self._write_perf_map()
 
     def _region_removed(self, rec: RegionRecord, why: str) -> None:
         with self.lock:
@@ -979,6 +1119,9 @@ class ClientSession:
                                         else self.installer.threads_transferred),
                 "sampling_interval_s": self.sampling_interval_s,
                 "quiet_snapshots": self.quiet_snapshots,
+                "speed_check": ("running" if self.speed_check is not None else
+                                self.speed_checks[-1]["verdict"] if self.speed_checks
+                                else None),
                 "connected_at": self.connected_at, "ended_at": self.ended_at,
                 "close_reason": self.close_reason, "errors": list(self.errors)[-3:]}
 

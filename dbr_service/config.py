@@ -120,6 +120,19 @@ class Config:
     patch_variant: str = field(default="int3", metadata=_doc(
         "int3 | self-branch | single: the agent's cross-modifying-code protocol "
         "(DESIGN.md invariant 5); single is opt-in only", choices=PATCH_VARIANTS))
+    speed_check: bool = field(default=True, metadata=_doc(
+        "measure whether newly installed regions make the program faster: their patches "
+        "are taken out and put back in alternated phases while the program's I/O bytes "
+        "per CPU second are compared; regions found slower are removed for good "
+        "(programs with little I/O cannot be measured and keep their regions)"))
+    speed_check_phase_s: float = field(default=0.5, metadata=_doc(
+        "seconds of each phase of a speed check", min=0.05, max=60.0))
+    speed_check_pairs: int = field(default=6, metadata=_doc(
+        "pairs of phases (with and without the regions) in a speed check", min=2, max=100))
+    speed_check_margin: float = field(default=0.03, metadata=_doc(
+        "a speed check calls regions slower (or faster) only when the ratio of progress "
+        "rates (geometric mean over its pairs) is beyond 1 -/+ this and its 95 % "
+        "interval excludes 1", min=0.0, max=0.5))
     perf_map: bool = field(default=True, metadata=_doc(
         "write /tmp/perf-PID.map naming replacement code (unless another writer owns it)"))
     log_level: str = field(default="info", metadata=_doc(

@@ -36,6 +36,7 @@ def client_report(s: ClientSession) -> dict[str, Any]:
         "hotspots": find_hotspots(dict(s.ip_counts), s.maps, threshold=cfg.hot_threshold,
                                   top=10),
         "region_status": s.region_status,
+        "speed_checks": list(s.speed_checks),
         "timeline": dict(s.timeline),
         "close_reason": s.close_reason,
     }

@@ -44,6 +44,7 @@ from dbr_service.notify import Notifier
 from dbr_service.paths import AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET, QUIET_FILE, quiet_hint_ms
 from dbr_service.reuse import ReusedThreads
 from dbr_service.sampling.aggregate import SampleAggregator
+from dbr_service.speedcheck import SETTLE_PHASES
 from dbr_service.scheduler import (QUICK_JOBS, ClientJob, JobResult, Scheduler, quick_job,
                                    sampling_interval)
 
@@ -379,6 +380,7 @@ class Service:
             self._reload = False
             self.reload()
         self._snapshot_tick(time.monotonic())
+        self._speed_tick(time.monotonic())
         self.notifier.watchdog()
 
     def _next_deadline(self) -> float:
@@ -390,6 +392,10 @@ class Service:
             t = snap.end_at
         else:
             t = now + 0.02
+        for s in self.live_sessions():
+            chk = s.speed_check
+            if chk is not None and chk.next_at:
+                t = min(t, chk.next_at)
         due = self.notifier.watchdog_due()
         return min(t, now + due) if due is not None else t
 
@@ -517,7 +523,7 @@ class Service:
         window = cfg.snapshot_interval_s if cfg.continuous_sampling else cfg.snapshot_window_s
         snap = Snapshot(gen=self.snapshot_count + 1, started=now, end_at=now + window)
         for s in self.live_sessions():
-            if s.paused or self._resting(s, now):
+            if s.paused or self._resting(s, now) or self._speed_checking(s):
                 continue
             if now - s.connected_mono < cfg.min_client_age_s:
                 # Young: a program that ends within min_client_age_s could not gain
@@ -534,6 +540,44 @@ class Service:
             snap.begun[s.session_id] = s.post(lambda s=s: s.begin_window(self._make_source))
         self._snap = snap
         self._next_snapshot = now + cfg.snapshot_interval_s
+
+    @staticmethod
+    def _speed_checking(s: ClientSession) -> bool:
+        """A speed check is under way (or about to start): no sampling window, whose
+        samples would see its phases, and no new region while it measures."""
+        return s.speed_check is not None or (s.speed_fut is not None and not s.speed_fut.done())
+
+    def _speed_tick(self, now: float) -> None:
+        """Start speed checks of regions that settled, and step the running ones
+        (dbr_service/speedcheck.py); each step runs on the client's session thread."""
+        cfg = self.config
+        for s in self.live_sessions():
+            if s.speed_fut is not None and not s.speed_fut.done():
+                continue
+            chk = s.speed_check
+            if chk is not None:
+                if now >= chk.next_at:
+                    self._speed_post(s, s.speed_step)
+                continue
+            if not cfg.speed_check or not cfg.patching or cfg.continuous_sampling or \
+                    s.paused or self.paused or self.stopping or \
+                    (self._snap is not None and s.session_id in self._snap.begun):
+                continue
+            rids = s.speed_candidates(SETTLE_PHASES * cfg.speed_check_phase_s, now)
+            if rids:
+                self._speed_post(s, lambda s=s, rids=rids: s.speed_start(
+                    rids, cfg.speed_check_pairs, cfg.speed_check_phase_s,
+                    cfg.speed_check_margin))
+
+    def _speed_post(self, s: ClientSession, fn: Callable[[], Any]) -> None:
+        def done(fut) -> None:
+            exc = fut.exception()
+            if exc is not None and s.alive:
+                msg = f"speed check failed: {exc!r}"
+                s.errors.append(msg)
+                self.events.publish("error", pid=s.pid, message=msg)
+        s.speed_fut = s.post(fn)
+        s.speed_fut.add_done_callback(done)
 
     def _resting(self, s: ClientSession, now: float) -> bool:
         """A quiet client skips snapshots until its own interval has passed, unless

@@ -1,0 +1,172 @@
+"""Speed checks on the real service daemon (dbr_service/speedcheck.py): a streaming
+filter's region is measured in alternated phases with its patches in and out, and
+kept or removed by the verdict; a program without I/O cannot be measured and keeps
+its region.  The client's output equals the native run's in every case.
+
+Phases of 0.1 s and 3 pairs keep the tests short; the verdict of a real check on a
+loaded machine is not predictable, so the first test accepts any measured verdict
+and checks that the service acted on it.  DBR_TEST_SPEED_SCALE (read by the service,
+tests only) scales the progress of the phases with the regions in, which makes a
+"slower" verdict certain."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from dbr_service.config import AGGRESSIVE
+from harness import compile_c
+from service_helpers import ServiceProc, agent_path, spawn_client
+
+pytestmark = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
+
+HERE = Path(__file__).resolve().parent
+CHECK = ["speed_check_phase_s=0.1", "speed_check_pairs=3"]
+MEASURED = {"faster", "same", "slower"}
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory) -> tuple[Path, list[str]]:
+    """The filter and arguments for a native run of about 3 s (calibrated here)."""
+    exe = compile_c([HERE / "e2e_progs" / "stream.c"], flags=["-O2", "-s"], out_name="stream")
+    data = tmp_path_factory.mktemp("stream") / "in.bin"
+    data.write_bytes(os.urandom(1 << 20))
+    t = time.monotonic()
+    subprocess.run([str(exe), str(data), "50", "/dev/null"], check=True, capture_output=True,
+                   timeout=60)
+    per_round = max((time.monotonic() - t) / 50, 1e-4)
+    rounds = int(min(max(3.0 / per_round, 200), 20000))
+    return exe, [str(data), str(rounds), "/dev/null"]
+
+
+def _run(svc: ServiceProc, argv: list[str]) -> tuple[str, dict]:
+    """Run a client to its end; its stdout and its report entry."""
+    p = spawn_client(svc.dir, argv)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    entries = svc.call("report", {"pids": [p.pid]})
+    assert len(entries) == 1, entries
+    return out, entries[0]
+
+
+def _native(argv: list[str]) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120).stdout
+
+
+def test_a_streaming_filter_is_measured_and_the_verdict_acted_on(stream):
+    exe, args = stream
+    expected = _native([str(exe), *args])
+    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *CHECK).wait_ready()
+    try:
+        out, rep = _run(svc, [str(exe), *args])
+    finally:
+        svc.stop()
+    assert out == expected
+    checks = rep["speed_checks"]
+    assert checks, (rep["regions"], rep["region_status"])
+    first = checks[0]
+    assert first["verdict"] in MEASURED, first
+    assert first["phases"] == 7 and len(first["pair_ratios"]) == 3
+    regions = {r["id"]: r for r in rep["regions"]}
+    for rid in first["regions"]:
+        r = regions[rid]
+        assert r["info"]["speed_check"]["verdict"] == first["verdict"]
+        if first["verdict"] == "slower":
+            assert r["state"] == "removed" and "slower" in r["info"]["removed_why"]
+        else:
+            assert "slower" not in r["info"].get("removed_why", "")
+    if first["verdict"] != "slower":
+        assert any(regions[rid]["state"] == "installed" for rid in first["regions"]) or \
+            all(regions[rid]["info"].get("removed_why") for rid in first["regions"])
+
+
+def test_regions_found_slower_are_removed_and_not_installed_again(stream):
+    exe, args = stream
+    expected = _native([str(exe), *args])
+    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *CHECK,
+                      env={"DBR_TEST_SPEED_SCALE": "0.5"}).wait_ready()
+    try:
+        out, rep = _run(svc, [str(exe), *args])
+        events_ok = svc.output()
+    finally:
+        svc.stop()
+    assert out == expected
+    checks = rep["speed_checks"]
+    assert checks and checks[0]["verdict"] == "slower", checks
+    assert checks[0]["ratio"] == pytest.approx(0.5, abs=0.1)
+    slow = set(checks[0]["regions"])
+    for r in rep["regions"]:
+        if r["id"] in slow:
+            assert r["state"] == "removed", r
+            assert "slower than its original code" in r["info"]["removed_why"]
+    # nothing went live again in the code found slower: every region installed after
+    # the verdict was checked in turn and found slower too, or was never installed
+    live = [r for r in rep["regions"] if r["state"] == "installed"]
+    assert not live, (live, events_ok[-2000:])
+
+
+def test_a_program_without_io_keeps_its_region_unmeasured():
+    calls = compile_c([HERE / "e2e_progs" / "calls.c"], flags=["-O2", "-s"],
+                      out_name="calls-speed")
+    t = time.monotonic()
+    _native([str(calls), "20"])
+    n = int(min(max(20 * 3.0 / max(time.monotonic() - t, 1e-3), 20), 2000))
+    argv = [str(calls), str(n)]
+    expected = _native(argv)
+    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *CHECK).wait_ready()
+    try:
+        out, rep = _run(svc, argv)
+    finally:
+        svc.stop()
+    assert out == expected
+    checks = rep["speed_checks"]
+    assert checks, (rep["regions"], rep["region_status"])
+    assert checks[0]["verdict"] == "unmeasurable" and "bytes of I/O" in checks[0]["why"]
+    assert checks[0]["phases"] == 0
+    regions = {r["id"]: r for r in rep["regions"]}
+    for rid in checks[0]["regions"]:
+        assert regions[rid]["info"]["speed_check"]["verdict"] == "unmeasurable"
+        assert "slower" not in regions[rid]["info"].get("removed_why", "")
+
+
+def test_a_region_removed_during_a_check_abandons_it_and_the_rest_stay(stream):
+    """The operator unpatches the client's regions while a check is under way (some of
+    them may be suspended then): the check ends "abandoned", the client's output is the
+    native run's, and the service goes on serving."""
+    exe, args = stream
+    expected = _native([str(exe), *args])
+    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()),
+                      "speed_check_phase_s=0.3", "speed_check_pairs=6").wait_ready()
+    try:
+        p = spawn_client(svc.dir, [str(exe), *args])
+        try:
+            svc.wait_for(lambda: [c for c in svc.call("clients")
+                                  if c["pid"] == p.pid and c.get("speed_check") == "running"],
+                         timeout=60, what="a speed check under way")
+            time.sleep(0.45)   # into the second phase: the regions are suspended
+            removed = svc.call("unpatch", {"pid": p.pid})["regions_removed"]
+            out, err = p.communicate(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        assert p.returncode == 0, err
+        rep = svc.call("report", {"pids": [p.pid]})[0]
+        assert svc.call("status")["pid"] == svc.proc.pid
+    finally:
+        svc.stop()
+    assert out == expected
+    assert removed >= 1
+    first = rep["speed_checks"][0]
+    assert first["verdict"] == "abandoned", first
+    assert "removed meanwhile" in first["why"]
+    regions = {r["id"]: r for r in rep["regions"]}
+    for rid in first["regions"]:
+        # removed by the operator (a later job may have installed it again: an
+        # operator's unpatch does not block a region)
+        assert regions[rid]["info"]["removed_why"] == "operator"
+        assert regions[rid]["info"]["speed_check"]["verdict"] == "abandoned"
