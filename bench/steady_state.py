@@ -12,7 +12,10 @@ i starts at configuration i mod 3, after one unrecorded warm-up round):
                  for the whole run, as before the backoff;
 * ``host-sampling`` ``host`` with ``patching=false``: the agent and the sampling
                  without replacement code, so ``host`` minus this is what the installed
-                 regions gain or cost.
+                 regions gain or cost;
+* ``host-nocheck`` ``host`` with ``speed_check=false`` (only with ``--configs``): the
+                 regions stay whatever their effect, so ``host`` against this is what
+                 the speed checks (dbr_service/speedcheck.py) save or cost.
 
 Both services run throughout (their start-up is not billed to a client), each on its
 own runtime dir; only one program runs at a time.  Every run's stdout is compared
@@ -23,7 +26,8 @@ paired ratios, and the 95 % bootstrap interval of the wall ratio), and what the
 service did for the program (windows sampled, samples, its sampling interval at the
 end, patches installed).
 
-usage: python -m bench.steady_state [--quick] [--runs N] [--seconds S] [WORKLOAD...]
+usage: python -m bench.steady_state [--quick] [--runs N] [--seconds S] [--configs C,...]
+                                   [WORKLOAD...]
 """
 
 from __future__ import annotations
@@ -67,6 +71,12 @@ print(s)
 """
 
 #: name -> (argv builder from a size, size for one second natively on a 2-core Xeon)
+#: Host services a run can compare with native: their settings.
+SERVICE_CONFIGS: dict[str, tuple[str, ...]] = {
+    "host": (), "host-fixed": ("snapshot_backoff_max_s=0",),
+    "host-sampling": ("patching=false",), "host-nocheck": ("speed_check=false",)}
+DEFAULT_CONFIGS = ("host", "host-fixed", "host-sampling")
+
 WORKLOADS = {
     "perl": (lambda n, d: ["perl", "-e", PERL, str(n)], 7_000_000),
     "python3": (lambda n, d: [sys.executable, "-c", PYTHON, str(n)], 3_100_000),
@@ -139,7 +149,7 @@ def _client_info(rt: Path, pid: int) -> dict:
             c = mine[-1]
             return {k: c.get(k) for k in ("snapshots", "samples", "sampling_interval_s",
                                           "quiet_snapshots", "patches_installed",
-                                          "regions_went_live")}
+                                          "regions_went_live", "speed_check")}
         time.sleep(0.1)
     return {"missing": True}
 
@@ -155,11 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="8 s runs, 3 rounds")
     ap.add_argument("--runs", type=int, help="recorded rounds (default 5; quick 3)")
     ap.add_argument("--seconds", type=float, help="native length of a run (default 20)")
+    ap.add_argument("--configs", help="comma-separated, besides native, from: " +
+                    ", ".join(SERVICE_CONFIGS) + f" (default {','.join(DEFAULT_CONFIGS)})")
     ap.add_argument("workloads", nargs="*", help="subset of: " + ", ".join(WORKLOADS))
     args = ap.parse_args(argv)
     bad = set(args.workloads) - set(WORKLOADS)
     if bad:
         ap.error(f"unknown workload(s): {', '.join(sorted(bad))}")
+    chosen = [c for c in (args.configs or ",".join(DEFAULT_CONFIGS)).split(",") if c]
+    bad = set(chosen) - set(SERVICE_CONFIGS)
+    if bad or not chosen:
+        ap.error(f"unknown config(s): {', '.join(sorted(bad)) or '(none given)'}")
     runs = args.runs or (3 if args.quick else 5)
     secs = args.seconds or (8.0 if args.quick else 20.0)
     names = args.workloads or list(WORKLOADS)
@@ -170,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         _build(d, names)
         base = dict(os.environ)
         base.pop("LD_PRELOAD", None)
-        svcs = {"host": HostService(), "host-fixed": HostService(["snapshot_backoff_max_s=0"]),
-                "host-sampling": HostService(["patching=false"])}
+        svcs = {c: HostService(list(SERVICE_CONFIGS[c])) for c in dict.fromkeys(chosen)}
         try:
             for name, svc in svcs.items():
                 why = svc.start(base)
@@ -236,11 +251,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _verdicts(sv: list[dict]) -> str:
+    """How often each verdict was a run's last speed check: "same 5, slower 2"."""
+    n: dict[str, int] = {}
+    for s in sv:
+        if s.get("speed_check"):
+            n[s["speed_check"]] = n.get(s["speed_check"], 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(n.items())) or "–"
+
+
 def _markdown(res: dict) -> str:
     out = [f"# steady state: {res['seconds']:.0f} s runs, {res['runs']} alternated rounds "
            f"(medians; paired ratio range in brackets)", "",
            "| workload | config | wall s | wall ratio | 95 % interval | CPU ratio | windows sampled "
-           "| samples | interval at end s | patches |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "| samples | interval at end s | patches | last speed check |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for w, row in res["workloads"].items():
         for c, v in row["configs"].items():
             sv = v.get("service") or []
@@ -255,7 +280,8 @@ def _markdown(res: dict) -> str:
                 f"| {w} | {c} | {v['wall_s']['median']:.2f} | {v['wall_ratio']:.3f} "
                 f"[{wp.get('min', 0):.3f}-{wp.get('max', 0):.3f}] | {ci_s} | {v['cpu_ratio']:.3f} "
                 f"[{cp.get('min', 0):.3f}-{cp.get('max', 0):.3f}] | {med('snapshots')} | "
-                f"{med('samples')} | {med('sampling_interval_s')} | {med('patches_installed')} |")
+                f"{med('samples')} | {med('sampling_interval_s')} | {med('patches_installed')} | "
+                f"{_verdicts(sv)} |")
     return "\n".join(out) + "\n"
 
 
