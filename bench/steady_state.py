@@ -36,6 +36,7 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -84,6 +85,11 @@ WORKLOADS = {
     # xz -1 (one thread) of the suite's generated text, repeated: a real, stripped,
     # memory-bound program whose hot loops dbr patches (liblzma's match finder)
     "xz": (lambda n, d: ["xz", "-T1", "-1", "-c", str(_repeated(d / "text", max(1, n)))], 0.8),
+    # tests/e2e_progs/stream.c: a filter that reads 1 MiB of random bytes ROUNDS times,
+    # scrambles them in one hot loop and writes them to /dev/null; its I/O per CPU
+    # second is steady (1 %), so a speed check can tell its region's effect
+    "stream": (lambda n, d: [str(d / "stream"), str(d / "stream.in"), str(max(1, n)),
+                             "/dev/null"], 800),
 }
 
 
@@ -103,6 +109,10 @@ def _repeated(src: Path, n: int) -> Path:
 def _build(d: Path, names: list[str]) -> None:
     subprocess.run(["gcc", "-O2", "-pthread", "-o", str(d / "threads"),
                     str(ROOT / "tests" / "e2e_progs" / "threads.c")], check=True)
+    if "stream" in names:
+        subprocess.run(["gcc", "-O2", "-s", "-o", str(d / "stream"),
+                        str(ROOT / "tests" / "e2e_progs" / "stream.c")], check=True)
+        (d / "stream.in").write_bytes(random.Random(1).randbytes(1 << 20))
     if "xz" in names:
         if not shutil.which("xz"):
             raise SystemExit("steady_state xz: no xz on PATH (apt-get install xz-utils)")

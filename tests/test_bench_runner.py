@@ -426,6 +426,10 @@ def test_steady_state_rejects_unknown_workloads():
 
     with pytest.raises(SystemExit):
         steady_state.main(["no-such-workload"])
+    with pytest.raises(SystemExit):
+        steady_state.main(["--configs", "host,no-such-config", "threads"])
+    assert set(steady_state.DEFAULT_CONFIGS) < set(steady_state.SERVICE_CONFIGS)
+    assert steady_state.SERVICE_CONFIGS["host-nocheck"] == ("speed_check=false",)
 
 
 def test_service_ab_runs_a_program_under_two_services(tmp_path, monkeypatch, capsys):
