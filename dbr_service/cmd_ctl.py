@@ -146,6 +146,14 @@ def table(rows: list[list[Any]], header: list[str]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
+def _speed(region: dict[str, Any]) -> str:
+    """A region's speed-check verdict for the regions table: "slower x0.912"."""
+    sc = region.get("info", {}).get("speed_check")
+    if not sc:
+        return ""
+    return sc["verdict"] + (f" x{sc['ratio']:.3f}" if sc.get("ratio") is not None else "")
+
+
 def render(verb: str, result: Any) -> str:
     """Human-readable form of a result."""
     if verb == "status":
@@ -177,11 +185,11 @@ def render(verb: str, result: Any) -> str:
         return head + "\n" + table(rows, ["SHARE", "SAMPLES", "IP", "MODULE", "OFFSET"])
     if verb == "regions":
         head = f"pid {result['pid']}: {result['status']}"
-        rows = [[r["id"], r["state"], r["blocks"], r["code_bytes"],
+        rows = [[r["id"], r["state"], r["blocks"], r["code_bytes"], _speed(r),
                  " ".join(f"{e:#x}" for e in r["entries"]), r["module"]]
                 for r in result["regions"]]
-        return head + ("\n" + table(rows, ["ID", "STATE", "BLOCKS", "BYTES", "ENTRIES", "MODULE"])
-                       if rows else "")
+        return head + ("\n" + table(rows, ["ID", "STATE", "BLOCKS", "BYTES", "SPEED", "ENTRIES",
+                                           "MODULE"]) if rows else "")
     if verb == "events":
         return "\n".join(f"{time.strftime('%H:%M:%S', time.localtime(e['time']))} "
                          f"{e['event']:<18} " + " ".join(f"{k}={v}" for k, v in e.items()

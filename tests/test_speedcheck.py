@@ -126,3 +126,20 @@ def test_read_progress_of_a_process_that_reads_and_writes():
     while read_progress(p.pid) is not None and time.monotonic() - t < 5:
         time.sleep(0.01)
     assert read_progress(p.pid) is None
+
+
+def test_dbr_ctl_regions_shows_each_regions_verdict():
+    from dbr_service.cmd_ctl import render
+
+    out = render("regions", {"pid": 7, "status": "2 region(s) selected", "regions": [
+        {"id": "r1", "state": "removed", "blocks": 3, "code_bytes": 90, "entries": [0x1000],
+         "module": "/bin/x", "info": {"speed_check": {"verdict": "slower", "ratio": 0.9123}}},
+        {"id": "r2", "state": "installed", "blocks": 2, "code_bytes": 40, "entries": [0x2000],
+         "module": "/bin/x", "info": {"speed_check": {"verdict": "unmeasurable",
+                                                      "ratio": None}}},
+        {"id": "r3", "state": "selected", "blocks": 2, "code_bytes": 40, "entries": [0x3000],
+         "module": "/bin/x", "info": {}}]})
+    lines = out.splitlines()
+    assert "SPEED" in lines[1]
+    assert "slower x0.912" in lines[2] and "unmeasurable" in lines[3]
+    assert "x" not in lines[3].split("unmeasurable")[1].split("0x")[0]
