@@ -894,6 +894,11 @@ class ClientSession:
                 rec.info.get("install_id", -1))
             if reg is not None and reg.state is InstallState.INSTALLED and reg.patched_sites:
                 todo.append((rid, reg.region_id))
+            elif rec is not None:
+                # nothing to take out (the agent restored its sites itself): not a
+                # candidate again
+                with self.lock:
+                    rec.info["speed_check"] = {"verdict": "not checked", "ratio": None}
         if not todo:
             return False
         chk = SpeedCheck([i for _, i in todo], [r for r, _ in todo], pairs=pairs,
@@ -960,7 +965,8 @@ class ClientSession:
                 reg = inst.regions.get(iid)
                 rec = self._record_of(iid)
                 if rec is not None:
-                    rec.info["speed_check"] = {"verdict": chk.verdict, "ratio": chk.ratio}
+                    with self.lock:   # speed_candidates reads it on the control thread
+                        rec.info["speed_check"] = {"verdict": chk.verdict, "ratio": chk.ratio}
                 if reg is None or reg.state not in (InstallState.INSTALLED,
                                                     InstallState.SUSPENDED):
                     continue

@@ -20,7 +20,7 @@ import pytest
 
 from dbr_service.config import AGGRESSIVE
 from harness import compile_c
-from service_helpers import ServiceProc, agent_path, spawn_client
+from service_helpers import ServiceProc, agent_path, kill, spawn_client
 
 pytestmark = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 
@@ -103,8 +103,8 @@ def test_regions_found_slower_are_removed_and_not_installed_again(stream):
         if r["id"] in slow:
             assert r["state"] == "removed", r
             assert "slower than its original code" in r["info"]["removed_why"]
-    # nothing went live again in the code found slower: every region installed after
-    # the verdict was checked in turn and found slower too, or was never installed
+    # nothing went live again: the program has one hot loop, and every later
+    # selection copies the code found slower (ClientSession._in_slow_code)
     live = [r for r in rep["regions"] if r["state"] == "installed"]
     assert not live, (live, events_ok[-2000:])
 
@@ -170,3 +170,30 @@ def test_a_region_removed_during_a_check_abandons_it_and_the_rest_stay(stream):
         # operator's unpatch does not block a region)
         assert regions[rid]["info"]["removed_why"] == "operator"
         assert regions[rid]["info"]["speed_check"]["verdict"] == "abandoned"
+
+
+@pytest.mark.parametrize("policy", ["keep", "revert"])
+def test_service_killed_during_a_check_leaves_the_client_correct(stream, policy):
+    """SIGKILL of the service in the middle of a check (the regions suspended or
+    patched, whichever phase it is): the agent applies its disconnect policy to what
+    is patched, a suspended region is the original code already, and the client
+    finishes with the native run's output."""
+    exe, args = stream
+    expected = _native([str(exe), *args])
+    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()),
+                      "speed_check_phase_s=0.3", "speed_check_pairs=6",
+                      f"on_disconnect={policy}").wait_ready()
+    p = None
+    try:
+        p = spawn_client(svc.dir, [str(exe), *args])
+        svc.wait_for(lambda: [c for c in svc.call("clients")
+                              if c["pid"] == p.pid and c.get("speed_check") == "running"],
+                     timeout=60, what="a speed check under way")
+        time.sleep(0.45)   # into the second phase: the regions are suspended
+        kill(svc.proc)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert out == expected
+    finally:
+        kill(p)
+        svc.stop()
