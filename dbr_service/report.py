@@ -72,6 +72,10 @@ def format_report(rep: dict[str, Any]) -> str:
         lines.append(f"dbr:   pid {c['pid']} {c['exe']}: {c['samples']} samples "
                      f"via {c.get('sampling_source') or 'none'}, "
                      f"{c['patches_installed']} patches; regions: {c.get('region_status', '')}")
+        for sc in c.get("speed_checks", []):
+            ratio = f" x{sc['ratio']:.3f}" if sc.get("ratio") is not None else ""
+            lines.append(f"dbr:     speed check of {', '.join(sc['regions'])}: "
+                         f"{sc['verdict']}{ratio}")
         for h in c.get("hotspots", [])[:3]:
             off = f"+{h['offset']:#x}" if h.get("offset") is not None else ""
             lines.append(f"dbr:     {h['fraction'] * 100:5.1f}%  {h['ip']:#x}  "

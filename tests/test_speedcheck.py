@@ -143,3 +143,16 @@ def test_dbr_ctl_regions_shows_each_regions_verdict():
     assert "SPEED" in lines[1]
     assert "slower x0.912" in lines[2] and "unmeasurable" in lines[3]
     assert "x" not in lines[3].split("unmeasurable")[1].split("0x")[0]
+
+
+def test_the_run_report_on_stderr_names_each_check():
+    from dbr_service.report import format_report, run_report
+
+    client = {"pid": 5, "exe": "/bin/x", "samples": 10, "samples_in_replacement": 5,
+              "patches_installed": 1, "regions": [], "sampling_source": "perf",
+              "region_status": "1 region(s) selected", "hotspots": [],
+              "speed_checks": [{"regions": ["r1", "r2"], "verdict": "slower", "ratio": 0.9},
+                               {"regions": ["r3"], "verdict": "unmeasurable", "ratio": None}]}
+    text = format_report(run_report(["x"], 0, 1.0, [client]))
+    assert "speed check of r1, r2: slower x0.900" in text
+    assert "speed check of r3: unmeasurable\n" in text + "\n"
