@@ -941,14 +941,22 @@ class ClientSession:
                 return False
             if kind == ORIGINAL and reg.state is InstallState.INSTALLED:
                 inst.suspend(iid)
-            elif kind != ORIGINAL and reg.state is InstallState.SUSPENDED:
-                inst.resume(iid)
-                if reg.state is not InstallState.INSTALLED:
-                    rec = self._record_of(iid)
-                    if rec is not None:
-                        self._region_removed(rec, reg.why_removed)
-                    return False
+            elif kind != ORIGINAL and reg.state is InstallState.SUSPENDED and \
+                    not self._speed_resume(iid):
+                return False
         return True
+
+    def _speed_resume(self, iid: int) -> bool:
+        """Patch a suspended region again; False (and its record removed) if the agent
+        refused every site."""
+        reg = self.installer.regions[iid]
+        self.installer.resume(iid)
+        if reg.state is InstallState.INSTALLED:
+            return True
+        rec = self._record_of(iid)
+        if rec is not None:
+            self._region_removed(rec, reg.why_removed)
+        return False
 
     def _speed_finish(self) -> None:
         """Session thread: act on the verdict.  Regions found slower are removed and
@@ -977,9 +985,7 @@ class ClientSession:
                         self.slow_ranges += [(rec.module, lo, hi) for lo, hi in rec.orig_ranges]
                         self._region_removed(rec, why)
                 elif reg.state is InstallState.SUSPENDED:
-                    inst.resume(iid)
-                    if reg.state is not InstallState.INSTALLED and rec is not None:
-                        self._region_removed(rec, reg.why_removed)
+                    self._speed_resume(iid)
         finally:
             summary = chk.summary()
             with self.lock:
