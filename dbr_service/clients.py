@@ -29,7 +29,7 @@ from dbr_service.errors import AgentError, MemoryViewError, ProtocolError, Sampl
 from dbr_service.procfs import proc_dir
 from dbr_service.reuse import Job
 from dbr_service.sampling.perf import SwitchGate
-from dbr_service.install import Installer, InstallState
+from dbr_service.install import HELD, Installer, InstallState
 from dbr_service.optimize import Evaluator, install_regions, region_extent
 from dbr_service.speedcheck import ORIGINAL, SpeedCheck, read_progress
 
@@ -856,7 +856,7 @@ class ClientSession:
         if rec is None or rec.state is not RegionState.INSTALLED or self.installer is None:
             return False
         reg = self.installer.regions.get(rec.info.get("install_id", -1))
-        if reg is not None and reg.state in (InstallState.INSTALLED, InstallState.SUSPENDED):
+        if reg is not None and reg.state in HELD:
             self.installer.uninstall(reg.region_id, why)
         self._region_removed(rec, why)
         self._write_perf_map()
@@ -937,7 +937,7 @@ class ClientSession:
         assert inst is not None
         for iid in chk.region_ids:
             reg = inst.regions.get(iid)
-            if reg is None or reg.state not in (InstallState.INSTALLED, InstallState.SUSPENDED):
+            if reg is None or reg.state not in HELD:
                 return False
             if kind == ORIGINAL and reg.state is InstallState.INSTALLED:
                 inst.suspend(iid)
@@ -975,8 +975,7 @@ class ClientSession:
                 if rec is not None:
                     with self.lock:   # speed_candidates reads it on the control thread
                         rec.info["speed_check"] = {"verdict": chk.verdict, "ratio": chk.ratio}
-                if reg is None or reg.state not in (InstallState.INSTALLED,
-                                                    InstallState.SUSPENDED):
+                if reg is None or reg.state not in HELD:
                     continue
                 if slower:
                     inst.uninstall(iid, why)

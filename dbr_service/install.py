@@ -54,6 +54,11 @@ class InstallState(str, enum.Enum):
     FAILED = "failed"            # nothing patched (agent refused every site)
 
 
+#: States in which a region's code is in place and depends on the original code: live,
+#: or suspended for a speed check (its sites restored for a while).
+HELD = frozenset({InstallState.INSTALLED, InstallState.SUSPENDED})
+
+
 @dataclass
 class Chunk:
     buffer: CodeBufferHandle
@@ -211,7 +216,7 @@ class Installer:
     def _refresh_live(self) -> None:
         # a suspended region's code stays: threads inside it finish there
         self.live = tuple((*r.code_range(), r) for r in self.regions.values()
-                          if r.state in (InstallState.INSTALLED, InstallState.SUSPENDED))
+                          if r.state in HELD)
         self.buffer_ranges = tuple((b.base, b.base + b.size)
                                    for b in list(self.conn.buffers.values()))
 
@@ -376,7 +381,7 @@ class Installer:
 
     def uninstall_all(self, why: str = "") -> None:
         for rid, reg in list(self.regions.items()):
-            if reg.state in (InstallState.INSTALLED, InstallState.SUSPENDED):
+            if reg.state in HELD:
                 self.uninstall(rid, why)
 
     def affected_by(self, lo: int, hi: int) -> list[InstalledRegion]:
@@ -384,7 +389,7 @@ class Installer:
         [lo, hi)."""
         out = []
         for reg in self.regions.values():
-            if reg.state not in (InstallState.INSTALLED, InstallState.SUSPENDED):
+            if reg.state not in HELD:
                 continue
             if any(lo <= s.site < hi for s in reg.patched_sites + reg.suspended_sites) or \
                     any(lo <= t < hi for _, t in reg.gen.exits) or \
@@ -419,7 +424,7 @@ class Installer:
         """Lines for /tmp/perf-PID.map naming every live piece of replacement code."""
         lines = []
         for reg in self.regions.values():
-            if reg.state in (InstallState.INSTALLED, InstallState.SUSPENDED):
+            if reg.state in HELD:
                 for lo, hi, orig in reg.gen.addr_map:
                     lines.append(f"{lo:x} {hi - lo:x} dbr:{reg.name}@{orig:#x}")
         return lines
