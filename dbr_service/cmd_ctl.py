@@ -17,6 +17,7 @@ from typing import Any
 
 from dbr_service.paths import resolve_runtime_dir
 from dbr_service.ctlclient import Code, ControlClient
+from dbr_service.speedcheck import verdict_text
 
 EPILOG = """examples:
   dbr ctl status
@@ -147,11 +148,9 @@ def table(rows: list[list[Any]], header: list[str]) -> str:
 
 
 def _speed(region: dict[str, Any]) -> str:
-    """A region's speed-check verdict for the regions table: "slower x0.912"."""
+    """A region's speed-check verdict for the regions table."""
     sc = region.get("info", {}).get("speed_check")
-    if not sc:
-        return ""
-    return sc["verdict"] + (f" x{sc['ratio']:.3f}" if sc.get("ratio") is not None else "")
+    return verdict_text(sc["verdict"], sc.get("ratio")) if sc else ""
 
 
 def render(verb: str, result: Any) -> str:

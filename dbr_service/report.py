@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dbr_service.speedcheck import verdict_text
+
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.clients import ClientSession
 
@@ -73,9 +75,8 @@ def format_report(rep: dict[str, Any]) -> str:
                      f"via {c.get('sampling_source') or 'none'}, "
                      f"{c['patches_installed']} patches; regions: {c.get('region_status', '')}")
         for sc in c.get("speed_checks", []):
-            ratio = f" x{sc['ratio']:.3f}" if sc.get("ratio") is not None else ""
             lines.append(f"dbr:     speed check of {', '.join(sc['regions'])}: "
-                         f"{sc['verdict']}{ratio}")
+                         f"{verdict_text(sc['verdict'], sc.get('ratio'))}")
         for h in c.get("hotspots", [])[:3]:
             off = f"+{h['offset']:#x}" if h.get("offset") is not None else ""
             lines.append(f"dbr:     {h['fraction'] * 100:5.1f}%  {h['ip']:#x}  "

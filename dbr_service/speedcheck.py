@@ -100,6 +100,11 @@ def read_progress(pid: int) -> Progress | None:
     return Progress(io, cpu)
 
 
+def verdict_text(verdict: str, ratio: float | None) -> str:
+    """A check's verdict as `dbr ctl regions` and `dbr run` show it: "slower x0.912"."""
+    return verdict + (f" x{ratio:.3f}" if ratio is not None else "")
+
+
 @dataclass
 class PhaseResult:
     kind: str
@@ -121,7 +126,6 @@ class SpeedCheck:
     pairs: int = 6
     phase_s: float = 0.5
     margin: float = 0.03
-    started: float = field(default_factory=time.monotonic)
     next_at: float = 0.0
     phases: list[PhaseResult] = field(default_factory=list)
     current: str | None = None
