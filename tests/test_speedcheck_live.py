@@ -53,6 +53,15 @@ def _run(svc: ServiceProc, argv: list[str]) -> tuple[str, dict]:
     return out, entries[0]
 
 
+def _into_a_suspended_phase(svc: ServiceProc, pid: int) -> None:
+    """Wait for a check of client ``pid`` to start, then into its third phase, the
+    first with the regions suspended (0.3 s phases: R not counted, then R O)."""
+    svc.wait_for(lambda: [c for c in svc.call("clients")
+                          if c["pid"] == pid and c.get("speed_check") == "running"],
+                 timeout=60, what="a speed check under way")
+    time.sleep(0.75)
+
+
 def _native(argv: list[str]) -> str:
     return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120).stdout
 
@@ -144,10 +153,7 @@ def test_a_region_removed_during_a_check_abandons_it_and_the_rest_stay(stream):
     try:
         p = spawn_client(svc.dir, [str(exe), *args])
         try:
-            svc.wait_for(lambda: [c for c in svc.call("clients")
-                                  if c["pid"] == p.pid and c.get("speed_check") == "running"],
-                         timeout=60, what="a speed check under way")
-            time.sleep(0.45)   # into the second phase: the regions are suspended
+            _into_a_suspended_phase(svc, p.pid)
             removed = svc.call("unpatch", {"pid": p.pid})["regions_removed"]
             out, err = p.communicate(timeout=120)
         finally:
@@ -186,10 +192,7 @@ def test_service_killed_during_a_check_leaves_the_client_correct(stream, policy)
     p = None
     try:
         p = spawn_client(svc.dir, [str(exe), *args])
-        svc.wait_for(lambda: [c for c in svc.call("clients")
-                              if c["pid"] == p.pid and c.get("speed_check") == "running"],
-                     timeout=60, what="a speed check under way")
-        time.sleep(0.45)   # into the second phase: the regions are suspended
+        _into_a_suspended_phase(svc, p.pid)
         kill(svc.proc)
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
