@@ -318,7 +318,8 @@ static uint32_t fixed_size(uint32_t type)
     case DBR_MSG_PATCH:
     case DBR_MSG_UNPATCH:          return sizeof(struct dbr_patch_batch);
     case DBR_MSG_PC_CENSUS_REQ:    return sizeof(struct dbr_census_req);
-    case DBR_MSG_TRANSFER:         return sizeof(struct dbr_transfer);
+    case DBR_MSG_TRANSFER:
+    case DBR_MSG_EVICT:            return sizeof(struct dbr_transfer);
     case DBR_MSG_SAMPLER_START:    return sizeof(struct dbr_sampler_start);
     case DBR_MSG_SAMPLER_STOP:     return sizeof(struct dbr_ack);
     case DBR_MSG_SAMPLER_THREAD:   return sizeof(struct dbr_sampler_thread);
@@ -429,16 +430,17 @@ static int validate(size_t n, int state)
         send_error(DBR_E_PROTO, h->seq, "duplicate HELLO_ACK");
         return DBR_E_PROTO;
     }
-    if (h->type == DBR_MSG_PATCH || h->type == DBR_MSG_UNPATCH || h->type == DBR_MSG_TRANSFER) {
-        /* fixed part, then `count` entries (PATCH/UNPATCH: sites; TRANSFER: points) */
-        int xfer = h->type == DBR_MSG_TRANSFER;
+    if (h->type == DBR_MSG_PATCH || h->type == DBR_MSG_UNPATCH || h->type == DBR_MSG_TRANSFER ||
+        h->type == DBR_MSG_EVICT) {
+        /* fixed part, then `count` entries (PATCH/UNPATCH: sites; TRANSFER, EVICT: points) */
+        int xfer = h->type == DBR_MSG_TRANSFER || h->type == DBR_MSG_EVICT;
         uint32_t count = xfer ? ((const struct dbr_transfer *)g_rx)->n
                               : ((const struct dbr_patch_batch *)g_rx)->n;
         size_t elem = xfer ? sizeof(struct dbr_transfer_point) : sizeof(struct dbr_patch_site);
 
         if (n < fixed || count > (xfer ? DBR_MAX_TRANSFER : DBR_MAX_SITES) ||
             n != fixed + (size_t)count * elem) {
-            send_error(DBR_E_PROTO, h->seq, xfer ? "bad TRANSFER length" : "bad PATCH/UNPATCH length");
+            send_error(DBR_E_PROTO, h->seq, xfer ? "bad TRANSFER/EVICT length" : "bad PATCH/UNPATCH length");
             return DBR_E_PROTO;
         }
         return DBR_OK;
@@ -550,14 +552,16 @@ static int handle(size_t n)
         }
         break;
     }
-    case DBR_MSG_TRANSFER: {
+    case DBR_MSG_TRANSFER:
+    case DBR_MSG_EVICT: {
         const struct dbr_transfer *t = (const void *)g_rx;
         struct dbr_transfer_result rep;
 
         memset(&rep, 0, sizeof rep);
         rep.req_id = t->req_id;
         pthread_mutex_lock(&g_agent_mu);
-        rep.result = dbr_transfer_run(t->region_id, t->points, t->n, t->timeout_ms, &rep);
+        rep.result = dbr_transfer_run(t->region_id, t->points, t->n, t->timeout_ms,
+                                      h->type == DBR_MSG_EVICT, &rep);
         pthread_mutex_unlock(&g_agent_mu);
         rc = dbr_send(&rep, DBR_MSG_TRANSFER_RESULT, sizeof rep, -1, 0);
         break;
@@ -658,7 +662,7 @@ static int send_hello(void)
     m.flags = (g_sync_avail ? DBR_HELLO_SYNC_CORE : 0) | (g_forked ? DBR_HELLO_FORKED : 0) |
               (g_forked && dbr_any_installed() ? DBR_HELLO_INHERITED : 0) |
               (dbr_thread_hidden() ? DBR_HELLO_HIDDEN_THREAD : 0) | DBR_HELLO_QUIET_THREADS |
-              DBR_HELLO_SAMPLER_LISTED;
+              DBR_HELLO_SAMPLER_LISTED | DBR_HELLO_EVICT;
     m.agent_version = DBR_AGENT_VERSION;
     m.n_threads = (uint32_t)dbr_count_threads();
     m.page_size = (uint32_t)dbr_page_size();

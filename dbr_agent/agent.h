@@ -213,7 +213,8 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms);
 /* TRANSFER (g_agent_mu held): checks, signals every thread, fills res->threads,
  * moved, no_reply; returns the result code */
 int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
-                     uint32_t timeout_ms, struct dbr_transfer_result *res);
+                     uint32_t timeout_ms, int evict, struct dbr_transfer_result *res);
+int dbr_inside_installed_site(uint64_t a);   /* strictly inside an installed site */
 void dbr_transfer_fork_child(void);   /* fork child: no transfer open, no handler inside */
 
 /* ---- thread.c ---- */

@@ -1,6 +1,8 @@
 /*
- * census.c — PC census: every thread reports its interrupted PC; and TRANSFER:
- * threads stopped at a listed original PC continue in replacement code.
+ * census.c — PC census: every thread reports its interrupted PC; TRANSFER:
+ * threads stopped at a listed original PC continue in replacement code; and
+ * EVICT, the other way: threads stopped at a listed replacement PC continue in
+ * original code.
  *
  * The agent thread queues the census signal to each thread with
  * rt_tgsigqueueinfo (the tgkill of a signal with a payload): si_code SI_QUEUE,
@@ -88,42 +90,54 @@ static void wait_answers(const struct slot *slots, const uint8_t *state, int n, 
     }
 }
 
-/* ---- TRANSFER state ----
+/* ---- TRANSFER and EVICT state ----
  * The table is written by the agent thread only while no handler can read it:
  * g_tp_gen is 0 (no transfer open) and g_tp_active is 0 (no handler between its
  * generation check and its last read).  A handler counts itself active, then
  * compares the generation its signal carries with g_tp_gen; a late delivery of
- * an earlier transfer sees a different generation and touches nothing. */
-static struct dbr_transfer_point g_tp[DBR_MAX_TRANSFER];
+ * an earlier transfer sees a different generation and touches nothing.  The
+ * table is kept as (from, to) pairs sorted by from: (orig, repl) for a TRANSFER,
+ * (repl, orig) for an EVICT. */
+struct move {
+    uint64_t from, to;
+};
+static struct move g_tp[DBR_MAX_TRANSFER];
 static uint32_t g_tp_n;
+static uint64_t g_tp_lo, g_tp_hi;  /* EVICT: the region's code; else empty */
 static uint32_t g_tp_gen;       /* generation of the open transfer, 0: none */
 static uint32_t g_tp_counter;   /* last generation used */
 static int g_tp_active;         /* handlers inside the critical part */
-static struct slot g_tslots[DBR_CENSUS_SLOTS];   /* pc: 1 if moved */
+static struct slot g_tslots[DBR_CENSUS_SLOTS];   /* pc: a MOVE_* answer */
 static unsigned g_tn;
+
+#define MOVE_NONE 0u   /* not at a point, not in the evicted region */
+#define MOVE_DONE 1u   /* moved */
+#define MOVE_LEFT 2u   /* inside the evicted region's code, at no point */
 
 static void transfer_handler(ucontext_t *uc, uint32_t gen)
 {
     unsigned lo, hi;
-    uint64_t pc, moved = 0;
+    uint64_t pc, answer = MOVE_NONE;
 
     __atomic_add_fetch(&g_tp_active, 1, __ATOMIC_SEQ_CST);
     if (gen != 0 && gen == __atomic_load_n(&g_tp_gen, __ATOMIC_SEQ_CST)) {
         pc = (uint64_t)uc->uc_mcontext.gregs[REG_RIP];
         lo = 0;
         hi = g_tp_n;
-        while (lo < hi) {           /* binary search: g_tp is sorted by orig */
+        while (lo < hi) {           /* binary search: g_tp is sorted by from */
             unsigned mid = lo + (hi - lo) / 2;
-            if (g_tp[mid].orig < pc)
+            if (g_tp[mid].from < pc)
                 lo = mid + 1;
             else
                 hi = mid;
         }
-        if (lo < g_tp_n && g_tp[lo].orig == pc) {
-            uc->uc_mcontext.gregs[REG_RIP] = (greg_t)g_tp[lo].repl;
-            moved = 1;
+        if (lo < g_tp_n && g_tp[lo].from == pc) {
+            uc->uc_mcontext.gregs[REG_RIP] = (greg_t)g_tp[lo].to;
+            answer = MOVE_DONE;
+        } else if (pc >= g_tp_lo && pc < g_tp_hi) {
+            answer = MOVE_LEFT;
         }
-        slot_answer(g_tslots, g_tn, gen, moved);
+        slot_answer(g_tslots, g_tn, gen, answer);
     }
     __atomic_sub_fetch(&g_tp_active, 1, __ATOMIC_SEQ_CST);
 }
@@ -263,23 +277,24 @@ static int wait_handlers_idle(unsigned ms)
     return DBR_OK;
 }
 
-/* The checks of a TRANSFER (see dbr_protocol.h); g_agent_mu held. */
-static int transfer_check(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n)
+/* The checks of a TRANSFER or an EVICT (see dbr_protocol.h); g_agent_mu held.
+ * The region's code range in *lo, *hi. */
+static int transfer_check(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
+                          int evict, uint64_t *lo, uint64_t *hi)
 {
     struct dbr_maps maps;
-    uint64_t lo, hi;
     uint32_t i;
     int rc = DBR_OK;
 
-    if (dbr_region_code(region_id, &lo, &hi) != DBR_OK)
+    if (dbr_region_code(region_id, lo, hi) != DBR_OK)
         return DBR_E_UNKNOWN;
     if (n == 0 || n > DBR_MAX_TRANSFER)
         return DBR_E_INVAL;
     for (i = 1; i < n; i++)
-        if (p[i].orig <= p[i - 1].orig)
+        if (evict ? p[i].repl <= p[i - 1].repl : p[i].orig <= p[i - 1].orig)
             return DBR_E_INVAL;
     for (i = 0; i < n; i++)
-        if (p[i].repl < lo || p[i].repl >= hi || !dbr_buffer_containing(p[i].repl, 1))
+        if (p[i].repl < *lo || p[i].repl >= *hi || !dbr_buffer_containing(p[i].repl, 1))
             return DBR_E_TARGET;
     if (dbr_maps_read(&maps) != DBR_OK)
         return DBR_E_NOMEM;
@@ -289,7 +304,8 @@ static int transfer_check(uint32_t region_id, const struct dbr_transfer_point *p
         if (!m || !(m->prot & PROT_EXEC))
             rc = DBR_E_NOT_EXEC;
         else if (m->special || (p[i].orig >= g_agent_lo && p[i].orig < g_agent_hi) ||
-                 dbr_buffers_intersect(p[i].orig, p[i].orig + 1))
+                 dbr_buffers_intersect(p[i].orig, p[i].orig + 1) ||
+                 (evict && dbr_inside_installed_site(p[i].orig)))
             rc = DBR_E_FORBIDDEN;
     }
     dbr_maps_free(&maps);
@@ -297,14 +313,15 @@ static int transfer_check(uint32_t region_id, const struct dbr_transfer_point *p
 }
 
 int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
-                     uint32_t timeout_ms, struct dbr_transfer_result *res)
+                     uint32_t timeout_ms, int evict, struct dbr_transfer_result *res)
 {
     pid_t *tids = NULL;
     uint8_t *waiting = NULL;
     int nt, i, rc;
-    uint32_t gen;
+    uint32_t gen, k;
+    uint64_t lo, hi;
 
-    rc = transfer_check(region_id, p, n);
+    rc = transfer_check(region_id, p, n, evict, &lo, &hi);
     if (rc != DBR_OK)
         return rc;
     /* a handler of an earlier transfer that passed its check may still read g_tp */
@@ -317,8 +334,13 @@ int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uin
         dbr_free(waiting);
         return DBR_E_NOMEM;
     }
-    memcpy(g_tp, p, n * sizeof *p);
+    for (k = 0; k < n; k++) {
+        g_tp[k].from = evict ? p[k].repl : p[k].orig;
+        g_tp[k].to = evict ? p[k].orig : p[k].repl;
+    }
     g_tp_n = n;
+    g_tp_lo = evict ? lo : 0;
+    g_tp_hi = evict ? hi : 0;
     nt = dbr_list_threads(tids, DBR_CENSUS_SLOTS);
     if (nt > (int)DBR_CENSUS_SLOTS)
         nt = DBR_CENSUS_SLOTS;
@@ -349,9 +371,12 @@ int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uin
     for (i = 0; i < nt; i++) {
         if (waiting[i] != WAITING)
             continue;
-        if (__atomic_load_n(&g_tslots[i].done_gen, __ATOMIC_ACQUIRE) == gen)
-            res->moved += (uint32_t)__atomic_load_n(&g_tslots[i].pc, __ATOMIC_RELAXED);
-        else
+        if (__atomic_load_n(&g_tslots[i].done_gen, __ATOMIC_ACQUIRE) == gen) {
+            uint64_t a = __atomic_load_n(&g_tslots[i].pc, __ATOMIC_RELAXED);
+
+            res->moved += a == MOVE_DONE;
+            res->left += a == MOVE_LEFT;
+        } else
             res->no_reply++;
     }
     dbr_free(tids);

@@ -67,6 +67,19 @@ int dbr_site_overlaps_installed(uint64_t lo, uint64_t hi)
     return 0;
 }
 
+/* `a` lies strictly inside an installed site: an instruction boundary the site's
+ * jmp has overwritten (a thread sent there would run the middle of the jmp) */
+int dbr_inside_installed_site(uint64_t a)
+{
+    unsigned i, n = __atomic_load_n(&g_n_sites, __ATOMIC_ACQUIRE);
+
+    for (i = 0; i < n; i++)
+        if (__atomic_load_n(&g_sites[i].installed, __ATOMIC_ACQUIRE) && g_sites[i].site < a &&
+            a < g_sites[i].site + DBR_PATCH_LEN)
+            return 1;
+    return 0;
+}
+
 int dbr_any_installed(void)
 {
     return __atomic_load_n(&g_n_installed, __ATOMIC_ACQUIRE) != 0;

@@ -38,6 +38,7 @@ _REPLY_OF: dict[P.MsgType, tuple[P.MsgType, str]] = {
     P.MsgType.SAMPLER_START: (P.MsgType.SAMPLER_RING, "req_id"),
     P.MsgType.SAMPLER_STOP: (P.MsgType.ACK, "req_id"),
     P.MsgType.TRANSFER: (P.MsgType.TRANSFER_RESULT, "req_id"),
+    P.MsgType.EVICT: (P.MsgType.TRANSFER_RESULT, "req_id"),
     P.MsgType.NOTICES: (P.MsgType.ACK, "req_id"),
     P.MsgType.SAMPLER_THREAD: (P.MsgType.ACK, "req_id"),
 }
@@ -325,6 +326,22 @@ class AgentConnection:
             raise AgentError(f"a transfer holds 1..{P.MAX_TRANSFER} points, not {len(pts)}")
         items = [P.TransferPoint(orig=o, repl=r) for o, r in pts]
         rec = self.request(P.MsgType.TRANSFER,
+                           P.Transfer(req_id=self.next_id(), region_id=region_id,
+                                      timeout_ms=timeout_ms),
+                           items=items, timeout=timeout_ms / 1000 + 3.0)
+        return rec.msg.body
+
+    def evict(self, region_id: int, points: dict[int, int] | list[tuple[int, int]],
+              timeout_ms: int = 100) -> P.TransferResult:
+        """EVICT: threads stopped at a replacement address of ``points`` (replacement ->
+        original: codegen's eviction map of an announced region) continue at its
+        original address.  ``left`` in the result counts threads that answered from
+        inside the region's code at no point."""
+        pts = sorted(dict(points).items())
+        if not 0 < len(pts) <= P.MAX_TRANSFER:
+            raise AgentError(f"an eviction holds 1..{P.MAX_TRANSFER} points, not {len(pts)}")
+        items = [P.TransferPoint(orig=o, repl=r) for r, o in pts]
+        rec = self.request(P.MsgType.EVICT,
                            P.Transfer(req_id=self.next_id(), region_id=region_id,
                                       timeout_ms=timeout_ms),
                            items=items, timeout=timeout_ms / 1000 + 3.0)

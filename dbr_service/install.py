@@ -85,6 +85,8 @@ class InstalledRegion:
     orig_ranges: list[tuple[int, int]] = field(default_factory=list)
     #: Threads the agent moved from original code into this region (TRANSFER).
     transferred: int = 0
+    #: Threads the agent moved out of this region's code into original code (EVICT).
+    evicted: int = 0
     #: While SUSPENDED: the sites that were patched, to patch again on resume.
     suspended_sites: list[P.PatchSite] = field(default_factory=list)
 
@@ -191,11 +193,15 @@ class Installer:
     def __init__(self, conn: AgentConnection, read_original: Callable[[int, int], bytes], *,
                  variant: int = P.Variant.INT3, space: CodeSpace | None = None,
                  on_event: Callable[[str, dict], None] | None = None,
-                 transfer: bool = True) -> None:
+                 transfer: bool = True, evict: bool = False) -> None:
         self.conn = conn
         #: Move threads found in a new region's original code into it (TRANSFER).
         self.transfer_enabled = transfer
         self.threads_transferred = 0
+        #: The agent understands EVICT (HELLO_EVICT): suspend() and uninstall(...,
+        #: evict=True) move threads out of the region's code into original code.
+        self.evict_enabled = evict
+        self.threads_evicted = 0
         self.read_original = read_original
         self.variant = variant
         self.space = space or CodeSpace(conn)
@@ -311,11 +317,50 @@ class Installer:
         self.threads_transferred += moved
         return moved
 
+    #: EVICT rounds before threads still inside a region's code are left there.
+    EVICT_TRIES = 4
+
+    def evict(self, reg: InstalledRegion, timeout_ms: int = 100) -> tuple[int, int]:
+        """EVICT: threads stopped in ``reg``'s replacement code at a point of its
+        eviction map continue in original code.  A thread found at no point (inside a
+        translation of several instructions, say) gets another round, up to
+        EVICT_TRIES.  Returns (threads moved, threads still inside after the last
+        round).  Threads asleep in a system call are not signalled and stay; they
+        leave by the region's exits as always.  A refusal or a lost reply moves
+        nobody and is only reported: the region's code stays correct to run."""
+        points = sorted(getattr(reg.gen, "evictions", {}).items())
+        if not self.evict_enabled or not points or reg.state not in HELD:
+            return 0, 0
+        moved = left = 0
+        for _ in range(self.EVICT_TRIES):
+            left = 0
+            for k in range(0, len(points), P.MAX_TRANSFER):
+                try:
+                    res = self.conn.evict(reg.region_id, points[k:k + P.MAX_TRANSFER],
+                                          timeout_ms=timeout_ms)
+                except (AgentError, OSError) as exc:
+                    self.on_event("evict-failed", {"region": reg.name, "why": str(exc)})
+                    return moved, left
+                if res.result != P.Result.OK:
+                    self.on_event("evict-failed", {"region": reg.name,
+                                                   "why": result_name(res.result)})
+                    return moved, left
+                moved += res.moved
+                left = res.left + res.no_reply
+                if left == 0:
+                    break
+            if left == 0:
+                break
+        reg.evicted += moved
+        self.threads_evicted += moved
+        return moved, left
+
     # ---- suspension (speed checks) ----------------------------------------
     def suspend(self, region_id: int) -> InstalledRegion:
         """Restore a live region's patched sites but keep its code and its REGION with
-        the agent, so that resume() can patch them again: new entries run the original
-        code meanwhile (threads already inside the replacement code finish there)."""
+        the agent, so that resume() can patch them again; then move threads inside
+        its code back to original code (EVICT), so that the original code runs
+        meanwhile, loops that never pass a site included."""
         reg = self.regions[region_id]
         if reg.state is not InstallState.INSTALLED:
             raise AgentError(f"region {reg.name} is {reg.state.value}, not installed")
@@ -324,10 +369,12 @@ class Installer:
         reg.suspended_sites = sites
         reg.state = InstallState.SUSPENDED
         self._refresh_live()
+        self.evict(reg)
         return reg
 
     def resume(self, region_id: int) -> InstalledRegion:
-        """Patch a suspended region's sites again.  If the agent refuses every one (the
+        """Patch a suspended region's sites again, and move threads in its original code
+        into it (TRANSFER), as at its install.  If the agent refuses every site (the
         original bytes changed meanwhile, say), the region is retired."""
         reg = self.regions[region_id]
         if reg.state is not InstallState.SUSPENDED:
@@ -341,6 +388,7 @@ class Installer:
             return reg
         reg.state = InstallState.INSTALLED
         self._refresh_live()
+        self.transfer(reg)
         return reg
 
     def _unpatch(self, reg: InstalledRegion, sites: list[P.PatchSite]) -> int:
@@ -357,12 +405,17 @@ class Installer:
         return n
 
     # ---- removal ---------------------------------------------------------
-    def uninstall(self, region_id: int, why: str = "") -> InstalledRegion:
-        """Restore every patched site of a region, then quarantine its code."""
+    def uninstall(self, region_id: int, why: str = "", *, evict: bool = False) -> InstalledRegion:
+        """Restore every patched site of a region, then quarantine its code.  With
+        ``evict``, threads inside its code are first moved back to original code (a
+        region removed for being slower: a loop that never passes a site would
+        otherwise run it on)."""
         reg = self.regions[region_id]
         if reg.state is InstallState.INSTALLED:
             self.patches_removed += self._unpatch(reg, reg.patched_sites)
             self.on_event("patch-removed", {"region": reg.name, "why": why})
+        if evict:
+            self.evict(reg)
         self._retire(reg, why)
         return reg
 

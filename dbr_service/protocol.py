@@ -2,7 +2,7 @@
 
 Every struct of the header appears here as a ``ctypes.LittleEndianStructure`` with
 the same field names, in the same order.  Variable-length messages (PATCH,
-UNPATCH, PATCH_RESULT, PC_CENSUS, TRANSFER) are their fixed part followed by ``n`` array
+UNPATCH, PATCH_RESULT, PC_CENSUS, TRANSFER, EVICT) are their fixed part followed by ``n`` array
 entries; :func:`pack_array_msg` and :func:`unpack_array_msg` handle them.
 """
 
@@ -58,9 +58,10 @@ class MsgType(enum.IntEnum):
     TRANSFER_RESULT = 23
     NOTICES = 24
     SAMPLER_THREAD = 25
+    EVICT = 26
 
 
-MSG_TYPE_MAX = 25
+MSG_TYPE_MAX = 26
 
 
 class Result(enum.IntEnum):
@@ -106,6 +107,7 @@ HELLO_INHERITED = 0x4
 HELLO_HIDDEN_THREAD = 0x8
 HELLO_QUIET_THREADS = 0x10
 HELLO_SAMPLER_LISTED = 0x20
+HELLO_EVICT = 0x40
 
 SAMPLER_LISTED = 0x1
 
@@ -241,7 +243,7 @@ class Transfer(_S):
 
 class TransferResult(_S):
     _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("result", i32), ("threads", u32),
-                ("moved", u32), ("no_reply", u32), ("reserved", u32)]
+                ("moved", u32), ("no_reply", u32), ("left", u32)]
 
 
 class SamplerStart(_S):
@@ -304,6 +306,7 @@ C_CONSTANTS: dict[str, int] = {
     "DBR_HELLO_INHERITED": HELLO_INHERITED, "DBR_HELLO_HIDDEN_THREAD": HELLO_HIDDEN_THREAD,
     "DBR_HELLO_QUIET_THREADS": HELLO_QUIET_THREADS, "DBR_NOTICE_THREADS": NOTICE_THREADS,
     "DBR_HELLO_SAMPLER_LISTED": HELLO_SAMPLER_LISTED, "DBR_SAMPLER_LISTED": SAMPLER_LISTED,
+    "DBR_HELLO_EVICT": HELLO_EVICT,
     "DBR_DISCONNECT_KEEP": DISCONNECT_KEEP,
     "DBR_DISCONNECT_REVERT": DISCONNECT_REVERT, "DBR_BYE_REVERT": BYE_REVERT,
     "DBR_CENSUS_OK": CENSUS_OK, "DBR_CENSUS_NO_REPLY": CENSUS_NO_REPLY,
@@ -327,7 +330,7 @@ MSG_CLASS: dict[MsgType, type[_S]] = {
     MsgType.PC_CENSUS_REQ: CensusReq, MsgType.PC_CENSUS: Census,
     MsgType.SAMPLER_START: SamplerStart, MsgType.SAMPLER_RING: SamplerRing,
     MsgType.SAMPLER_STOP: Ack, MsgType.BYE: Bye, MsgType.ERROR: Error,
-    MsgType.TRANSFER: Transfer, MsgType.TRANSFER_RESULT: TransferResult,
+    MsgType.TRANSFER: Transfer, MsgType.TRANSFER_RESULT: TransferResult, MsgType.EVICT: Transfer,
     MsgType.NOTICES: Notices, MsgType.SAMPLER_THREAD: SamplerThread,
 }
 
@@ -335,7 +338,7 @@ MSG_CLASS: dict[MsgType, type[_S]] = {
 MSG_ARRAY: dict[MsgType, type[_S]] = {
     MsgType.PATCH: PatchSite, MsgType.UNPATCH: PatchSite,
     MsgType.PATCH_RESULT: SiteResult, MsgType.PC_CENSUS: CensusEntry,
-    MsgType.TRANSFER: TransferPoint,
+    MsgType.TRANSFER: TransferPoint, MsgType.EVICT: TransferPoint,
 }
 
 T = TypeVar("T", bound=_S)

@@ -69,7 +69,10 @@ enum dbr_msg_type {
                                     * DBR_HELLO_QUIET_THREADS); reply ACK */
     DBR_MSG_SAMPLER_THREAD   = 25, /* S: arm or delete one thread's timer of a listed
                                     * sampler (agents with DBR_HELLO_SAMPLER_LISTED); reply ACK */
-    DBR_MSG_TYPE_MAX         = 25
+    DBR_MSG_EVICT            = 26, /* S: move threads stopped at listed replacement PCs of a
+                                    * region back to original code (agents with
+                                    * DBR_HELLO_EVICT); reply TRANSFER_RESULT */
+    DBR_MSG_TYPE_MAX         = 26
 };
 
 /* Result codes: 0 is success, errors are negative. */
@@ -112,6 +115,7 @@ enum dbr_variant {
                                        * asks for them (else always) */
 #define DBR_HELLO_SAMPLER_LISTED 0x20u /* SAMPLER_START takes DBR_SAMPLER_LISTED and
                                         * DBR_MSG_SAMPLER_THREAD names the threads */
+#define DBR_HELLO_EVICT      0x40u /* DBR_MSG_EVICT understood */
 
 /* SAMPLER_START.flags */
 #define DBR_SAMPLER_LISTED   0x1u /* no thread gets a timer until SAMPLER_THREAD names it
@@ -326,6 +330,17 @@ struct dbr_census {
  * outside the agent and the code buffers.  First failure wins: UNKNOWN,
  * INVAL, TARGET, NOT_EXEC, FORBIDDEN, BUSY (a late handler of the previous
  * transfer still running).  One TRANSFER_RESULT answers.
+ *
+ * EVICT: the same message (struct dbr_transfer), the other way.  A thread whose
+ * interrupted PC equals some points[i].repl continues at points[i].orig (codegen's
+ * eviction map: the start of an instruction's whole translation, and the original
+ * instruction it stands for).  Points are sorted by repl without duplicates.  The
+ * agent checks: region_id announced by REGION and not stale (the original code it
+ * copies unchanged), every repl inside that region's code range and inside one of
+ * its code buffers, every orig in executable memory outside the agent and the code
+ * buffers and not strictly inside a patched site.  Refusals as for TRANSFER.  The
+ * result counts threads moved out, and in `left` those that answered from inside
+ * the region's code at no point (the service may try again).
  */
 struct dbr_transfer_point {
     uint64_t orig;       /* original instruction address */
@@ -348,7 +363,8 @@ struct dbr_transfer_result {
     uint32_t threads;    /* threads signalled (those running) */
     uint32_t moved;      /* threads moved into the region's code */
     uint32_t no_reply;   /* threads that did not answer within the bound */
-    uint32_t reserved;
+    uint32_t left;       /* EVICT: threads that answered inside the region's code but at
+                          * no point, so still there (TRANSFER: 0) */
 };
 
 struct dbr_sampler_start {

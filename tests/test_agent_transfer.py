@@ -266,3 +266,129 @@ def test_hurried_transfers_with_late_handlers(svc, spin_exe, rounds):
             break
     assert moved == 64
     assert results(client) == [3] * 64
+
+
+# ---- EVICT: the other way, threads in replacement code back to original code -------
+
+from dbr_service.agentconn import make_site  # noqa: E402
+
+
+def _all_in(conn, region_id: int, points: dict[int, int], threads: int) -> None:
+    """TRANSFER until every spinner runs the copy."""
+    moved = 0
+    for _ in range(40):     # a thread may still be starting (not yet in the loop)
+        res = conn.transfer(region_id, points, timeout_ms=500)
+        assert res.result == P.Result.OK and res.left == 0
+        moved += res.moved
+        if moved == threads:
+            return
+    raise AssertionError(f"only {moved} of {threads} spinners moved in")
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_spinning_threads_are_evicted(svc, spin_exe, threads):
+    """Spinners moved into the copy (which would return 2) and moved back by EVICT
+    run the original loop (return 1): each point is the copy's instruction and the
+    original it stands for."""
+    client, conn, spin, buf = start(svc, spin_exe, threads)
+    assert client is not None and conn.hello.flags & P.HELLO_EVICT
+    announce(conn, 7, buf.base, buf.base + 64)
+    _all_in(conn, 7, {spin + o: buf.base + o for o in OFFSETS}, threads)
+    res = conn.evict(7, {buf.base + o: spin + o for o in OFFSETS}, timeout_ms=500)
+    assert res.result == P.Result.OK
+    assert (res.threads, res.moved, res.left, res.no_reply) == (threads, threads, 0, 0)
+    pcs = [e.pc for e in conn.census(500) if e.state == P.CENSUS_OK]
+    assert not any(buf.base <= pc < buf.base + 64 for pc in pcs)
+    assert sum(spin <= pc < spin + 8 for pc in pcs) == threads
+    assert results(client) == [1] * threads
+
+
+def test_threads_at_no_eviction_point_are_counted_as_left(svc, spin_exe):
+    """Spinners in the copy but at none of the points stay there and are counted in
+    ``left``; a spinner in original code is neither moved nor left."""
+    client, conn, spin, buf = start(svc, spin_exe, 3)
+    announce(conn, 6, buf.base, buf.base + 64)
+    _all_in(conn, 6, {spin + o: buf.base + o for o in OFFSETS}, 3)
+    res = conn.evict(6, {buf.base + 8: spin + 8}, timeout_ms=500)   # the return path
+    assert res.result == P.Result.OK and (res.moved, res.left) == (0, 3)
+    # the same, for spinners in original code: not inside the region at all
+    client2, conn2, spin2, buf2 = start(svc, spin_exe, 2)
+    announce(conn2, 2, buf2.base, buf2.base + 64)
+    res = conn2.evict(2, {buf2.base + o: spin2 + o for o in OFFSETS}, timeout_ms=500)
+    assert res.result == P.Result.OK and (res.moved, res.left, res.threads) == (0, 0, 2)
+    assert results(client) == [2, 2, 2] and results(client2) == [1, 1]
+
+
+def test_bad_evictions_are_refused_and_move_nobody(svc, spin_exe):
+    client, conn, spin, buf = start(svc, spin_exe, 2)
+    announce(conn, 5, buf.base, buf.base + 64)
+    _all_in(conn, 5, {spin + o: buf.base + o for o in OFFSETS}, 2)
+    good = {buf.base + o: spin + o for o in OFFSETS}
+    stack = next(int(line.split("-")[0], 16)
+                 for line in open(f"/proc/{client.pid}/maps").read().splitlines()
+                 if line.endswith("[stack]"))
+    # a live patch over `mov eax, 1` (spin+8, 5 bytes) into the copy's return path
+    site = make_site(spin + 8, buf.base + 8, read_mem(client.pid, spin + 8, 5), region_id=5)
+    assert conn.patch([site]) == [P.Result.OK]
+    cases = {
+        "unknown region": (9, good, P.Result.E_UNKNOWN),
+        "repl outside the region's code": (5, {buf.base + 64: spin}, P.Result.E_TARGET),
+        "repl outside every buffer": (5, {spin + 3: spin}, P.Result.E_TARGET),
+        "orig inside a code buffer": (5, {buf.base: buf.base + 32}, P.Result.E_FORBIDDEN),
+        "orig not executable": (5, {buf.base: stack}, P.Result.E_NOT_EXEC),
+        "orig inside a patched site": (5, {buf.base + 8: spin + 9}, P.Result.E_FORBIDDEN),
+    }
+    for what, (rid, points, want) in cases.items():
+        res = conn.evict(rid, points, timeout_ms=200)
+        assert res.result == want, (what, res.result)
+        assert res.moved == 0 and res.threads == 0, what
+    # the site's own start is a fine place to go: its jmp leads back into the copy
+    assert conn.evict(5, {buf.base + 8: spin + 8}, timeout_ms=200).result == P.Result.OK
+    # points not sorted by their replacement address: built by hand (conn.evict sorts)
+    items = [P.TransferPoint(orig=spin + 3, repl=buf.base + 3),
+             P.TransferPoint(orig=spin, repl=buf.base)]
+    rec = conn.request(P.MsgType.EVICT, P.Transfer(req_id=conn.next_id(), region_id=5,
+                                                   timeout_ms=200), items=items)
+    assert rec.msg.body.result == P.Result.E_INVAL and rec.msg.body.moved == 0
+    assert conn.unpatch([site]) == [P.Result.OK]
+    # a forgotten region: nobody is moved out of it
+    assert conn.region_forget(5) == P.Result.OK
+    assert conn.evict(5, good).result == P.Result.E_UNKNOWN
+    assert results(client) == [2, 2]
+
+
+def test_installer_suspend_evicts_and_resume_transfers(svc, spin_exe):
+    """A transfer-only region through the speed check's steps: suspend moves the
+    spinners out (they would finish in original code), resume moves them in again,
+    uninstall with evict moves them out for good."""
+    client, inst, chunk, gen, spin = transfer_only_region(svc, spin_exe, 2)
+    gen.evictions = {b: a for a, b in gen.transfers.items()}
+    inst.evict_enabled = True
+    reg = inst.install(chunk, gen, name="t")
+    assert reg.state is InstallState.INSTALLED
+    while reg.transferred < 2:
+        assert inst.transfer(reg) >= 0
+    for k in range(3):
+        inst.suspend(reg.region_id)
+        assert reg.state is InstallState.SUSPENDED and reg.evicted == 2 * (k + 1)
+        inst.resume(reg.region_id)
+        assert reg.state is InstallState.INSTALLED and reg.transferred == 2 * (k + 2)
+    inst.uninstall(reg.region_id, "test", evict=True)
+    assert reg.state is InstallState.REMOVED and inst.threads_evicted == 8
+    assert results(client) == [1, 1]
+
+
+def test_installer_without_evict_leaves_threads_inside(svc, spin_exe):
+    """An agent that does not offer EVICT is never sent one: suspend leaves threads in
+    the copy, as before."""
+    client, inst, chunk, gen, spin = transfer_only_region(svc, spin_exe, 1)
+    gen.evictions = {b: a for a, b in gen.transfers.items()}
+    assert inst.evict_enabled is False
+    reg = inst.install(chunk, gen, name="t")
+    while reg.transferred < 1:
+        inst.transfer(reg)
+    inst.suspend(reg.region_id)
+    assert reg.evicted == 0
+    inst.uninstall(reg.region_id, "test", evict=True)
+    assert inst.threads_evicted == 0
+    assert results(client) == [2]

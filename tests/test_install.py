@@ -26,6 +26,7 @@ class FakeGen:
     addr_map: list[tuple[int, int, int]] = field(default_factory=list)
     exits: list[tuple[int, int]] = field(default_factory=list)
     transfers: dict[int, int] = field(default_factory=dict)
+    evictions: dict[int, int] = field(default_factory=dict)
 
 
 def stub_gen(base: int, sites: list[int]) -> FakeGen:
