@@ -132,6 +132,13 @@ class GeneratedCode:
     #: (the start of that instruction's own, complete translation in a block that is
     #: not an inlined clone).  The agent's TRANSFER moves threads by this map.
     transfers: dict[int, int] = field(default_factory=dict)
+    #: Eviction points, the other way: replacement address -> original instruction
+    #: address where a thread stopped at that replacement address can continue in
+    #: original code with unchanged state (the start of an instruction's own, complete
+    #: translation, inlined clones included: their calls pushed the original return
+    #: address, so the stack is the original's).  The agent's EVICT moves threads out
+    #: of a removed or suspended region by this map.
+    evictions: dict[int, int] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -473,6 +480,8 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
         clone = sr.block(k).is_clone
         for p in pieces:
             at = base + len(out)
+            if p.whole and p.code:
+                gen.evictions[at] = p.orig
             if p.whole and not clone:
                 if p.orig in gen.transfers:
                     ambiguous.add(p.orig)
