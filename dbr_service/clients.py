@@ -756,7 +756,8 @@ class ClientSession:
             variant = {"int3": P.Variant.INT3, "self-branch": P.Variant.SELF_BRANCH,
                        "single": P.Variant.SINGLE}[cfg.patch_variant]
             self.installer = Installer(self.conn, self._read_original, variant=variant,
-                                       transfer=cfg.transfer)
+                                       transfer=cfg.transfer,
+                                       evict=bool(self.hello_flags & P.HELLO_EVICT))
             self.evaluator = Evaluator(self.installer)
         return self.installer
 
@@ -851,13 +852,17 @@ class ClientSession:
         return n
 
     def uninstall_region(self, rid: str, why: str) -> bool:
-        """Session thread: restore the patch sites of one installed region."""
+        """Session thread: restore the patch sites of one installed region (the
+        operator's unpatch), and move threads inside its code back to the original
+        code, so that the region's code stops running now, not when they leave it."""
         rec = self.regions.get(rid)
         if rec is None or rec.state is not RegionState.INSTALLED or self.installer is None:
             return False
         reg = self.installer.regions.get(rec.info.get("install_id", -1))
         if reg is not None and reg.state in HELD:
-            self.installer.uninstall(reg.region_id, why)
+            self.installer.uninstall(reg.region_id, why, evict=True)
+            with self.lock:
+                rec.info["evicted"] = reg.evicted
         self._region_removed(rec, why)
         self._write_perf_map()
         return True
@@ -875,11 +880,18 @@ class ClientSession:
         then the set may still grow); [] if there are none."""
         with self.lock:
             new = [r for r in self.regions.values()
-                   if r.state is RegionState.INSTALLED and r.sites
+                   if r.state is RegionState.INSTALLED
+                   and (r.sites or self._checks_transfer_only())
                    and "speed_check" not in r.info]
             if not new or now - max(r.installed_mono for r in new) < settle_s:
                 return []
             return [r.id for r in new]
+
+    def _checks_transfer_only(self) -> bool:
+        """A region without patch sites (entered by TRANSFER only) can be speed-checked:
+        its ORIGINAL phases move threads out (EVICT), its REPLACEMENT phases move them
+        in again (TRANSFER)."""
+        return bool(self.hello_flags & P.HELLO_EVICT) and self.service.config.transfer
 
     def speed_start(self, rids: list[str], pairs: int, phase_s: float, margin: float) -> bool:
         """Session thread: begin a speed check of the regions ``rids`` still live.  The
@@ -892,7 +904,8 @@ class ClientSession:
             rec = self.regions.get(rid)
             reg = None if rec is None else self.installer.regions.get(
                 rec.info.get("install_id", -1))
-            if reg is not None and reg.state is InstallState.INSTALLED and reg.patched_sites:
+            if reg is not None and reg.state is InstallState.INSTALLED and \
+                    (reg.patched_sites or (not reg.sites and self._checks_transfer_only())):
                 todo.append((rid, reg.region_id))
             elif rec is not None:
                 # nothing to take out (the agent restored its sites itself): not a
@@ -972,13 +985,19 @@ class ClientSession:
             for iid in chk.region_ids:
                 reg = inst.regions.get(iid)
                 rec = self._record_of(iid)
+                held = reg is not None and reg.state in HELD
+                if held and slower:
+                    # threads inside go back to the original code at once: a loop that
+                    # never passes a site would otherwise run the slower code on
+                    inst.uninstall(iid, why, evict=True)
                 if rec is not None:
                     with self.lock:   # speed_candidates reads it on the control thread
                         rec.info["speed_check"] = {"verdict": chk.verdict, "ratio": chk.ratio}
-                if reg is None or reg.state not in HELD:
+                        if reg is not None:
+                            rec.info["evicted"] = reg.evicted
+                if not held:
                     continue
                 if slower:
-                    inst.uninstall(iid, why)
                     if rec is not None:
                         self.blocked_regions.add(rec.id)
                         self.slow_ranges += [(rec.module, lo, hi) for lo, hi in rec.orig_ranges]
@@ -1128,6 +1147,8 @@ class ClientSession:
                 "regions_went_live": self.regions_went_live,
                 "threads_transferred": (0 if self.installer is None
                                         else self.installer.threads_transferred),
+                "threads_evicted": (0 if self.installer is None
+                                    else self.installer.threads_evicted),
                 "sampling_interval_s": self.sampling_interval_s,
                 "quiet_snapshots": self.quiet_snapshots,
                 "speed_check": ("running" if self.speed_check is not None else

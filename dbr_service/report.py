@@ -32,6 +32,7 @@ def client_report(s: ClientSession) -> dict[str, Any]:
         "patches_removed": s.patches_removed,
         "regions_went_live": s.regions_went_live,
         "threads_transferred": 0 if s.installer is None else s.installer.threads_transferred,
+        "threads_evicted": 0 if s.installer is None else s.installer.threads_evicted,
         "regions": [r.to_json() for r in s.regions.values()],
         "sampling_source": s.sampling_source_name,
         "snapshots": s.snapshots,
@@ -53,6 +54,7 @@ def run_report(program: list[str], exit_code: int, wall_s: float,
         "patches_installed": sum(c["patches_installed"] for c in clients),
         "regions_went_live": sum(c.get("regions_went_live", 0) for c in clients),
         "threads_transferred": sum(c.get("threads_transferred", 0) for c in clients),
+        "threads_evicted": sum(c.get("threads_evicted", 0) for c in clients),
         "regions_installed": sum(1 for c in clients for r in c["regions"]
                                  if r["state"] == INSTALLED),
     }

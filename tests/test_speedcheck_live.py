@@ -1,7 +1,9 @@
 """Speed checks on the real service daemon (dbr_service/speedcheck.py): a streaming
 filter's region is measured in alternated phases with its patches in and out, and
 kept or removed by the verdict; a program without I/O cannot be measured and keeps
-its region.  The client's output equals the native run's in every case.
+its region; a loop that never leaves its region (stayloop.c) is moved out of it for
+the phases with the original code, and out of a region found slower.  The client's
+output equals the native run's in every case.
 
 Phases of 0.1 s and 3 pairs keep the tests short; the verdict of a real check on a
 loaded machine is not predictable, so the first test accepts any measured verdict
@@ -91,6 +93,62 @@ def test_a_streaming_filter_is_measured_and_the_verdict_acted_on(stream):
     if first["verdict"] != "slower":
         assert any(regions[rid]["state"] == "installed" for rid in first["regions"]) or \
             all(regions[rid]["info"].get("removed_why") for rid in first["regions"])
+
+
+@pytest.fixture(scope="module")
+def stayloop(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A loop that never leaves itself (raw write syscalls inside), for about 3 s."""
+    exe = compile_c([HERE / "e2e_progs" / "stayloop.c"], flags=["-O2", "-s"],
+                    out_name="stayloop")
+    t = time.monotonic()
+    subprocess.run([str(exe), "100000000", "/dev/null"], check=True, capture_output=True,
+                   timeout=60)
+    per = max((time.monotonic() - t) / 1e8, 1e-10)
+    return exe, [str(int(min(max(3.0 / per, 1e8), 1e10))), "/dev/null"]
+
+
+def test_a_loop_that_never_leaves_is_moved_out_for_the_original_phases(stayloop):
+    """Without EVICT, a thread that entered the replacement loop would run it in every
+    phase, and the check would compare the replacement with itself.  The thread is
+    moved out at each suspension (2 of the 3 pairs begin with the regions out: R O,
+    O R, R O), and back in at each resume (TRANSFER), so the phases compare the two
+    codes; the output is the native run's."""
+    exe, args = stayloop
+    expected = _native([str(exe), *args])
+    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *CHECK).wait_ready()
+    try:
+        out, rep = _run(svc, [str(exe), *args])
+    finally:
+        svc.stop()
+    assert out == expected
+    checks = rep["speed_checks"]
+    assert checks and checks[0]["verdict"] in MEASURED, (checks, rep["region_status"])
+    assert rep["threads_evicted"] >= 2, rep
+    regions = {r["id"]: r for r in rep["regions"]}
+    assert sum(regions[rid]["info"].get("evicted", 0) for rid in checks[0]["regions"]) >= 2
+
+
+def test_a_loop_that_never_leaves_stops_running_code_found_slower(stayloop):
+    """A region found slower whose thread is inside it at the verdict: the thread is
+    moved out with the removal, not left to run the slower code to the end.  With 4
+    pairs the last phase has the regions in (R, then R O, O R, R O, O R): 2
+    suspensions move the thread out, the removal a third time."""
+    exe, args = stayloop
+    expected = _native([str(exe), *args])
+    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), CHECK[0],
+                      "speed_check_pairs=4", env={"DBR_TEST_SPEED_SCALE": "0.5"}).wait_ready()
+    try:
+        out, rep = _run(svc, [str(exe), *args])
+    finally:
+        svc.stop()
+    assert out == expected
+    checks = rep["speed_checks"]
+    assert checks and checks[0]["verdict"] == "slower", checks
+    regions = {r["id"]: r for r in rep["regions"]}
+    for rid in checks[0]["regions"]:
+        assert regions[rid]["state"] == "removed"
+    assert sum(regions[rid]["info"].get("evicted", 0) for rid in checks[0]["regions"]) >= 3
+    assert not [r for r in rep["regions"] if r["state"] == "installed"]
 
 
 def test_regions_found_slower_are_removed_and_not_installed_again(stream):
