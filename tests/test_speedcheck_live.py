@@ -128,6 +128,29 @@ def test_a_loop_that_never_leaves_is_moved_out_for_the_original_phases(stayloop)
     assert sum(regions[rid]["info"].get("evicted", 0) for rid in checks[0]["regions"]) >= 2
 
 
+def test_a_region_entered_by_transfer_only_is_checked(stayloop):
+    """stayloop's short loop has no instruction of 5 bytes: its region has no patch
+    site and goes live by TRANSFER.  The check takes it out by EVICT and puts it
+    back by TRANSFER, so it is measured like any other."""
+    exe, args = stayloop
+    args = [args[0], args[1], "short"]
+    expected = _native([str(exe), *args])
+    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *CHECK).wait_ready()
+    try:
+        out, rep = _run(svc, [str(exe), *args])
+    finally:
+        svc.stop()
+    assert out == expected
+    checks = rep["speed_checks"]
+    assert checks and checks[0]["verdict"] in MEASURED, (checks, rep["region_status"])
+    regions = {r["id"]: r for r in rep["regions"]}
+    checked = [regions[rid] for rid in checks[0]["regions"]]
+    assert all(r["info"]["transfer_only"] for r in checked), checked
+    assert sum(r["info"].get("evicted", 0) for r in checked) >= 2
+    # in at the install, and again at the resume after the O O pair
+    assert rep["threads_transferred"] >= 2 and rep["patches_installed"] == 0
+
+
 def test_a_loop_that_never_leaves_stops_running_code_found_slower(stayloop):
     """A region found slower whose thread is inside it at the verdict: the thread is
     moved out with the removal, not left to run the slower code to the end.  With 4
