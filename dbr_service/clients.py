@@ -757,7 +757,8 @@ class ClientSession:
                        "single": P.Variant.SINGLE}[cfg.patch_variant]
             self.installer = Installer(self.conn, self._read_original, variant=variant,
                                        transfer=cfg.transfer,
-                                       evict=bool(self.hello_flags & P.HELLO_EVICT))
+                                       evict=cfg.evict
+                                       and bool(self.hello_flags & P.HELLO_EVICT))
             self.evaluator = Evaluator(self.installer)
         return self.installer
 
@@ -891,7 +892,8 @@ class ClientSession:
         """A region without patch sites (entered by TRANSFER only) can be speed-checked:
         its ORIGINAL phases move threads out (EVICT), its REPLACEMENT phases move them
         in again (TRANSFER)."""
-        return bool(self.hello_flags & P.HELLO_EVICT) and self.service.config.transfer
+        cfg = self.service.config
+        return bool(self.hello_flags & P.HELLO_EVICT) and cfg.evict and cfg.transfer
 
     def speed_start(self, rids: list[str], pairs: int, phase_s: float, margin: float) -> bool:
         """Session thread: begin a speed check of the regions ``rids`` still live.  The

@@ -117,6 +117,10 @@ class Config:
         "move threads found in the original code of a newly installed region into its "
         "replacement code (agent TRANSFER), and install regions whose loops have no "
         "patch point (entered by transfer only)"))
+    evict: bool = field(default=True, metadata=_doc(
+        "move threads inside a region's replacement code back to its original code "
+        "(agent EVICT) when a speed check takes the region out, when a check finds it "
+        "slower and when the operator unpatches it; false: they finish there"))
     patch_variant: str = field(default="int3", metadata=_doc(
         "int3 | self-branch | single: the agent's cross-modifying-code protocol "
         "(DESIGN.md invariant 5); single is opt-in only", choices=PATCH_VARIANTS))
