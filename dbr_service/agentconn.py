@@ -322,14 +322,8 @@ class AgentConnection:
         """TRANSFER: threads stopped at an original address of ``points`` continue at
         its replacement address (codegen's transfer map of an announced region)."""
         pts = sorted(dict(points).items())
-        if not 0 < len(pts) <= P.MAX_TRANSFER:
-            raise AgentError(f"a transfer holds 1..{P.MAX_TRANSFER} points, not {len(pts)}")
-        items = [P.TransferPoint(orig=o, repl=r) for o, r in pts]
-        rec = self.request(P.MsgType.TRANSFER,
-                           P.Transfer(req_id=self.next_id(), region_id=region_id,
-                                      timeout_ms=timeout_ms),
-                           items=items, timeout=timeout_ms / 1000 + 3.0)
-        return rec.msg.body
+        return self._move(P.MsgType.TRANSFER, region_id,
+                          [P.TransferPoint(orig=o, repl=r) for o, r in pts], timeout_ms)
 
     def evict(self, region_id: int, points: dict[int, int] | list[tuple[int, int]],
               timeout_ms: int = 100) -> P.TransferResult:
@@ -338,12 +332,15 @@ class AgentConnection:
         original address.  ``left`` in the result counts threads that answered from
         inside the region's code at no point."""
         pts = sorted(dict(points).items())
-        if not 0 < len(pts) <= P.MAX_TRANSFER:
-            raise AgentError(f"an eviction holds 1..{P.MAX_TRANSFER} points, not {len(pts)}")
-        items = [P.TransferPoint(orig=o, repl=r) for r, o in pts]
-        rec = self.request(P.MsgType.EVICT,
-                           P.Transfer(req_id=self.next_id(), region_id=region_id,
-                                      timeout_ms=timeout_ms),
+        return self._move(P.MsgType.EVICT, region_id,
+                          [P.TransferPoint(orig=o, repl=r) for r, o in pts], timeout_ms)
+
+    def _move(self, kind: P.MsgType, region_id: int, items: list[P.TransferPoint],
+              timeout_ms: int) -> P.TransferResult:
+        if not 0 < len(items) <= P.MAX_TRANSFER:
+            raise AgentError(f"a {kind.name} holds 1..{P.MAX_TRANSFER} points, not {len(items)}")
+        rec = self.request(kind, P.Transfer(req_id=self.next_id(), region_id=region_id,
+                                            timeout_ms=timeout_ms),
                            items=items, timeout=timeout_ms / 1000 + 3.0)
         return rec.msg.body
 

@@ -299,23 +299,32 @@ class Installer:
                 reg.state not in (InstallState.WRITTEN, InstallState.INSTALLED):
             return 0
         moved = 0
-        for k in range(0, len(points), P.MAX_TRANSFER):
-            try:
-                res = self.conn.transfer(reg.region_id, points[k:k + P.MAX_TRANSFER],
-                                         timeout_ms=timeout_ms)
-            except (AgentError, OSError) as exc:
-                # never raised: the region's sites may be patched already, and a
-                # raise here would leave them recorded as a failed install
-                self.on_event("transfer-failed", {"region": reg.name, "why": str(exc)})
-                break
-            if res.result != P.Result.OK:
-                self.on_event("transfer-failed", {"region": reg.name,
-                                                  "why": result_name(res.result)})
+        for res in self._batches(self.conn.transfer, reg, points, timeout_ms, "transfer-failed"):
+            if res is None:
                 break
             moved += res.moved
         reg.transferred += moved
         self.threads_transferred += moved
         return moved
+
+    def _batches(self, send, reg: InstalledRegion, points: list[tuple[int, int]],
+                 timeout_ms: int, failed: str):
+        """TRANSFER or EVICT ``points`` in messages of at most MAX_TRANSFER points:
+        yields each result, or None once the agent refused one or did not answer
+        (reported as event ``failed``; never raised: the region's sites may be
+        patched already, and its code stays correct to run)."""
+        for k in range(0, len(points), P.MAX_TRANSFER):
+            try:
+                res = send(reg.region_id, points[k:k + P.MAX_TRANSFER], timeout_ms=timeout_ms)
+            except (AgentError, OSError) as exc:
+                self.on_event(failed, {"region": reg.name, "why": str(exc)})
+                yield None
+                return
+            if res.result != P.Result.OK:
+                self.on_event(failed, {"region": reg.name, "why": result_name(res.result)})
+                yield None
+                return
+            yield res
 
     #: EVICT rounds before threads still inside a region's code are left there.
     EVICT_TRIES = 4
@@ -332,24 +341,17 @@ class Installer:
         if not self.evict_enabled or not points or reg.state not in HELD:
             return 0, 0
         moved = left = 0
+        refused = False
         for _ in range(self.EVICT_TRIES):
-            left = 0
-            for k in range(0, len(points), P.MAX_TRANSFER):
-                try:
-                    res = self.conn.evict(reg.region_id, points[k:k + P.MAX_TRANSFER],
-                                          timeout_ms=timeout_ms)
-                except (AgentError, OSError) as exc:
-                    self.on_event("evict-failed", {"region": reg.name, "why": str(exc)})
-                    return moved, left
-                if res.result != P.Result.OK:
-                    self.on_event("evict-failed", {"region": reg.name,
-                                                   "why": result_name(res.result)})
-                    return moved, left
+            for res in self._batches(self.conn.evict, reg, points, timeout_ms, "evict-failed"):
+                if res is None:
+                    refused = True
+                    break
                 moved += res.moved
                 left = res.left + res.no_reply
                 if left == 0:
                     break
-            if left == 0:
+            if refused or left == 0:
                 break
         reg.evicted += moved
         self.threads_evicted += moved
