@@ -239,26 +239,8 @@ def evict_differential(s: Subject, r: int, o: int, st: State, ctx: str,
     b = _run(s, st, r, lambda x: s.in_code(x) or x in s.region, 4 * LIMIT,
              after_start(lambda x: back.get(x) if s.in_code(x) else x if x in keys
                          else None))
-    ctx = f"{ctx}: evict {r:#x} -> {o:#x}"
-    for i, ((ao, ast), (bo, bst)) in enumerate(zip(a.sync, b.sync)):
-        assert ao == bo, f"{ctx}: sync point {i}: replacement at {bo:#x}'s point, " \
-                         f"original at {ao:#x}"
-        s.same(ast, bst, f"{ctx} (sync point {i} at {ao:#x})")
-    assert b.kind == a.kind, f"{ctx}: original {a.kind} at {a.rip:#x}, " \
-                             f"replacement {b.kind} at {b.rip:#x}"
-    assert len(a.sync) == len(b.sync), f"{ctx}: sync points differ"
-    if a.kind == "left":
-        assert b.rip == a.rip, f"{ctx}: left at {b.rip:#x}, original at {a.rip:#x}"
-        s.same(a.state, b.state, ctx)
-        if left_at is not None:
-            left_at[a.rip] += 1
-        return "left"
-    fo = s.gen.orig_of(b.rip) if s.in_code(b.rip) else b.rip
-    assert fo == a.rip, f"{ctx}: fault at {b.rip:#x} (orig {fo}), original at {a.rip:#x}"
-    if not s.in_code(b.rip) or s.gen.evictions.get(b.rip) == fo:
-        s.same(a.state, b.state, ctx + " (at fault)")
-        return "fault"
-    return "fault_at"
+    return transfer.judge(s, a, b, f"{ctx}: evict {r:#x} -> {o:#x}", left_at,
+                          lambda fo, rip: s.gen.evictions.get(rip) == fo)
 
 
 def natural_states(s: Subject, rng: random.Random, wanted: set[int]

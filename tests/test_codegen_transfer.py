@@ -228,7 +228,16 @@ def differential(s: Subject, o: int, r: int, st: State, ctx: str,
         return "limit"
     b = _run(s, st, r, lambda x: s.in_code(x) or x in s.region, 4 * LIMIT,
              lambda x: back.get(x) if s.in_code(x) else x if x in keys else None)
-    ctx = f"{ctx}: transfer {o:#x} -> {r:#x}"
+    return judge(s, a, b, f"{ctx}: transfer {o:#x} -> {r:#x}", left_at,
+                 lambda fo, rip: s.gen.transfers.get(fo) == rip)
+
+
+def judge(s: Subject, a: Outcome, b: Outcome, ctx: str, left_at: Counter | None,
+          whole_at: Callable[[int, int], bool]) -> str:
+    """Compare the original's run ``a`` with the replacement's run ``b`` (AssertionError
+    if they differ) and name the outcome (see :func:`differential`).  ``whole_at(fo,
+    rip)``: the replacement's fault at ``rip`` is at the start of the whole translation
+    of original instruction ``fo``, where the state must be the original's there."""
     for i, ((ao, ast), (bo, bst)) in enumerate(zip(a.sync, b.sync)):
         assert ao == bo, f"{ctx}: sync point {i}: replacement at {bo:#x}'s point, " \
                          f"original at {ao:#x}"
@@ -246,7 +255,7 @@ def differential(s: Subject, o: int, r: int, st: State, ctx: str,
     # own translation (or in original code) the state is that of the original there.
     fo = s.gen.orig_of(b.rip) if s.in_code(b.rip) else b.rip
     assert fo == a.rip, f"{ctx}: fault at {b.rip:#x} (orig {fo}), original at {a.rip:#x}"
-    if not s.in_code(b.rip) or s.gen.transfers.get(fo) == b.rip:
+    if not s.in_code(b.rip) or whole_at(fo, b.rip):
         s.same(a.state, b.state, ctx + " (at fault)")
         return "fault"
     return "fault_at"
