@@ -68,15 +68,24 @@ def _native(argv: list[str]) -> str:
     return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120).stdout
 
 
-def test_a_streaming_filter_is_measured_and_the_verdict_acted_on(stream):
-    exe, args = stream
-    expected = _native([str(exe), *args])
-    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *CHECK).wait_ready()
+def _checked_run(argv: list[str], *settings: str,
+                 env: dict[str, str] | None = None) -> dict:
+    """Run ``argv`` to its end under a service of its own (``--aggressive``'s settings
+    and ``settings``); its output must be the native run's.  Its report entry."""
+    expected = _native(argv)
+    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *settings,
+                      env=env).wait_ready()
     try:
-        out, rep = _run(svc, [str(exe), *args])
+        out, rep = _run(svc, argv)
     finally:
         svc.stop()
     assert out == expected
+    return rep
+
+
+def test_a_streaming_filter_is_measured_and_the_verdict_acted_on(stream):
+    exe, args = stream
+    rep = _checked_run([str(exe), *args], *CHECK)
     checks = rep["speed_checks"]
     assert checks, (rep["regions"], rep["region_status"])
     first = checks[0]
@@ -114,13 +123,7 @@ def test_a_loop_that_never_leaves_is_moved_out_for_the_original_phases(stayloop)
     O R, R O), and back in at each resume (TRANSFER), so the phases compare the two
     codes; the output is the native run's."""
     exe, args = stayloop
-    expected = _native([str(exe), *args])
-    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *CHECK).wait_ready()
-    try:
-        out, rep = _run(svc, [str(exe), *args])
-    finally:
-        svc.stop()
-    assert out == expected
+    rep = _checked_run([str(exe), *args], *CHECK)
     checks = rep["speed_checks"]
     assert checks and checks[0]["verdict"] in MEASURED, (checks, rep["region_status"])
     assert rep["threads_evicted"] >= 2, rep
@@ -134,13 +137,7 @@ def test_a_region_entered_by_transfer_only_is_checked(stayloop):
     back by TRANSFER, so it is measured like any other."""
     exe, args = stayloop
     args = [args[0], args[1], "short"]
-    expected = _native([str(exe), *args])
-    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *CHECK).wait_ready()
-    try:
-        out, rep = _run(svc, [str(exe), *args])
-    finally:
-        svc.stop()
-    assert out == expected
+    rep = _checked_run([str(exe), *args], *CHECK)
     checks = rep["speed_checks"]
     assert checks and checks[0]["verdict"] in MEASURED, (checks, rep["region_status"])
     regions = {r["id"]: r for r in rep["regions"]}
@@ -157,14 +154,8 @@ def test_a_loop_that_never_leaves_stops_running_code_found_slower(stayloop):
     pairs the last phase has the regions in (R, then R O, O R, R O, O R): 2
     suspensions move the thread out, the removal a third time."""
     exe, args = stayloop
-    expected = _native([str(exe), *args])
-    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), CHECK[0],
-                      "speed_check_pairs=4", env={"DBR_TEST_SPEED_SCALE": "0.5"}).wait_ready()
-    try:
-        out, rep = _run(svc, [str(exe), *args])
-    finally:
-        svc.stop()
-    assert out == expected
+    rep = _checked_run([str(exe), *args], CHECK[0],
+                       "speed_check_pairs=4", env={"DBR_TEST_SPEED_SCALE": "0.5"})
     checks = rep["speed_checks"]
     assert checks and checks[0]["verdict"] == "slower", checks
     regions = {r["id"]: r for r in rep["regions"]}
@@ -206,13 +197,7 @@ def test_a_program_without_io_keeps_its_region_unmeasured():
     _native([str(calls), "20"])
     n = int(min(max(20 * 3.0 / max(time.monotonic() - t, 1e-3), 20), 2000))
     argv = [str(calls), str(n)]
-    expected = _native(argv)
-    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *CHECK).wait_ready()
-    try:
-        out, rep = _run(svc, argv)
-    finally:
-        svc.stop()
-    assert out == expected
+    rep = _checked_run(argv, *CHECK)
     checks = rep["speed_checks"]
     assert checks, (rep["regions"], rep["region_status"])
     assert checks[0]["verdict"] == "unmeasurable" and "bytes of I/O" in checks[0]["why"]
