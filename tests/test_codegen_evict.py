@@ -69,8 +69,6 @@ from test_codegen_emit import (
     SENTINEL,
     STACK,
     Program,
-    _profile,
-    build,
 )
 from test_codegen_transfer import (
     LIMIT,
@@ -79,7 +77,6 @@ from test_codegen_transfer import (
     Tally,
     _run,
     _text_at,
-    built_subject,
     far_subject,
     world_subject,
 )
@@ -87,7 +84,7 @@ from unicorn import UcError
 
 from dbr_service.codegen.dispatch import region_dispatch_plan
 from dbr_service.codegen.emit import FAR_STUB
-from dbr_service.region.model import END, START, CloneKey, EdgeKind, NodeKey, TermKind
+from dbr_service.region.model import END, CloneKey, EdgeKind, NodeKey, TermKind
 
 #: Runs of the replacement from its entry that natural states are captured from, and
 #: at most how many while some point has none (one reached only after a rare path).
@@ -488,20 +485,7 @@ def test_twice_copied_instruction_has_two_eviction_points() -> None:
     """Overlapping blocks (one entered in the middle of another) copy the shared
     instructions twice: no transfer point, but an eviction point in each copy, and
     both hold."""
-    orig, delta = PLACES[0]
-    p = PROGRAMS[0]                                       # loop_cond
-    b = build(p, orig, _profile(p, orig))
-    sr = b.sr
-    x = next(bb for _k, bb in sr.blocks() if _text_at(bb.data, bb.start) == "sub eax, edx")
-    a2 = x.insns[1][0]
-    off = a2 - x.start
-    y = replace(x, start=a2, size=x.size - off, insns=x.insns[1:], data=x.data[off:])
-    sr.add_block(y, a2)
-    sr.add_edge(START, a2, EdgeKind.ENTRY, 1)
-    sr.add_edge(a2, x.fallthrough, EdgeKind.FALLTHROUGH, 1)
-    sr.verify()
-    s = built_subject(b, orig + delta, "loop_cond/overlap")
-    shared = {a for a, _n in y.insns}
+    s, shared, _x, _a2 = transfer.overlap_subject()
     got = Counter(s.gen.evictions.values())
     assert shared and all(got[a] == 2 for a in shared)
     assert not shared & set(s.gen.transfers)

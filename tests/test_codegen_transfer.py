@@ -535,6 +535,16 @@ def test_twice_copied_instruction_has_no_transfer() -> None:
     """Overlapping blocks (one entered in the middle of another, as before discovery
     splits them) copy the shared instructions twice: those have no transfer point, the
     rest of the region keeps its points and they still hold."""
+    s, shared, x_start, a2 = overlap_subject()
+    assert shared and not (shared & set(s.gen.transfers))
+    assert x_start in s.gen.transfers and a2 in s.gen.entries
+    _check(s, "overlap")
+
+
+def overlap_subject() -> tuple[Subject, set[int], int, int]:
+    """loop_cond with its ``sub eax, edx`` block entered a second time at its second
+    instruction, by a block of its own: (the subject, the instructions the two blocks
+    share, the first block's start, the second's)."""
     orig, delta = PLACES[0]
     p = PROGRAMS[0]                                       # loop_cond
     b = build(p, orig, _profile(p, orig))
@@ -548,10 +558,7 @@ def test_twice_copied_instruction_has_no_transfer() -> None:
     sr.add_edge(a2, x.fallthrough, EdgeKind.FALLTHROUGH, 1)
     sr.verify()
     s = built_subject(b, orig + delta, "loop_cond/overlap")
-    shared = {a for a, _n in y.insns}
-    assert shared and not (shared & set(s.gen.transfers))
-    assert x.start in s.gen.transfers and a2 in s.gen.entries
-    _check(s, "overlap")
+    return s, {a for a, _n in y.insns}, x.start, a2
 
 
 def _text_at(data: bytes, addr: int) -> str:
