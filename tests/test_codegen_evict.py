@@ -256,18 +256,10 @@ def natural_states(s: Subject, rng: random.Random, wanted: set[int]
         if i >= CAPTURE_RUNS and wanted <= set(out):
             break
         st = s.new_state(rng)
-        visits: Counter = Counter()
-        first: dict[int, State] = {}
-        later: dict[int, State] = {}
+        arrivals = transfer.Arrivals(s, wanted, rng)
 
         def inside(a: int) -> bool:
-            if a in wanted:
-                visits[a] += 1
-                n = visits[a]
-                if n == 1:
-                    first[a] = m.snapshot(s.ranges)
-                elif rng.random() < 1 / (n - 1):        # reservoir over later arrivals
-                    later[a] = m.snapshot(s.ranges)
+            arrivals.at(a)
             return a != SENTINEL and a not in sites
 
         m.set_state(st)
@@ -281,10 +273,7 @@ def natural_states(s: Subject, rng: random.Random, wanted: set[int]
         except UcError:
             assert e != s.entry, f"{s.name}: a run from the entry faulted"
             continue
-        for a in first:
-            out[a].append(first[a])
-            if a in later:
-                out[a].append(later[a])
+        arrivals.add_to(out)
     return out
 
 

@@ -269,27 +269,43 @@ def natural_states(s: Subject, rng: random.Random, wanted: set[int]
     out: dict[int, list[State]] = defaultdict(list)
     for _ in range(CAPTURE_RUNS):
         st = s.new_state(rng)
-        visits: Counter = Counter()
-        first: dict[int, State] = {}
-        later: dict[int, State] = {}
+        arrivals = Arrivals(s, wanted, rng)
 
         def inside(a: int) -> bool:
-            if a in wanted:
-                visits[a] += 1
-                n = visits[a]
-                if n == 1:
-                    first[a] = m.snapshot(s.ranges)
-                elif rng.random() < 1 / (n - 1):        # reservoir over later arrivals
-                    later[a] = m.snapshot(s.ranges)
+            arrivals.at(a)
             return a != SENTINEL
 
         m.set_state(st)
         assert m.run(s.entry, inside, limit=100000) == SENTINEL
-        for a in first:
-            out[a].append(first[a])
-            if a in later:
-                out[a].append(later[a])
+        arrivals.add_to(out)
     return out
+
+
+class Arrivals:
+    """One run's states at the ``wanted`` addresses: the first arrival at each, and one
+    random later one (a reservoir over the later arrivals)."""
+
+    def __init__(self, s: Subject, wanted: set[int], rng: random.Random) -> None:
+        self.s, self.wanted, self.rng = s, wanted, rng
+        self.visits: Counter = Counter()
+        self.first: dict[int, State] = {}
+        self.later: dict[int, State] = {}
+
+    def at(self, a: int) -> None:
+        if a not in self.wanted:
+            return
+        self.visits[a] += 1
+        n = self.visits[a]
+        if n == 1:
+            self.first[a] = self.s.m.snapshot(self.s.ranges)
+        elif self.rng.random() < 1 / (n - 1):
+            self.later[a] = self.s.m.snapshot(self.s.ranges)
+
+    def add_to(self, out: dict[int, list[State]]) -> None:
+        for a in self.first:
+            out[a].append(self.first[a])
+            if a in self.later:
+                out[a].append(self.later[a])
 
 
 @dataclass
