@@ -392,3 +392,30 @@ def test_installer_without_evict_leaves_threads_inside(svc, spin_exe):
     inst.uninstall(reg.region_id, "test", evict=True)
     assert inst.threads_evicted == 0
     assert results(client) == [2]
+
+
+def test_hurried_evictions_with_late_handlers(svc, spin_exe):
+    """The late-handler stress of TRANSFER, for EVICT: 64 spinners in the copy, 300
+    evictions with a 1 ms bound naming only the copy's return path (nobody sits
+    there), so most handlers run after their eviction closed.  Nobody may be moved by
+    them, the agent must neither deadlock nor drop the session, and an eviction by the
+    loop's points afterwards moves every spinner back to the original loop."""
+    client, conn, spin, buf = start(svc, spin_exe, 64)
+    announce(conn, 8, buf.base, buf.base + 64)
+    _all_in(conn, 8, {spin + o: buf.base + o for o in OFFSETS}, 64)
+    late = 0
+    for _ in range(300):
+        res = conn.evict(8, {buf.base + 8: spin + 8}, timeout_ms=1)
+        assert res.result in (P.Result.OK, P.Result.E_BUSY), res.result
+        assert res.moved == 0
+        late += res.no_reply
+    assert late > 0, "no late handler was provoked"
+    moved = 0
+    for _ in range(50):
+        res = conn.evict(8, {buf.base + o: spin + o for o in OFFSETS}, timeout_ms=500)
+        assert res.result in (P.Result.OK, P.Result.E_BUSY)
+        moved += res.moved
+        if moved == 64:
+            break
+    assert moved == 64
+    assert results(client) == [1] * 64
