@@ -247,25 +247,33 @@ def test_hurried_transfers_with_late_handlers(svc, spin_exe, rounds):
     # a second copy of the loop returning 3, for the "wrong table" half of the storm
     other = buf.base + 32
     buf.write(other, assemble(COPY.replace("mov eax, 2", "mov eax, 3"), other))
+    # points no thread sits at (the return path), alternating between the copies; then
+    # the real one, into the copy returning 3
+    _hurried(conn.transfer, rounds,
+             lambda k: {spin + 8: (buf.base if k % 2 else other) + 8},
+             {spin + o: other + o for o in OFFSETS}, 64)
+    assert results(client) == [3] * 64
+
+
+def _hurried(move, rounds: int, idle, real: dict[int, int], threads: int) -> None:
+    """``rounds`` TRANSFERs or EVICTs (``move``) with a 1 ms bound by ``idle(k)``, points
+    no thread sits at: none may move a thread, and some handler must come late.  Then
+    ``real`` until all ``threads`` have moved."""
     late = 0
     for k in range(rounds):
-        # points no thread sits at (the return path), alternating between the copies
-        target = buf.base if k % 2 else other
-        res = conn.transfer(8, {spin + 8: target + 8}, timeout_ms=1)
+        res = move(8, idle(k), timeout_ms=1)
         assert res.result in (P.Result.OK, P.Result.E_BUSY), res.result
         assert res.moved == 0
         late += res.no_reply
     assert late > 0, "no late handler was provoked"
-    # then the real one, into the copy returning 3, repeated until all moved
     moved = 0
     for _ in range(50):
-        res = conn.transfer(8, {spin + o: other + o for o in OFFSETS}, timeout_ms=500)
+        res = move(8, real, timeout_ms=500)
         assert res.result in (P.Result.OK, P.Result.E_BUSY)
         moved += res.moved
-        if moved == 64:
+        if moved == threads:
             break
-    assert moved == 64
-    assert results(client) == [3] * 64
+    assert moved == threads
 
 
 # ---- EVICT: the other way, threads in replacement code back to original code -------
@@ -403,19 +411,6 @@ def test_hurried_evictions_with_late_handlers(svc, spin_exe):
     client, conn, spin, buf = start(svc, spin_exe, 64)
     announce(conn, 8, buf.base, buf.base + 64)
     _all_in(conn, 8, {spin + o: buf.base + o for o in OFFSETS}, 64)
-    late = 0
-    for _ in range(300):
-        res = conn.evict(8, {buf.base + 8: spin + 8}, timeout_ms=1)
-        assert res.result in (P.Result.OK, P.Result.E_BUSY), res.result
-        assert res.moved == 0
-        late += res.no_reply
-    assert late > 0, "no late handler was provoked"
-    moved = 0
-    for _ in range(50):
-        res = conn.evict(8, {buf.base + o: spin + o for o in OFFSETS}, timeout_ms=500)
-        assert res.result in (P.Result.OK, P.Result.E_BUSY)
-        moved += res.moved
-        if moved == 64:
-            break
-    assert moved == 64
+    _hurried(conn.evict, 300, lambda _k: {buf.base + 8: spin + 8},
+             {buf.base + o: spin + o for o in OFFSETS}, 64)
     assert results(client) == [1] * 64
