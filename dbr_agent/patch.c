@@ -71,13 +71,12 @@ int dbr_site_overlaps_installed(uint64_t lo, uint64_t hi)
  * jmp has overwritten (a thread sent there would run the middle of the jmp) */
 int dbr_inside_installed_site(uint64_t a)
 {
-    unsigned i, n = __atomic_load_n(&g_n_sites, __ATOMIC_ACQUIRE);
+    const struct dbr_site_ent *at = site_find(a);
 
-    for (i = 0; i < n; i++)
-        if (__atomic_load_n(&g_sites[i].installed, __ATOMIC_ACQUIRE) && g_sites[i].site < a &&
-            a < g_sites[i].site + DBR_PATCH_LEN)
-            return 1;
-    return 0;
+    /* installed sites never overlap one another (validate_patch): a byte of one, and
+     * not the start of an installed one, is inside it */
+    return dbr_site_overlaps_installed(a, a + 1) &&
+           !(at && __atomic_load_n(&at->installed, __ATOMIC_ACQUIRE));
 }
 
 int dbr_any_installed(void)
