@@ -892,8 +892,8 @@ class ClientSession:
         """A region without patch sites (entered by TRANSFER only) can be speed-checked:
         its ORIGINAL phases move threads out (EVICT), its REPLACEMENT phases move them
         in again (TRANSFER)."""
-        cfg = self.service.config
-        return bool(self.hello_flags & P.HELLO_EVICT) and cfg.evict and cfg.transfer
+        inst = self.installer   # made before any region is installed; its flags are fixed
+        return inst is not None and inst.evict_enabled and inst.transfer_enabled
 
     def speed_start(self, rids: list[str], pairs: int, phase_s: float, margin: float) -> bool:
         """Session thread: begin a speed check of the regions ``rids`` still live.  The
