@@ -31,7 +31,7 @@ from dbr_service.reuse import Job
 from dbr_service.sampling.perf import SwitchGate
 from dbr_service.install import HELD, Installer, InstallState
 from dbr_service.optimize import Evaluator, install_regions, region_extent
-from dbr_service.speedcheck import ORIGINAL, SpeedCheck, read_progress
+from dbr_service.speedcheck import CHECK_TRIES, ORIGINAL, SpeedCheck, read_progress
 
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.sampling.base import SamplingSource
@@ -142,6 +142,9 @@ class RegionRecord:
     orig_ranges: list[tuple[int, int]] = field(default_factory=list)
     #: When it went live (time.monotonic()); 0 if it never did.
     installed_mono: float = 0.0
+    #: Not before this (time.monotonic()) is it a speed check's candidate: when its last
+    #: check was abandoned (0: since it went live).
+    recheck_mono: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "module": self.module, "entries": list(self.entries),
@@ -878,13 +881,15 @@ class ClientSession:
     def speed_candidates(self, settle_s: float, now: float) -> list[str]:
         """Any thread: ids of the live regions with patch sites that no speed check has
         judged yet, once the youngest of them has been live for ``settle_s`` (until
-        then the set may still grow); [] if there are none."""
+        then the set may still grow) and ``settle_s`` has passed since a check of any
+        of them was abandoned; [] if there are none."""
         with self.lock:
             new = [r for r in self.regions.values()
                    if r.state is RegionState.INSTALLED
                    and (r.sites or self._checks_transfer_only())
                    and "speed_check" not in r.info]
-            if not new or now - max(r.installed_mono for r in new) < settle_s:
+            if not new or now - max(max(r.installed_mono, r.recheck_mono)
+                                    for r in new) < settle_s:
                 return []
             return [r.id for r in new]
 
@@ -994,9 +999,14 @@ class ClientSession:
                     inst.uninstall(iid, why, evict=True)
                 if rec is not None:
                     with self.lock:   # speed_candidates reads it on the control thread
-                        rec.info["speed_check"] = {"verdict": chk.verdict, "ratio": chk.ratio}
                         if reg is not None:
                             rec.info["evicted"] = reg.evicted
+                        if held and chk.verdict == "abandoned" and \
+                                self._abandoned_again(rec) < CHECK_TRIES:
+                            rec.recheck_mono = time.monotonic()  # not judged: checked later
+                        else:
+                            rec.info["speed_check"] = {"verdict": chk.verdict,
+                                                       "ratio": chk.ratio}
                 if not held:
                     continue
                 if slower:
@@ -1012,6 +1022,13 @@ class ClientSession:
                 self.speed_checks.append(summary)
             self.service.events.publish("speed-check", pid=self.pid, **summary)
             self._write_perf_map()
+
+    @staticmethod
+    def _abandoned_again(rec: RegionRecord) -> int:
+        """Count one more abandoned check of a live region; the count so far."""
+        tries = rec.info.get("speed_checks_abandoned", 0) + 1
+        rec.info["speed_checks_abandoned"] = tries
+        return tries
 
     def _region_removed(self, rec: RegionRecord, why: str) -> None:
         with self.lock:

@@ -149,8 +149,12 @@ def table(rows: list[list[Any]], header: list[str]) -> str:
 
 def _speed(region: dict[str, Any]) -> str:
     """A region's speed-check verdict for the regions table."""
-    sc = region.get("info", {}).get("speed_check")
-    return verdict_text(sc["verdict"], sc.get("ratio")) if sc else ""
+    info = region.get("info", {})
+    sc = info.get("speed_check")
+    if sc:
+        return verdict_text(sc["verdict"], sc.get("ratio"))
+    n = info.get("speed_checks_abandoned")
+    return f"abandoned x{n}, again" if n else ""     # to be checked again
 
 
 def render(verb: str, result: Any) -> str:

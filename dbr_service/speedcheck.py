@@ -49,6 +49,13 @@ MIN_CPU_S = 0.05
 #: regions selected together are checked together.
 SETTLE_PHASES = 4
 
+#: A region whose check was abandoned (another region of it was removed meanwhile,
+#: or the agent refused a step) while it stayed live is checked again, after the
+#: settling time, until this many checks of it were abandoned; then it keeps that
+#: verdict, as a region that was never checked would (a lost wake-up or a map that
+#: keeps changing must not hold the client's sampling off for good).
+CHECK_TRIES = 3
+
 #: Tests only: the progress of replacement phases is counted times this, so that a
 #: test can have regions found slower (or faster) on demand.
 _TEST_SCALE = float(os.environ.get("DBR_TEST_SPEED_SCALE") or 1.0)

@@ -138,10 +138,13 @@ def test_dbr_ctl_regions_shows_each_regions_verdict():
          "module": "/bin/x", "info": {"speed_check": {"verdict": "unmeasurable",
                                                       "ratio": None}}},
         {"id": "r3", "state": "selected", "blocks": 2, "code_bytes": 40, "entries": [0x3000],
-         "module": "/bin/x", "info": {}}]})
+         "module": "/bin/x", "info": {}},
+        {"id": "r4", "state": "installed", "blocks": 2, "code_bytes": 40, "entries": [0x4000],
+         "module": "/bin/x", "info": {"speed_checks_abandoned": 1}}]})
     lines = out.splitlines()
     assert "SPEED" in lines[1]
     assert "slower x0.912" in lines[2] and "unmeasurable" in lines[3]
+    assert "abandoned x1, again" in lines[5] and "abandoned" not in lines[4]
     assert "x" not in lines[3].split("unmeasurable")[1].split("0x")[0]
 
 
@@ -156,3 +159,101 @@ def test_the_run_report_on_stderr_names_each_check():
     text = format_report(run_report(["x"], 0, 1.0, [client]))
     assert "speed check of r1, r2: slower x0.900" in text
     assert "speed check of r3: unmeasurable\n" in text + "\n"
+
+
+# ------------------------------------------------------------------ abandoned checks
+
+class _Reg:
+    def __init__(self, state):
+        self.state, self.evicted, self.sites, self.patched_sites = state, 0, [1], [1]
+
+
+class _Installer:
+    """The installer as _speed_finish sees it: regions by install id, and resume()."""
+
+    evict_enabled = transfer_enabled = True
+
+    def __init__(self):
+        from dbr_service.install import InstallState
+        self.S = InstallState
+        self.regions = {1: _Reg(InstallState.INSTALLED), 2: _Reg(InstallState.SUSPENDED)}
+        self.resumed: list[int] = []
+
+    def resume(self, iid):
+        self.resumed.append(iid)
+        self.regions[iid].state = self.S.INSTALLED
+
+
+def _session(monkeypatch):
+    """A ClientSession with two live regions, r1 (installed) and r2 (suspended, as in a
+    check's original phase), and nothing behind it but the fields the check uses."""
+    import collections
+    import threading
+    import types
+
+    from dbr_service.clients import ClientSession, RegionRecord, RegionState
+
+    s = ClientSession.__new__(ClientSession)
+    s.pid, s.lock, s.installer = 1, threading.RLock(), _Installer()
+    s.speed_check, s.blocked_regions, s.slow_ranges = None, set(), []
+    s.speed_checks, s.activity, s.patches_removed = collections.deque(maxlen=16), 0, 0
+    s.service = types.SimpleNamespace(events=types.SimpleNamespace(publish=lambda *a, **k: None))
+    monkeypatch.setattr(s, "_write_perf_map", lambda: None)
+    s.regions = {}
+    for iid in (1, 2):
+        s.regions[f"r{iid}"] = RegionRecord(f"r{iid}", "m", [iid], 1, 16,
+                                            state=RegionState.INSTALLED, sites=[iid],
+                                            info={"install_id": iid}, installed_mono=10.0)
+    return s
+
+
+def _abandon(s, rids):
+    chk = SpeedCheck([int(r[1:]) for r in rids], rids, pairs=2, phase_s=0.5, margin=0.03)
+    chk.stop("abandoned", "a region of the check was removed meanwhile")
+    s.speed_check = chk
+    s._speed_finish()
+    return chk
+
+
+def test_an_abandoned_check_leaves_its_live_regions_to_a_later_one(monkeypatch):
+    """A check ends "abandoned" when one of its regions goes meanwhile; the regions
+    still live are not judged by it: they are resumed, checked again once the settling
+    time has passed since, and only after CHECK_TRIES abandoned checks keep that
+    verdict (so a map that keeps changing cannot hold sampling off for good)."""
+    from dbr_service.clients import RegionState
+    from dbr_service.install import InstallState
+    from dbr_service.speedcheck import CHECK_TRIES
+
+    s = _session(monkeypatch)
+    assert s.speed_candidates(2.0, 20.0) == ["r1", "r2"]
+    # r1 goes (a map change, say) while r2 is suspended for an original phase
+    s.installer.regions[1].state = InstallState.REMOVED
+    s.regions["r1"].state = RegionState.REMOVED
+    _abandon(s, ["r1", "r2"])
+    r1, r2 = s.regions["r1"].info, s.regions["r2"].info
+    assert r1["speed_check"]["verdict"] == "abandoned"     # gone: its last word
+    assert "speed_check" not in r2 and r2["speed_checks_abandoned"] == 1
+    assert s.installer.resumed == [2]                      # patched again at once
+    assert s.speed_checks[-1]["verdict"] == "abandoned"
+    t = s.regions["r2"].recheck_mono
+    assert t > 0
+    assert s.speed_candidates(2.0, t + 1.0) == []          # settling again
+    assert s.speed_candidates(2.0, t + 2.5) == ["r2"]
+    for n in range(2, CHECK_TRIES + 1):
+        _abandon(s, ["r2"])
+        assert r2["speed_checks_abandoned"] == n
+    assert r2["speed_check"]["verdict"] == "abandoned"     # the last try's verdict stays
+    assert s.speed_candidates(2.0, time.monotonic() + 100) == []
+    assert s.regions["r2"].state is RegionState.INSTALLED
+
+
+def test_other_verdicts_are_final_at_once(monkeypatch):
+    s = _session(monkeypatch)
+    chk = SpeedCheck([1, 2], ["r1", "r2"], pairs=2, phase_s=0.5, margin=0.03)
+    chk.stop("unmeasurable", "a 0.5 s phase saw 0 bytes of I/O")
+    s.speed_check = chk
+    s._speed_finish()
+    for rid in ("r1", "r2"):
+        assert s.regions[rid].info["speed_check"]["verdict"] == "unmeasurable"
+        assert "speed_checks_abandoned" not in s.regions[rid].info
+    assert s.speed_candidates(2.0, time.monotonic() + 100) == []
