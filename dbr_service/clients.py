@@ -900,10 +900,16 @@ class ClientSession:
         inst = self.installer   # made before any region is installed; its flags are fixed
         return inst is not None and inst.evict_enabled and inst.transfer_enabled
 
-    def speed_start(self, rids: list[str], pairs: int, phase_s: float, margin: float) -> bool:
+    def speed_start(self, rids: list[str], pairs: int, phase_s: float, margin: float,
+                    close_sampling: bool = False) -> bool:
         """Session thread: begin a speed check of the regions ``rids`` still live.  The
         first phase runs them as installed.  False if none is live, a sampling window
-        is open (its samples would see the phases), or a check is under way."""
+        is open (its samples would see the phases), or a check is under way.  With
+        ``close_sampling`` (continuous sampling) an open window is closed first and its
+        samples since the last snapshot are dropped; the first snapshot after the
+        check opens a new one."""
+        if close_sampling and self.speed_check is None and self.source is not None:
+            self.end_window(keep_open=False)
         if self.speed_check is not None or self.source is not None or self.installer is None:
             return False
         todo = []

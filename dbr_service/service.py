@@ -559,15 +559,22 @@ class Service:
                 if now >= chk.next_at:
                     self._speed_post(s, s.speed_step)
                 continue
-            if not cfg.speed_check or not cfg.patching or cfg.continuous_sampling or \
-                    s.paused or self.paused or self.stopping or \
-                    (self._snap is not None and s.session_id in self._snap.begun):
+            if not cfg.speed_check or not cfg.patching or \
+                    s.paused or self.paused or self.stopping:
+                continue
+            snap = self._snap
+            in_window = snap is not None and s.session_id in snap.begun
+            # a window of its own is let run to its end; a continuous one, never
+            # ending, is closed for the check (not while it is being collected)
+            if in_window and not (cfg.continuous_sampling and snap.phase == "sampling"):
                 continue
             rids = s.speed_candidates(SETTLE_PHASES * cfg.speed_check_phase_s, now)
             if rids:
-                self._speed_post(s, lambda s=s, rids=rids: s.speed_start(
+                if in_window:
+                    del snap.begun[s.session_id]     # not collected at this snapshot
+                self._speed_post(s, lambda s=s, rids=rids, close=in_window: s.speed_start(
                     rids, cfg.speed_check_pairs, cfg.speed_check_phase_s,
-                    cfg.speed_check_margin))
+                    cfg.speed_check_margin, close_sampling=close))
 
     def _speed_post(self, s: ClientSession, fn: Callable[[], Any]) -> None:
         def done(fut) -> None:

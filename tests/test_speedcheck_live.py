@@ -104,6 +104,44 @@ def test_a_streaming_filter_is_measured_and_the_verdict_acted_on(stream):
             all(regions[rid]["info"].get("removed_why") for rid in first["regions"])
 
 
+def test_checks_run_under_continuous_sampling(stream):
+    """Under continuous_sampling the client's window never ends by itself: the check
+    closes it (its samples since the last snapshot are dropped), measures, and the
+    first snapshot after it opens a new one: the client is sampled again after its
+    check while it runs.  The output is the native run's."""
+    exe, args = stream
+    args = [args[0], str(int(args[1]) * 2), args[2]]      # about 6 s: time to sample after
+    expected = _native([str(exe), *args])
+    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *CHECK,
+                      "continuous_sampling=true", "snapshot_interval_s=0.25").wait_ready()
+    try:
+        p = spawn_client(svc.dir, [str(exe), *args])
+        try:
+            def row():
+                return next((c for c in svc.call("clients") if c["pid"] == p.pid), None)
+
+            done = svc.wait_for(lambda: (r := row()) and r.get("speed_check") in MEASURED | {
+                "unmeasurable"} and r, timeout=60, what="a finished speed check")
+            after = svc.wait_for(lambda: (r := row()) and r["samples"] > done["samples"] and r,
+                                 timeout=30, what="samples after the check")
+            out, err = p.communicate(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        assert p.returncode == 0, err
+        rep = svc.call("report", {"pids": [p.pid]})[0]
+    finally:
+        svc.stop()
+    assert out == expected
+    assert after["samples"] > done["samples"]
+    first = rep["speed_checks"][0]
+    assert first["verdict"] in MEASURED and first["phases"] == 7, first
+    regions = {r["id"]: r for r in rep["regions"]}
+    for rid in first["regions"]:
+        assert regions[rid]["info"]["speed_check"]["verdict"] == first["verdict"]
+
+
 @pytest.fixture(scope="module")
 def stayloop(tmp_path_factory) -> tuple[Path, list[str]]:
     """A loop that never leaves itself (raw write syscalls inside), for about 3 s."""
