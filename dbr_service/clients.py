@@ -1170,10 +1170,7 @@ class ClientSession:
                 "hotspots_found": len(self.hotspots),
                 "regions": len(self.regions), "patches_installed": self.patches_installed,
                 "regions_went_live": self.regions_went_live,
-                "threads_transferred": (0 if self.installer is None
-                                        else self.installer.threads_transferred),
-                "threads_evicted": (0 if self.installer is None
-                                    else self.installer.threads_evicted),
+                **self.threads_moved(),
                 "sampling_interval_s": self.sampling_interval_s,
                 "quiet_snapshots": self.quiet_snapshots,
                 "speed_check": ("running" if self.speed_check is not None else
@@ -1181,6 +1178,13 @@ class ClientSession:
                                 else None),
                 "connected_at": self.connected_at, "ended_at": self.ended_at,
                 "close_reason": self.close_reason, "errors": list(self.errors)[-3:]}
+
+    def threads_moved(self) -> dict[str, int]:
+        """Threads moved into replacement code (TRANSFER) and out of it (EVICT), as the
+        clients row and the report name them."""
+        inst = self.installer
+        return {"threads_transferred": 0 if inst is None else inst.threads_transferred,
+                "threads_evicted": 0 if inst is None else inst.threads_evicted}
 
     def report(self) -> dict[str, Any]:
         """This client's entry of a dbr.run/1 report (DESIGN.md "Reports")."""
