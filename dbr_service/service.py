@@ -577,14 +577,9 @@ class Service:
                     cfg.speed_check_margin, close_sampling=close))
 
     def _speed_post(self, s: ClientSession, fn: Callable[[], Any]) -> None:
-        def done(fut) -> None:
-            exc = fut.exception()
-            if exc is not None and s.alive:
-                msg = f"speed check failed: {exc!r}"
-                s.errors.append(msg)
-                self.events.publish("error", pid=s.pid, message=msg)
         s.speed_fut = s.post(fn)
-        s.speed_fut.add_done_callback(done)
+        s.speed_fut.add_done_callback(
+            lambda f: self._task_failed(s, f, "speed check") if s.alive else None)
 
     def _resting(self, s: ClientSession, now: float) -> bool:
         """A quiet client skips snapshots until its own interval has passed, unless
@@ -743,15 +738,17 @@ class Service:
                 s.regions = keep
             if self.config.patching and res.srs and s.alive and not s.paused:
                 fut = s.post(lambda s=s, srs=res.srs, ids=ids: s.install_selected(srs, ids))
-                fut.add_done_callback(lambda f, s=s: self._install_done(s, f))
+                fut.add_done_callback(lambda f, s=s: self._task_failed(s, f, "installation"))
         self.events.publish("job-done", pid=s.pid, hotspots=len(res.hotspots),
                             regions=None if res.regions is None else len(res.regions),
                             status=res.region_status, elapsed_s=round(res.elapsed_s, 3))
 
-    def _install_done(self, s: ClientSession, fut) -> None:
+    def _task_failed(self, s: ClientSession, fut, what: str) -> None:
+        """A session-thread task's done callback: its exception, if any, becomes one of
+        the client's errors and an ``error`` event."""
         exc = fut.exception()
         if exc is not None:
-            msg = f"installation failed: {exc!r}"
+            msg = f"{what} failed: {exc!r}"
             s.errors.append(msg)
             self.events.publish("error", pid=s.pid, message=msg)
 
