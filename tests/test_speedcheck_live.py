@@ -83,6 +83,21 @@ def _checked_run(argv: list[str], *settings: str,
     return rep
 
 
+def _run_while(svc: ServiceProc, argv: list[str], during) -> tuple[str, dict, object]:
+    """Run a client to its end, calling ``during(pid)`` while it runs (the client is
+    killed if that fails); its stdout, its report entry and what ``during`` gave."""
+    p = spawn_client(svc.dir, argv)
+    try:
+        got = during(p.pid)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+    assert p.returncode == 0, err
+    return out, svc.call("report", {"pids": [p.pid]})[0], got
+
+
 def test_a_streaming_filter_is_measured_and_the_verdict_acted_on(stream):
     exe, args = stream
     rep = _checked_run([str(exe), *args], *CHECK)
@@ -114,23 +129,18 @@ def test_checks_run_under_continuous_sampling(stream):
     expected = _native([str(exe), *args])
     svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *CHECK,
                       "continuous_sampling=true", "snapshot_interval_s=0.25").wait_ready()
-    try:
-        p = spawn_client(svc.dir, [str(exe), *args])
-        try:
-            def row():
-                return next((c for c in svc.call("clients") if c["pid"] == p.pid), None)
+    def check_then_samples(pid: int) -> tuple[dict, dict]:
+        def row():
+            return next((c for c in svc.call("clients") if c["pid"] == pid), None)
 
-            done = svc.wait_for(lambda: (r := row()) and r.get("speed_check") in MEASURED | {
-                "unmeasurable"} and r, timeout=60, what="a finished speed check")
-            after = svc.wait_for(lambda: (r := row()) and r["samples"] > done["samples"] and r,
-                                 timeout=30, what="samples after the check")
-            out, err = p.communicate(timeout=120)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-        assert p.returncode == 0, err
-        rep = svc.call("report", {"pids": [p.pid]})[0]
+        done = svc.wait_for(lambda: (r := row()) and r.get("speed_check") in MEASURED | {
+            "unmeasurable"} and r, timeout=60, what="a finished speed check")
+        after = svc.wait_for(lambda: (r := row()) and r["samples"] > done["samples"] and r,
+                             timeout=30, what="samples after the check")
+        return done, after
+
+    try:
+        out, rep, (done, after) = _run_while(svc, [str(exe), *args], check_then_samples)
     finally:
         svc.stop()
     assert out == expected
@@ -254,18 +264,12 @@ def test_a_region_removed_during_a_check_abandons_it_and_the_rest_stay(stream):
     expected = _native([str(exe), *args])
     svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()),
                       "speed_check_phase_s=0.3", "speed_check_pairs=6").wait_ready()
+    def unpatch_in_a_suspended_phase(pid: int) -> int:
+        _into_a_suspended_phase(svc, pid)
+        return svc.call("unpatch", {"pid": pid})["regions_removed"]
+
     try:
-        p = spawn_client(svc.dir, [str(exe), *args])
-        try:
-            _into_a_suspended_phase(svc, p.pid)
-            removed = svc.call("unpatch", {"pid": p.pid})["regions_removed"]
-            out, err = p.communicate(timeout=120)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-        assert p.returncode == 0, err
-        rep = svc.call("report", {"pids": [p.pid]})[0]
+        out, rep, removed = _run_while(svc, [str(exe), *args], unpatch_in_a_suspended_phase)
         assert svc.call("status")["pid"] == svc.proc.pid
     finally:
         svc.stop()
