@@ -45,14 +45,22 @@ def stream(tmp_path_factory) -> tuple[Path, list[str]]:
     return exe, [str(data), str(rounds), "/dev/null"]
 
 
-def _run(svc: ServiceProc, argv: list[str]) -> tuple[str, dict]:
-    """Run a client to its end; its stdout and its report entry."""
+def _run(svc: ServiceProc, argv: list[str], during=None) -> tuple[str, dict, object]:
+    """Run a client to its end, calling ``during(pid)`` (if given) while it runs; the
+    client is killed if anything fails first.  Its stdout, its report entry and what
+    ``during`` gave."""
     p = spawn_client(svc.dir, argv)
-    out, err = p.communicate(timeout=120)
+    try:
+        got = during(p.pid) if during is not None else None
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
     assert p.returncode == 0, err
     entries = svc.call("report", {"pids": [p.pid]})
     assert len(entries) == 1, entries
-    return out, entries[0]
+    return out, entries[0], got
 
 
 def _into_a_suspended_phase(svc: ServiceProc, pid: int) -> None:
@@ -76,26 +84,11 @@ def _checked_run(argv: list[str], *settings: str,
     svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *settings,
                       env=env).wait_ready()
     try:
-        out, rep = _run(svc, argv)
+        out, rep, _ = _run(svc, argv)
     finally:
         svc.stop()
     assert out == expected
     return rep
-
-
-def _run_while(svc: ServiceProc, argv: list[str], during) -> tuple[str, dict, object]:
-    """Run a client to its end, calling ``during(pid)`` while it runs (the client is
-    killed if that fails); its stdout, its report entry and what ``during`` gave."""
-    p = spawn_client(svc.dir, argv)
-    try:
-        got = during(p.pid)
-        out, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(timeout=10)
-    assert p.returncode == 0, err
-    return out, svc.call("report", {"pids": [p.pid]})[0], got
 
 
 def test_a_streaming_filter_is_measured_and_the_verdict_acted_on(stream):
@@ -129,6 +122,7 @@ def test_checks_run_under_continuous_sampling(stream):
     expected = _native([str(exe), *args])
     svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *CHECK,
                       "continuous_sampling=true", "snapshot_interval_s=0.25").wait_ready()
+
     def check_then_samples(pid: int) -> tuple[dict, dict]:
         def row():
             return next((c for c in svc.call("clients") if c["pid"] == pid), None)
@@ -140,7 +134,7 @@ def test_checks_run_under_continuous_sampling(stream):
         return done, after
 
     try:
-        out, rep, (done, after) = _run_while(svc, [str(exe), *args], check_then_samples)
+        out, rep, (done, after) = _run(svc, [str(exe), *args], check_then_samples)
     finally:
         svc.stop()
     assert out == expected
@@ -219,7 +213,7 @@ def test_regions_found_slower_are_removed_and_not_installed_again(stream):
     svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *CHECK,
                       env={"DBR_TEST_SPEED_SCALE": "0.5"}).wait_ready()
     try:
-        out, rep = _run(svc, [str(exe), *args])
+        out, rep, _ = _run(svc, [str(exe), *args])
         events_ok = svc.output()
     finally:
         svc.stop()
@@ -264,12 +258,13 @@ def test_a_region_removed_during_a_check_abandons_it_and_the_rest_stay(stream):
     expected = _native([str(exe), *args])
     svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()),
                       "speed_check_phase_s=0.3", "speed_check_pairs=6").wait_ready()
+
     def unpatch_in_a_suspended_phase(pid: int) -> int:
         _into_a_suspended_phase(svc, pid)
         return svc.call("unpatch", {"pid": pid})["regions_removed"]
 
     try:
-        out, rep, removed = _run_while(svc, [str(exe), *args], unpatch_in_a_suspended_phase)
+        out, rep, removed = _run(svc, [str(exe), *args], unpatch_in_a_suspended_phase)
         assert svc.call("status")["pid"] == svc.proc.pid
     finally:
         svc.stop()
