@@ -3,14 +3,19 @@ progress readings, and the progress read from a real process."""
 
 from __future__ import annotations
 
+import collections
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import pytest
 
-from dbr_service.speedcheck import (MIN_CPU_S, MIN_IO_BYTES, ORIGINAL, REPLACEMENT, Progress,
-                                    SpeedCheck, read_progress)
+from dbr_service.clients import ClientSession, RegionRecord, RegionState
+from dbr_service.install import InstallState
+from dbr_service.speedcheck import (CHECK_TRIES, MIN_CPU_S, MIN_IO_BYTES, ORIGINAL, REPLACEMENT,
+                                    Progress, SpeedCheck, read_progress)
 
 
 def run_check(rates: dict[str, list[float]], pairs: int = 6, cpu_s: float = 0.4,
@@ -174,25 +179,17 @@ class _Installer:
     evict_enabled = transfer_enabled = True
 
     def __init__(self):
-        from dbr_service.install import InstallState
-        self.S = InstallState
         self.regions = {1: _Reg(InstallState.INSTALLED), 2: _Reg(InstallState.SUSPENDED)}
         self.resumed: list[int] = []
 
     def resume(self, iid):
         self.resumed.append(iid)
-        self.regions[iid].state = self.S.INSTALLED
+        self.regions[iid].state = InstallState.INSTALLED
 
 
 def _session(monkeypatch):
     """A ClientSession with two live regions, r1 (installed) and r2 (suspended, as in a
     check's original phase), and nothing behind it but the fields the check uses."""
-    import collections
-    import threading
-    import types
-
-    from dbr_service.clients import ClientSession, RegionRecord, RegionState
-
     s = ClientSession.__new__(ClientSession)
     s.pid, s.lock, s.installer = 1, threading.RLock(), _Installer()
     s.speed_check, s.blocked_regions, s.slow_ranges = None, set(), []
@@ -220,9 +217,6 @@ def test_an_abandoned_check_leaves_its_live_regions_to_a_later_one(monkeypatch):
     still live are not judged by it: they are resumed, checked again once the settling
     time has passed since, and only after CHECK_TRIES abandoned checks keep that
     verdict (so a map that keeps changing cannot hold sampling off for good)."""
-    from dbr_service.clients import RegionState
-    from dbr_service.install import InstallState
-    from dbr_service.speedcheck import CHECK_TRIES
 
     s = _session(monkeypatch)
     assert s.speed_candidates(2.0, 20.0) == ["r1", "r2"]
