@@ -11,8 +11,11 @@ It answers "does this setting change what the program pays", where two whole-sui
 runs taken at different times would differ by more than the effect.
 
 usage: python -m bench.service_ab [--runs N] [-a KEY=VALUE ...] [-b KEY=VALUE ...]
+                                  [--env-a NAME=VALUE ...] [--env-b NAME=VALUE ...]
                                   -- PROG [ARG ...]
   e.g. -a short_thread_memory_s=0 -a gated_thread_timer=false -- churn 60000
+       --env-b DBR_AGENT_QUIET_MS=0 -- churn 60000     (the same service settings,
+                                                       the program's agent told apart)
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="a setting of service A (repeatable)")
     ap.add_argument("-b", action="append", default=[], metavar="KEY=VALUE",
                     help="a setting of service B (repeatable)")
+    ap.add_argument("--env-a", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable of the program under A (repeatable)")
+    ap.add_argument("--env-b", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable of the program under B (repeatable)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a run may take")
     ap.add_argument("prog", nargs=argparse.REMAINDER, help="-- PROG [ARG ...]")
     args = ap.parse_args(argv)
@@ -47,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no program given (-- PROG [ARG ...])")
     if args.runs < 5:   # ratio_ci's floor: fewer rounds say nothing
         ap.error("--runs must be at least 5")
+    extra_env = {}
+    for name, given in (("A", args.env_a), ("B", args.env_b)):
+        extra_env[name] = {}
+        for item in given:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                ap.error(f"--env-{name.lower()} {item!r}: expected NAME=VALUE")
+            extra_env[name][key] = value
     exe = shutil.which(prog[0])
     if exe is None:
         ap.error(f"{prog[0]}: not found")
@@ -65,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             if why is not None:
                 print(f"service_ab: service {name} {why}", file=sys.stderr)
                 return 1
-            envs[name] = preload_env(dict(base, DBR_RUNTIME_DIR=svc.rt), agent)
+            envs[name] = preload_env(dict(base, DBR_RUNTIME_DIR=svc.rt, **extra_env[name]),
+                                     agent)
         names = list(envs)
         walls: dict[str, list[float]] = {n: [] for n in names}
         cpu: dict[str, list[float]] = {n: [] for n in services}
@@ -103,10 +119,12 @@ def main(argv: list[str] | None = None) -> int:
                  if "service_cpu_mean_s" in rows[n] else ""))
     lo, hi = ratio_ci(list(zip(walls["B"], walls["A"])))   # as bench.compare's verdicts
     ba = statistics.median(walls["B"]) / statistics.median(walls["A"])
-    print(f"B over A {ba:.4f} [{lo:.4f}-{hi:.4f}]  (A: {' '.join(args.a) or 'defaults'}; "
-          f"B: {' '.join(args.b) or 'defaults'})")
+    print(f"B over A {ba:.4f} [{lo:.4f}-{hi:.4f}]  "
+          f"(A: {' '.join(args.a + args.env_a) or 'defaults'}; "
+          f"B: {' '.join(args.b + args.env_b) or 'defaults'})")
     path = write_results("service_ab", {
         "machine": machine(), "prog": prog, "runs": args.runs, "a": args.a, "b": args.b,
+        "env_a": args.env_a, "env_b": args.env_b,
         "configs": rows, "b_over_a": ba, "b_over_a_ci95": [lo, hi], "walls": walls,
         "service_cpu_s": cpu})
     print(f"written {path}")
