@@ -6,11 +6,15 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
+#include <sched.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -45,6 +49,8 @@ static int g_wake[2] = { -1, -1 };
 static int g_exiting;
 static int g_retired;        /* the agent stopped for good here (dbr_agent_retire) */
 static int g_thread_started; /* an agent thread was created (it may not have run yet) */
+static int g_born_late;      /* the running agent thread was started by birth_arm's timer */
+static unsigned g_quiet_ms;  /* what the agent's thread waits before it connects */
 static int g_bye_sent;       /* this session's BYE went out (g_send_mu) */
 static int g_forked;
 static int g_on_disconnect = DBR_DISCONNECT_KEEP;
@@ -985,13 +991,13 @@ static void wait_until(uint64_t until)
  * program's first moments.  A program that ends within the quiet never had a
  * session (the service does not sample such young clients anyway). */
 
-/* Unless DBR_AGENT_QUIET_MS set it, a service that samples programs younger than
- * the default quiet says so in DBR_QUIET_FILE beside agent.sock (service.py,
- * write_quiet_hint): a host service started with --aggressive would otherwise get
- * its clients 50 ms late, as their environment is not the service's to set.
- * Read here, by the agent's thread, not in the constructor: a program start pays
- * nothing for it.  A missing or unreadable file, or one that does not hold a
- * number (logged), leaves the default. */
+/* Unless DBR_AGENT_QUIET_MS set it, the service says how young a client it
+ * samples in DBR_QUIET_FILE beside agent.sock (service.py, write_quiet_hint:
+ * min_client_age_s in ms, 0 under --aggressive): the agent's thread is not
+ * needed sooner, and a host service cannot set its clients' environment.  Read
+ * in the constructor (three system calls: the birth is planned there).  A
+ * missing or unreadable file, or one that does not hold a number (logged),
+ * leaves the default. */
 static int quiet_hint(char *from, size_t from_len, unsigned *ms)
 {
     const char *slash = strrchr(g_cfg.sock_path, '/');
@@ -1001,7 +1007,7 @@ static int quiet_hint(char *from, size_t from_len, unsigned *ms)
         return 0;
     snprintf(from, from_len, "%.*s/%s", (int)(slash - g_cfg.sock_path), g_cfg.sock_path,
              DBR_QUIET_FILE);
-    /* O_NONBLOCK: a FIFO put there must not hold the thread; O_NOFOLLOW: nor a link */
+    /* O_NONBLOCK: a FIFO put there must not hold the program; O_NOFOLLOW: nor a link */
     if (dbr_read_small(from, O_NOFOLLOW | O_NONBLOCK, buf, sizeof buf) < 0)
         return 0;
     if (dbr_parse_ms(buf, DBR_QUIET_MAX_MS, ms) < 0) {
@@ -1011,17 +1017,263 @@ static int quiet_hint(char *from, size_t from_len, unsigned *ms)
     return 1;
 }
 
-static void stay_quiet(void)
+/* The quiet, and whether the service's hint set it (*hinted) */
+static unsigned quiet_ms(int *hinted)
 {
     char from[sizeof g_cfg.sock_path + sizeof DBR_QUIET_FILE];
     unsigned ms = g_cfg.quiet_ms;
 
-    if (quiet_hint(from, sizeof from, &ms))
+    *hinted = quiet_hint(from, sizeof from, &ms);
+    if (*hinted)
         dbr_log("agent thread quiet for %u ms (the service's hint, %s)", ms, from);
     else if (ms)
         dbr_log("agent thread quiet for %u ms", ms);
-    if (ms)
-        wait_until(dbr_now_ms() + ms);
+    return ms;
+}
+
+/* ---- born when the service would look ----
+ *
+ * A sleeping second thread is what the agent costs a program that is never
+ * patched: a library thread that only sleeps costs bench `churn` as much as
+ * the agent (design-notes, "churn's cost depends on the program's task group",
+ * "The agent's thread is made when the service would look").  The service
+ * does not look at a client younger than min_client_age_s, and finds nothing
+ * to sample in one that does not run.  So when its hint (DBR_QUIET_FILE) says
+ * how young a client it samples, the hidden thread is not made in the
+ * constructor: its stack and TLS are (dbr_thread_prepare, on the program's
+ * thread), and a process CPU-time timer fires the census signal once the
+ * program has run BIRTH_STEP_MS, and again each BIRTH_STEP_MS it runs, until
+ * it is as old as the hint says.  The handler (census.c) then makes the thread
+ * with clone(2) and stores only: safe in a signal handler.  A program that ends
+ * sooner, or that sleeps from then on, has no second thread.
+ *
+ * A CPU-time timer fires at a tick of a running thread of the process, and the
+ * kernel (6.3 on) gives its signal to that thread: a program thread asleep in
+ * nanosleep or epoll_wait is not cut short, as a wall-clock timer's signal
+ * would cut it (tests/test_agent_thread.py).  A program thread that blocks the
+ * signal while the birth is pending makes the thread at once (hooks.c: one
+ * that blocks it everywhere would never get one); so does one about to take a
+ * seccomp filter, which a thread made from it would inherit.  The thread takes
+ * the constructor's CPU affinity, policy and nice value (the handler runs on
+ * any program thread).  Stepping aside (dbr_agent_retire) and exit cancel a
+ * pending birth; a fork child plans its own.  Without the hint (no service, an
+ * older one, DBR_AGENT_QUIET_MS set), with a hint of 0 (--aggressive), where
+ * the thread cannot be hidden (pthread_create is not safe in a handler), or
+ * when the timer cannot be made, the thread is made in the constructor and
+ * waits out the quiet, as before. */
+#define BIRTH_STEP_MS    50u
+#define BIRTH_RETRY_MS   100u
+#define BIRTH_RETRIES    50u
+
+/* g_birth: BIRTH_NONE, or BIRTH_PENDING (the timer is armed), or BIRTH_BUSY (one
+ * thread acts on the timer: re-arms it, makes the thread, deletes it; a timer id
+ * is reused once deleted, so only the thread holding BIRTH_BUSY touches it) */
+enum { BIRTH_NONE, BIRTH_PENDING, BIRTH_BUSY };
+static int g_birth;
+static int g_birth_timer = -1;     /* kernel timer id */
+static uint64_t g_birth_due;       /* dbr_now_ms at which the thread is made */
+static unsigned g_birth_tries;
+static cpu_set_t g_birth_cpus;
+static int g_birth_cpus_ok, g_birth_policy, g_birth_nice;
+static struct sched_param g_birth_param;
+
+static int agent_main_hidden(void);
+
+/* a one-shot expiry after ms more of the process's CPU time */
+static int birth_timer_set(unsigned ms)
+{
+    struct itimerspec its;
+
+    memset(&its, 0, sizeof its);
+    its.it_value.tv_sec = ms / 1000;
+    its.it_value.tv_nsec = (long)(ms % 1000) * 1000000L + (ms ? 0 : 1000000L);
+    return (int)syscall(SYS_timer_settime, g_birth_timer, 0, &its, NULL);
+}
+
+static void birth_timer_delete(void)
+{
+    if (g_birth_timer >= 0)
+        syscall(SYS_timer_delete, g_birth_timer);
+    g_birth_timer = -1;
+}
+
+static unsigned birth_step(void)
+{
+    uint64_t now = dbr_now_ms();
+
+    return now >= g_birth_due ? 1 : g_birth_due - now < BIRTH_STEP_MS ? (unsigned)(g_birth_due - now)
+                                                                        : BIRTH_STEP_MS;
+}
+
+/* On a program thread, single-threaded as far as the agent is concerned (the
+ * constructor, a fork child's handler).  0 planned, -1 (make the thread now). */
+static int birth_arm(unsigned ms)
+{
+    struct sigevent sev;
+    int kid = -1;
+
+    if (dbr_thread_prepare() < 0)
+        return -1;
+    memset(&sev, 0, sizeof sev);
+    sev.sigev_notify = SIGEV_SIGNAL;
+    sev.sigev_signo = g_cfg.census_sig;
+    sev.sigev_value.sival_ptr = (void *)(uintptr_t)DBR_BIRTH_COOKIE;
+    if (syscall(SYS_timer_create, CLOCK_PROCESS_CPUTIME_ID, &sev, &kid) < 0)
+        return -1;
+    g_birth_timer = kid;
+    g_birth_tries = 0;
+    g_birth_due = dbr_now_ms() + ms;
+    g_birth_cpus_ok = sched_getaffinity(0, sizeof g_birth_cpus, &g_birth_cpus) == 0;
+    g_birth_policy = sched_getscheduler(0);
+    if (g_birth_policy < 0 || sched_getparam(0, &g_birth_param) < 0)
+        g_birth_policy = -1;
+    errno = 0;
+    g_birth_nice = getpriority(PRIO_PROCESS, 0);   /* this thread's */
+    if (errno)
+        g_birth_nice = INT_MIN;
+    __atomic_store_n(&g_birth, BIRTH_BUSY, __ATOMIC_SEQ_CST);
+    if (birth_timer_set(birth_step()) < 0) {
+        birth_timer_delete();
+        __atomic_store_n(&g_birth, BIRTH_NONE, __ATOMIC_SEQ_CST);
+        return -1;
+    }
+    __atomic_store_n(&g_birth, BIRTH_PENDING, __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+/* BIRTH_PENDING -> BIRTH_BUSY.  wait: a program thread, which waits (bounded)
+ * while another thread acts on the timer; a signal handler does not. */
+static int birth_take(int wait)
+{
+    unsigned spins = 0;
+    int st;
+
+    for (;;) {
+        st = BIRTH_PENDING;
+        if (__atomic_compare_exchange_n(&g_birth, &st, BIRTH_BUSY, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            return 1;
+        if (st != BIRTH_BUSY || !wait || ++spins > 100000)
+            return 0;
+        sched_yield();
+    }
+}
+
+/* BIRTH_BUSY held: make the agent's thread.  0 made, -1 not on this thread or not
+ * now (another try later), -2 never (the agent is stopping).  Only system calls
+ * and stores: also in a signal handler. */
+static int birth(void)
+{
+    sigset_t all, old;
+    int rc;
+
+    if (stopping())
+        return -2;
+    /* a thread made here inherits this thread's seccomp filter */
+    if (syscall(SYS_prctl, PR_GET_SECCOMP, 0, 0, 0, 0) != 0)
+        return -1;
+    sigfillset(&all);
+    syscall(SYS_rt_sigprocmask, SIG_SETMASK, &all, &old, sizeof(uint64_t));
+    /* set before stopping() is read again: dbr_agent_retire sets g_retired before it
+     * reads g_thread_started, so one of the two sees the other */
+    __atomic_store_n(&g_thread_started, 1, __ATOMIC_SEQ_CST);
+    g_born_late = 1;
+    rc = stopping() ? -2 : dbr_thread_launch(agent_main_hidden, 0);
+    if (rc != 0) {
+        g_born_late = 0;
+        __atomic_store_n(&g_thread_started, 0, __ATOMIC_SEQ_CST);
+    }
+    syscall(SYS_rt_sigprocmask, SIG_SETMASK, &old, NULL, sizeof(uint64_t));
+    return rc;
+}
+
+/* BIRTH_BUSY held, after birth() gave rc: release it */
+static void birth_settle(int rc)
+{
+    if (rc == -1 && ++g_birth_tries <= BIRTH_RETRIES && birth_timer_set(BIRTH_RETRY_MS) == 0) {
+        /* a filtered thread, or no memory for a thread now: another try after the
+         * program has run a little more, perhaps on another thread */
+        __atomic_store_n(&g_birth, BIRTH_PENDING, __ATOMIC_SEQ_CST);
+        return;
+    }
+    birth_timer_delete();
+    __atomic_store_n(&g_birth, BIRTH_NONE, __ATOMIC_SEQ_CST);
+}
+
+/* census.c: the birth timer's signal, on the program thread that was running */
+void dbr_agent_birth_signal(void)
+{
+    int e = errno;
+
+    if (!birth_take(0))
+        goto out;
+    if (dbr_now_ms() < g_birth_due && birth_timer_set(birth_step()) == 0) {
+        __atomic_store_n(&g_birth, BIRTH_PENDING, __ATOMIC_SEQ_CST);   /* younger than the hint */
+        goto out;
+    }
+    birth_settle(birth());
+out:
+    errno = e;
+}
+
+int dbr_agent_birth_pending(void)
+{
+    return __atomic_load_n(&g_birth, __ATOMIC_RELAXED) != BIRTH_NONE;
+}
+
+/* hooks.c, a program thread about to make a later birth impossible or wrong:
+ * make the agent's thread now. */
+void dbr_agent_birth_now(const char *why)
+{
+    int rc;
+
+    if (!birth_take(1))
+        return;
+    rc = birth();
+    birth_settle(rc);
+    if (rc == 0)
+        dbr_log("%s: the agent's thread made now", why);
+    else if (rc == -1)
+        dbr_log("%s: the agent's thread cannot be made on this thread", why);
+}
+
+/* no birth from now on (stepping aside, exit); 1 if one was pending */
+static int birth_cancel(void)
+{
+    if (!birth_take(1))
+        return 0;
+    birth_timer_delete();
+    __atomic_store_n(&g_birth, BIRTH_NONE, __ATOMIC_SEQ_CST);
+    return 1;
+}
+
+/* On a thread born late, first: the constructor's CPUs, policy and nice value
+ * (best effort: the program may have changed what it may ask for since). */
+static void take_birth_attributes(void)
+{
+    cpu_set_t now;
+    struct sched_param p;
+    int e;
+
+    if (g_birth_cpus_ok && sched_getaffinity(0, sizeof now, &now) == 0 &&
+        !CPU_EQUAL(&now, &g_birth_cpus) && sched_setaffinity(0, sizeof g_birth_cpus, &g_birth_cpus) < 0)
+        dbr_log("the agent's thread cannot take the program's CPUs (errno %d)", errno);
+    if (g_birth_policy >= 0 &&
+        (sched_getscheduler(0) != g_birth_policy ||
+         (sched_getparam(0, &p) == 0 && p.sched_priority != g_birth_param.sched_priority)) &&
+        sched_setscheduler(0, g_birth_policy, &g_birth_param) < 0)
+        dbr_log("the agent's thread cannot take the program's policy (errno %d)", errno);
+    errno = 0;
+    e = getpriority(PRIO_PROCESS, 0);
+    if (g_birth_nice != INT_MIN && !errno && e != g_birth_nice && setpriority(PRIO_PROCESS, 0, g_birth_nice) < 0)
+        dbr_log("the agent's thread cannot take the program's nice value (errno %d)", errno);
+}
+
+static void stay_quiet(void)
+{
+    if (g_born_late)
+        dbr_log("agent thread made by its planned birth");
+    else if (g_quiet_ms)
+        wait_until(dbr_now_ms() + g_quiet_ms);
 }
 
 static void *agent_main(void *arg)
@@ -1044,6 +1296,8 @@ static void *agent_main(void *arg)
         dbr_agent_retire("the agent's thread cannot leave SCHED_FIFO");
         return NULL;
     }
+    if (g_born_late)
+        take_birth_attributes();
     stay_quiet();
     while (!stopping()) {
         if (session_run())
@@ -1091,11 +1345,17 @@ int dbr_agent_retire(const char *why)
         dbr_send(&b, DBR_MSG_BYE, sizeof b, -1, 1);
         dbr_sampler_stop();
     }
-    if (!__atomic_load_n(&g_thread_started, __ATOMIC_ACQUIRE))
+    if (birth_cancel())
+        dbr_log("%s: the agent's thread will not be made", why);
+    if (!__atomic_load_n(&g_thread_started, __ATOMIC_SEQ_CST))
         return 1;
-    /* the thread may not have run yet: it then returns as soon as it starts */
-    while ((tid = __atomic_load_n(&g_agent_tid, __ATOMIC_ACQUIRE)) == 0 && dbr_now_ms() < deadline)
+    /* the thread may not have run yet: it then returns as soon as it starts (or a
+     * birth that saw g_retired makes none and clears g_thread_started) */
+    while ((tid = __atomic_load_n(&g_agent_tid, __ATOMIC_ACQUIRE)) == 0 &&
+           __atomic_load_n(&g_thread_started, __ATOMIC_SEQ_CST) && dbr_now_ms() < deadline)
         dbr_sleep_ms(1);
+    if (tid == 0 && !__atomic_load_n(&g_thread_started, __ATOMIC_SEQ_CST))
+        return 1;
     if (tid == 0 || tid == dbr_gettid())
         return 0;
     dbr_agent_poke();
@@ -1189,6 +1449,8 @@ static void init_wait_cv(void)
 /* atfork child handler (the child has one thread; g_agent_mu was released) */
 void dbr_fork_child_reset(void)
 {
+    int pending;
+
     if (g_cfg.disabled)
         return;
     dbr_mutex_init(&g_send_mu);
@@ -1202,6 +1464,11 @@ void dbr_fork_child_reset(void)
     g_notices = 0;
     g_agent_tid = 0;
     g_thread_started = 0;
+    g_born_late = 0;
+    /* POSIX timers are not inherited: a birth the parent had pending is
+     * planned again, the quiet counted from the fork (the child's own start) */
+    pending = __atomic_exchange_n(&g_birth, BIRTH_NONE, __ATOMIC_SEQ_CST) != BIRTH_NONE;
+    g_birth_timer = -1;
     dbr_thread_fork_child();
     if (g_wake[0] >= 0 && fd_is(g_wake[0], &g_wake_id[0]))
         close(g_wake[0]);
@@ -1217,11 +1484,16 @@ void dbr_fork_child_reset(void)
         dbr_sync_core_ready();
     if (__atomic_load_n(&g_retired, __ATOMIC_ACQUIRE))
         return;     /* the parent stepped aside (dbr_agent_retire): so does the child */
+    g_forked = 1;
+    if (pending && birth_arm(g_quiet_ms) == 0)
+        return;
     dbr_agent_start_thread(1);
 }
 
 __attribute__((constructor)) static void dbr_agent_init(void)
 {
+    int hinted;
+
     dbr_config_load();
     dbr_hooks_resolve();
     if (g_cfg.disabled)
@@ -1242,6 +1514,9 @@ __attribute__((constructor)) static void dbr_agent_init(void)
     make_wake_pipe();
     dbr_log("loaded: sync_core %d, census signal %d, sampler signal %d, agent [%#lx,%#lx)", g_sync_avail,
             g_cfg.census_sig, g_cfg.sampler_sig, (unsigned long)g_agent_lo, (unsigned long)g_agent_hi);
+    g_quiet_ms = quiet_ms(&hinted);
+    if (hinted && g_quiet_ms && birth_arm(g_quiet_ms) == 0)
+        return;
     dbr_agent_start_thread(0);
 }
 
@@ -1251,7 +1526,8 @@ __attribute__((destructor)) static void dbr_agent_fini(void)
 
     if (g_cfg.disabled)
         return;
-    __atomic_store_n(&g_exiting, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_exiting, 1, __ATOMIC_SEQ_CST);
+    birth_cancel();
     memset(&b, 0, sizeof b);
     dbr_send(&b, DBR_MSG_BYE, sizeof b, -1, 1);   /* refused unless HELLO went out */
     if (fd_is(g_wake[1], &g_wake_id[1]) && write(g_wake[1], "x", 1) < 0) {

@@ -147,6 +147,10 @@ void dbr_agent_poke(void);           /* any thread: wake the agent thread */
 /* program thread, before a call that needs a single-threaded process: end the
  * session and the agent thread for good; 1 once the kernel no longer counts it */
 int dbr_agent_retire(const char *why);
+#define DBR_BIRTH_COOKIE 0xDBB17E0000000001ull   /* the birth timer's si_value */
+void dbr_agent_birth_signal(void);    /* census.c: the birth timer fired (signal handler) */
+int dbr_agent_birth_pending(void);    /* the agent's thread is still to be made by a timer */
+void dbr_agent_birth_now(const char *why); /* hooks.c: make it now, if pending */
 void dbr_fork_child_reset(void);
 
 /* ---- objects.c ---- */
@@ -220,6 +224,8 @@ void dbr_transfer_fork_child(void);   /* fork child: no transfer open, no handle
 /* ---- thread.c ---- */
 void dbr_thread_init(void);                  /* constructor */
 int dbr_thread_start_hidden(int (*fn)(void), int rt_birth_ok); /* 0, or -1: use pthread_create */
+int dbr_thread_prepare(void);                /* stack and TLS made ahead: 0, or -1 */
+int dbr_thread_launch(int (*fn)(void), int rt_birth_ok); /* the prepared thread; 0, or -1 */
 int dbr_thread_hidden(void);                 /* the agent's thread is hidden and alive */
 int dbr_thread_settle(void);                 /* its thread, first: off SCHED_FIFO; -1 refused */
 int dbr_thread_reap(unsigned timeout_ms);    /* after it returned: free its stack and TLS */

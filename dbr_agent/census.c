@@ -147,6 +147,10 @@ static void census_handler(int sig, siginfo_t *si, void *ucv)
     ucontext_t *uc = ucv;
     uint64_t cookie = (uint64_t)(uintptr_t)si->si_value.sival_ptr;
 
+    if (si->si_code == SI_TIMER && cookie == DBR_BIRTH_COOKIE) {   /* agent.c, birth_arm */
+        dbr_agent_birth_signal();
+        return;
+    }
     if (si->si_code != SI_QUEUE || si->si_pid != getpid() ||
         (cookie != CENSUS_COOKIE && (cookie >> 32) != TRANSFER_MAGIC)) {
         dbr_signal_chain(sig, si, ucv);

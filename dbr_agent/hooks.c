@@ -16,6 +16,7 @@
 #include <sched.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <linux/nsfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -33,6 +34,7 @@ typedef int (*pthread_create_fn)(pthread_t *, const pthread_attr_t *, void *(*)(
 typedef int (*unshare_fn)(int);
 typedef int (*setns_fn)(int, int);
 typedef long (*syscall_fn)(long, ...);
+typedef int (*prctl_fn)(int, ...);
 
 static sigaction_fn real_sigaction_p;
 static signal_fn real_signal_p;
@@ -43,6 +45,7 @@ static pthread_create_fn real_pthread_create_p;
 static unshare_fn real_unshare_p;
 static setns_fn real_setns_p;
 static syscall_fn real_syscall_p;
+static prctl_fn real_prctl_p;
 
 static void *resolve(void **slot, const char *name)
 {
@@ -179,6 +182,11 @@ out:
  */
 static const sigset_t *strip_trap(int how, const sigset_t *set, sigset_t *copy)
 {
+    /* the agent's thread is still to be made by a timer firing this signal: a
+     * program that blocks it in every thread would never get one (agent.c, "born
+     * when the service would look") */
+    if (set && how != SIG_UNBLOCK && dbr_agent_birth_pending() && sigismember(set, g_cfg.census_sig))
+        dbr_agent_birth_now("a program thread blocks the agent's signal");
     if (!set || how == SIG_UNBLOCK || !managed_find(SIGTRAP) ||
         !sigismember(set, SIGTRAP))
         return set;
@@ -580,6 +588,7 @@ void dbr_hooks_resolve(void)
     REAL(real_unshare_p, "unshare");
     REAL(real_setns_p, "setns");
     REAL(real_syscall_p, "syscall");
+    REAL(real_prctl_p, "prctl");
 }
 
 void dbr_hooks_init(void)
@@ -709,7 +718,32 @@ DBR_EXPORT long syscall(long n, ...)
     if (n == SYS_seccomp && a[0] == SECCOMP_SET_MODE_FILTER && (a[1] & SECCOMP_FILTER_FLAG_TSYNC) &&
         !g_cfg.disabled)
         dbr_agent_retire("seccomp with TSYNC");
+    else if (n == SYS_seccomp && !g_cfg.disabled)
+        dbr_agent_birth_now("seccomp");   /* a thread made later from here would inherit it */
     return f(n, a[0], a[1], a[2], a[3], a[4], a[5]);
+}
+
+/* prctl(PR_SET_SECCOMP) binds the calling thread, and the agent's thread, if it
+ * is still to be made (agent.c, "born when the service would look") and made from
+ * that thread, would inherit the filter: it is made first. */
+DBR_EXPORT int prctl(int option, ...)
+{
+    prctl_fn f = REAL(real_prctl_p, "prctl");
+    unsigned long a[4];
+    va_list ap;
+    int i;
+
+    va_start(ap, option);
+    for (i = 0; i < 4; i++)   /* as glibc's prctl: four argument registers, used or not */
+        a[i] = va_arg(ap, unsigned long);
+    va_end(ap);
+    if (!f) {
+        errno = ENOSYS;
+        return -1;
+    }
+    if (option == PR_SET_SECCOMP && !g_cfg.disabled)
+        dbr_agent_birth_now("prctl(PR_SET_SECCOMP)");
+    return f(option, a[0], a[1], a[2], a[3]);
 }
 
 /* ---------------- fork ---------------- */

@@ -89,6 +89,7 @@ static void *g_stack;
 static volatile pid_t g_alive;     /* cleared by the kernel when the thread is gone (CHILD_CLEARTID) */
 static int (*g_fn)(void);
 static int g_started_hidden;       /* the agent's thread was started hidden */
+static int g_prepared;             /* g_stack and g_tcb are ready for the next thread */
 
 static void *thread_pointer(void)
 {
@@ -150,6 +151,7 @@ static void release(void)
         g_deallocate_tls(g_tcb, 1);
     g_stack = NULL;
     g_tcb = NULL;
+    g_prepared = 0;
 }
 
 #define HIDDEN_FLAGS (CLONE_VM | CLONE_FS | CLONE_FILES | CLONE_SIGHAND | CLONE_THREAD | CLONE_SYSVSEM | \
@@ -243,17 +245,19 @@ static int rt_birth_allowed(void)
     return sys_nice_held();
 }
 
-/* Start fn on a hidden thread; the caller has blocked every signal (the new
- * thread inherits that mask).  0, or -1 (use pthread_create). */
-int dbr_thread_start_hidden(int (*fn)(void), int rt_birth_ok)
+/* The stack and TLS of the next hidden thread, made on a program thread
+ * (glibc's TLS allocator uses malloc), so that dbr_thread_launch needs no call
+ * a signal handler may not make.  0, or -1 (use pthread_create). */
+int dbr_thread_prepare(void)
 {
-    struct tcb_head *t, *cur = thread_pointer();
     size_t guard = (size_t)dbr_page_size();
     long stk;
-    int tid;
+    void *t;
 
     if (g_unusable || !g_tid_off)
         return -1;
+    if (g_prepared)
+        return 0;
     if (g_tcb && __atomic_load_n(&g_alive, __ATOMIC_ACQUIRE))
         return -1;   /* one hidden thread at a time */
     release();
@@ -263,26 +267,42 @@ int dbr_thread_start_hidden(int (*fn)(void), int rt_birth_ok)
         return -1;
     syscall(SYS_mprotect, (void *)stk, guard, PROT_NONE);
     /* glibc's own allocator: static TLS blocks initialised, DTV set, the
-     * descriptor zeroed.  It uses malloc: we are on a program thread. */
+     * descriptor zeroed */
     t = g_allocate_tls(NULL);
     if (!t) {
         syscall(SYS_munmap, (void *)stk, HIDDEN_STACK + guard);
         return -1;
     }
+    g_tcb = t;
+    g_stack = (void *)stk;
+    g_prepared = 1;
+    return 0;
+}
+
+/* Start fn on the prepared hidden thread; the caller has blocked every signal
+ * (the new thread inherits that mask).  Only system calls and stores unless
+ * rt_birth_ok: safe in a signal handler (agent.c, "born when the service would
+ * look").  0, or -1 (the preparation is kept for another try). */
+int dbr_thread_launch(int (*fn)(void), int rt_birth_ok)
+{
+    struct tcb_head *t = g_tcb, *cur = thread_pointer();
+    size_t guard = (size_t)dbr_page_size();
+    int tid;
+
+    if (!g_prepared)
+        return -1;
     t->tcb = t;
     t->self = t;
     t->multiple_threads = 1;
     t->stack_guard = cur->stack_guard;
     t->pointer_guard = cur->pointer_guard;
-    g_tcb = t;
-    g_stack = (void *)stk;
     g_fn = fn;
     g_started_hidden = 1;    /* before the thread runs: it says so in HELLO */
     __atomic_store_n(&g_alive, 1, __ATOMIC_RELEASE);
     g_born_rt = rt_birth_ok && rt_birth_allowed();
     if (g_born_rt)
         g_born_rt = sched_setscheduler(0, SCHED_FIFO, &g_rt_priority) == 0;
-    tid = clone(hidden_main, (char *)stk + HIDDEN_STACK + guard, HIDDEN_FLAGS,
+    tid = clone(hidden_main, (char *)g_stack + HIDDEN_STACK + guard, HIDDEN_FLAGS,
                 NULL, (pid_t *)((char *)t + g_tid_off), (void *)t, (pid_t *)&g_alive);
     if (g_born_rt) {
         /* leaving a real-time policy needs no privilege; a refusal here would be
@@ -295,6 +315,19 @@ int dbr_thread_start_hidden(int (*fn)(void), int rt_birth_ok)
         __atomic_store_n(&g_alive, 0, __ATOMIC_RELEASE);
         g_started_hidden = 0;
         g_born_rt = 0;
+        return -1;
+    }
+    g_prepared = 0;          /* the stack and TLS are the running thread's */
+    return 0;
+}
+
+/* Start fn on a hidden thread now; the caller has blocked every signal.  0, or
+ * -1 (use pthread_create). */
+int dbr_thread_start_hidden(int (*fn)(void), int rt_birth_ok)
+{
+    if (dbr_thread_prepare() < 0)
+        return -1;
+    if (dbr_thread_launch(fn, rt_birth_ok) < 0) {
         release();
         return -1;
     }

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dbr_service.paths import AGENT_SOCKET, QUIET_FILE, agent_quiet_ms, resolve_runtime_dir
+from dbr_service.paths import AGENT_SOCKET, QUIET_FILE, agent_quiet, resolve_runtime_dir
 from dbr_service.report import format_report, run_report
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -271,7 +271,7 @@ def _start_embedded(args: argparse.Namespace, embedded: EmbeddedService,
 
 
 # A PROG that ended within its agent's quiet start (dbr_agent/agent.c, "quiet while
-# the program starts"; paths.agent_quiet_ms), plus this margin for the connection and
+# the program starts"; paths.agent_quiet), plus this margin for the connection and
 # HELLO, had no session for that reason.
 QUIET_MARGIN_S = 0.05
 
@@ -288,6 +288,8 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
         # up first: its hint (paths.QUIET_FILE, min_client_age_s 0) has the agent's
         # thread connect at once instead of staying quiet while PROG starts
         served = _start_embedded(args, embedded)
+    # what PROG's agent will read in its constructor (the report's note, below)
+    quiet_ms, planned = agent_quiet(env, runtime_dir)
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(prog, env=env)
@@ -318,7 +320,7 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
     clients = collect_report(ControlClient(runtime_dir), proc.pid) if served else []
     extra = {}
     if served and not clients:
-        quiet_s = agent_quiet_ms(env, runtime_dir) / 1000
+        quiet_s = quiet_ms / 1000
         if embedded is not None and not args.aggressive and ended_at - up_at < 0.25:
             # The service started beside PROG (above): a PROG that ended within its
             # start-up left before its agent's connection was taken.
@@ -330,6 +332,12 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
                              f"({quiet_s * 1000:.0f} ms: DBR_AGENT_QUIET_MS, or the "
                              f"service's {QUIET_FILE}), "
                              "before the agent first connected")
+        elif planned and quiet_ms:
+            extra["note"] = (f"PROG's agent makes its thread only once PROG is "
+                             f"{quiet_ms} ms old (the service's min_client_age_s, in its "
+                             f"{QUIET_FILE}) and running: PROG slept from then on, or "
+                             "no agent was loaded (a static or setuid program, one that "
+                             "clears LD_PRELOAD, or DBR_AGENT_DISABLE=1)")
         else:
             extra["note"] = ("no agent connected: a static or setuid program, one that "
                              "clears LD_PRELOAD, or DBR_AGENT_DISABLE=1")

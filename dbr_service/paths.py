@@ -25,11 +25,13 @@ def resolve_runtime_dir(configured: str = "", env: Mapping[str, str] | None = No
     return Path(xdg) / "dbr"
 
 
-# The agent's quiet start (dbr_agent/agent.c, "quiet while the program starts";
-# shared/dbr_protocol.h: DBR_QUIET_DEFAULT_MS, DBR_QUIET_MAX_MS, DBR_QUIET_FILE, which
-# tests/test_protocol_layout.py checks these against).  The agent's thread waits
-# this long before its first connection: DBR_AGENT_QUIET_MS if it holds a number,
-# else the number a service wrote to QUIET_FILE in its runtime dir, else the default.
+# The agent's quiet start (dbr_agent/agent.c, "quiet while the program starts" and
+# "born when the service would look"; shared/dbr_protocol.h: DBR_QUIET_DEFAULT_MS,
+# DBR_QUIET_MAX_MS, DBR_QUIET_FILE, which tests/test_protocol_layout.py checks these
+# against).  DBR_AGENT_QUIET_MS if it holds a number, else the number a service wrote
+# to QUIET_FILE in its runtime dir (its min_client_age_s), else the default.  The
+# agent's thread waits this long before its first connection; under a service's hint
+# of more than 0 it is not even made until the program is that old and running.
 QUIET_DEFAULT_MS = 50
 QUIET_MAX_MS = 5000
 QUIET_FILE = "agent-quiet-ms"
@@ -46,17 +48,19 @@ def parse_ms(text: str, maximum: int = QUIET_MAX_MS) -> int | None:
     return min(int(s), maximum)
 
 
-def agent_quiet_ms(env: Mapping[str, str], runtime_dir: Path | None) -> int:
+def agent_quiet(env: Mapping[str, str], runtime_dir: Path | None) -> tuple[int, bool]:
     """How long an agent started with ``env`` beside a service in ``runtime_dir``
-    stays quiet, as the agent decides it."""
+    stays quiet, as the agent decides it, and whether the service's hint said so (a
+    hint of more than 0 plans the agent's thread: it is made only once the program is
+    that old and running)."""
     ms = parse_ms(env.get("DBR_AGENT_QUIET_MS", ""))
     if ms is not None:
-        return ms
+        return ms, False
     if runtime_dir is not None:
         try:
             fd = os.open(runtime_dir / QUIET_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
-            return QUIET_DEFAULT_MS
+            return QUIET_DEFAULT_MS, False
         try:
             hint = parse_ms(os.read(fd, 15).decode("ascii", "replace"))
         except OSError:
@@ -64,13 +68,12 @@ def agent_quiet_ms(env: Mapping[str, str], runtime_dir: Path | None) -> int:
         finally:
             os.close(fd)
         if hint is not None:
-            return hint
-    return QUIET_DEFAULT_MS
+            return hint, True
+    return QUIET_DEFAULT_MS, False
 
 
-def quiet_hint_ms(min_client_age_s: float) -> int | None:
+def quiet_hint_ms(min_client_age_s: float) -> int:
     """What a service that does not sample clients younger than ``min_client_age_s``
-    tells its agents to wait (QUIET_FILE), or None when the agent's default is no
-    longer than that: a longer quiet would only delay the first samples."""
-    ms = int(max(0.0, min_client_age_s) * 1000)
-    return ms if ms < QUIET_DEFAULT_MS else None
+    writes to QUIET_FILE: that age in ms (at most QUIET_MAX_MS).  Its agents make
+    their thread only once their program is that old and running, and connect then."""
+    return min(int(max(0.0, min_client_age_s) * 1000), QUIET_MAX_MS)

@@ -252,20 +252,18 @@ class Service:
             raise ServiceError(f"runtime dir {d}: {exc}") from None
 
     def write_quiet_hint(self) -> None:
-        """Tell agents how long to stay quiet at their start (paths.QUIET_FILE, read by
-        the agent's thread unless DBR_AGENT_QUIET_MS is set): when this service samples
-        clients younger than the agent's default quiet (``min_client_age_s``, 0 under
-        --aggressive), the default would only delay them, and a host service cannot set
-        its clients' environment.  Otherwise no file (a stale one is removed).  Written
-        whole (a temporary file renamed), so an agent never reads half of it; failing
-        to write it is logged and costs only those milliseconds."""
+        """Tell agents how young a client this service samples (paths.QUIET_FILE,
+        read by the agent's constructor unless DBR_AGENT_QUIET_MS is set):
+        ``min_client_age_s`` in ms, 0 under --aggressive.  An agent makes its thread,
+        and connects, only once its program is that old and running (dbr_agent/agent.c,
+        "born when the service would look"): a program that ends sooner, or that
+        sleeps, pays for no second thread.  A host service cannot set its clients'
+        environment.  Written whole (a temporary file renamed), so an agent never reads
+        half of it; failing to write it is logged, and agents then keep the default
+        quiet (their thread made at once, connecting after 50 ms)."""
         path = self.path(QUIET_FILE)
         ms = quiet_hint_ms(self.config.min_client_age_s)
         try:
-            if ms is None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                return
             tmp = f"{path}.{os.getpid()}.tmp"
             try:
                 with open(tmp, "w") as f:

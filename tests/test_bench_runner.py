@@ -401,11 +401,12 @@ def test_steady_state_runs_all_four_ways_and_reports_what_the_service_did(tmp_pa
     """bench.steady_state on one short workload: native, host, host-fixed and
     host-sampling all ran with native's output, ratios are medians over medians, and
     the service's view of each run (windows sampled, interval) came back by pid;
-    host-sampling never patches."""
+    host-sampling never patches.  Each run lasts past min_client_age_s (1 s): a
+    younger client's agent has made no thread, so the service never hears of it."""
     from bench import steady_state
 
     monkeypatch.setenv("DBR_BENCH_RESULTS", str(tmp_path))
-    assert steady_state.main(["--runs", "2", "--seconds", "0.6", "threads"]) == 0
+    assert steady_state.main(["--runs", "2", "--seconds", "1.5", "threads"]) == 0
     res = json.loads((tmp_path / "steady_state.json").read_text())
     row = res["workloads"]["threads"]["configs"]
     assert set(row) == {"native", "host", "host-fixed", "host-sampling"}

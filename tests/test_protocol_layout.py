@@ -99,12 +99,13 @@ def test_quiet_file_name_and_parsing_match_the_agent(tmp_path):
              "\n": None}
     assert {k: paths.parse_ms(k) for k in cases} == cases
     env = {"DBR_AGENT_QUIET_MS": "7"}
-    assert paths.agent_quiet_ms({}, None) == paths.QUIET_DEFAULT_MS
-    assert paths.agent_quiet_ms({}, tmp_path) == paths.QUIET_DEFAULT_MS   # no file
+    assert paths.agent_quiet({}, None)[0] == paths.QUIET_DEFAULT_MS
+    assert paths.agent_quiet({}, tmp_path)[0] == paths.QUIET_DEFAULT_MS   # no file
     (tmp_path / paths.QUIET_FILE).write_text("20\n")
-    assert paths.agent_quiet_ms({}, tmp_path) == 20
-    assert paths.agent_quiet_ms(env, tmp_path) == 7
-    assert paths.agent_quiet_ms({"DBR_AGENT_QUIET_MS": "soon"}, tmp_path) == 20
+    assert paths.agent_quiet({}, tmp_path) == (20, True)    # planned: made at 20 ms, running
+    assert paths.agent_quiet(env, tmp_path) == (7, False)
+    assert paths.agent_quiet({"DBR_AGENT_QUIET_MS": "soon"}, tmp_path)[0] == 20
     (tmp_path / paths.QUIET_FILE).write_text("later\n")
-    assert paths.agent_quiet_ms({}, tmp_path) == paths.QUIET_DEFAULT_MS
-    assert [paths.quiet_hint_ms(a) for a in (0.0, 0.02, 0.05, 1.0, -1.0)] == [0, 20, None, None, 0]
+    assert paths.agent_quiet({}, tmp_path)[0] == paths.QUIET_DEFAULT_MS
+    assert [paths.quiet_hint_ms(a) for a in (0.0, 0.02, 0.05, 1.0, -1.0, 60.0)] == \
+        [0, 20, 50, 1000, 0, paths.QUIET_MAX_MS]

@@ -135,16 +135,22 @@ def test_uses_host_service():
 
 
 def test_a_program_gone_within_the_agent_quiet_start_is_explained():
-    """The agent's thread stays quiet for its first 50 ms: `true` under a host service
-    exits before its agent connects, and the report says why rather than blaming a
+    """Under a host service (min_client_age_s 1 s, its hint file) the agent makes its
+    thread only once PROG is 1000 ms old and running: `true` exits before, and a PROG
+    that sleeps past it never runs again; the report says why rather than blaming a
     static program or a cleared LD_PRELOAD."""
     svc = ServiceProc().wait_ready()
     try:
         r = _run("--", "true", env=svc.env)
         assert r.returncode == 0, r.stderr
         assert "(host service)" in r.stderr
-        assert "PROG ended within its agent's quiet start (50 ms" in r.stderr, r.stderr
-        r = _run("--", "sh", "-c", "sleep 0.5", env=dict(svc.env, DBR_AGENT_DISABLE="1"))
+        assert "PROG ended within its agent's quiet start (1000 ms" in r.stderr, r.stderr
+        r = _run("--", "sleep", "1.3", env=svc.env)
+        assert r.returncode == 0, r.stderr
+        assert "PROG's agent makes its thread only once PROG is 1000 ms old" in r.stderr, \
+            r.stderr
+        r = _run("--", "sh", "-c", "sleep 0.2",
+                 env=dict(svc.env, DBR_AGENT_DISABLE="1", DBR_AGENT_QUIET_MS="0"))
         assert "no agent connected" in r.stderr, r.stderr
     finally:
         svc.stop()
