@@ -69,7 +69,7 @@ def test_a_running_program_gets_its_thread_once_as_old_as_the_hint(birth_exe):
     rc, out, log, waited = _run(birth_exe, "busy", 1500, accept=True)
     assert rc == 0, (out, log)
     changes = _task_changes(out)
-    assert changes[0] == (1, 0) or changes[0][0] == 1, (out, log)
+    assert changes[0][0] == 1, (out, log)
     born = [t for n, t in changes if n == 2]
     assert len(born) == 1 and 280 <= born[0] <= 1500, (out, log)
     assert out[-1] == "end tasks 2", out
@@ -114,15 +114,17 @@ def test_blocking_every_signal_makes_the_thread_at_once(birth_exe):
 
 def test_a_fork_child_plans_its_own_birth(birth_exe):
     """The parent forks at 200 ms, before its birth (timers are not inherited): the
-    child makes its thread 300 ms after the fork, while it runs.  The parent then
-    waits for the child, asleep: it never makes one."""
+    child makes its thread 300 ms after the fork, while it runs.  The parent waits for
+    the child meanwhile, asleep: 800 ms later, well past its own 300 ms, it still has
+    none (the child looks; the parent's own few instructions after waitpid could
+    still end a timer step)."""
     rc, out, log, _ = _run(birth_exe, "fork", 400, hint="300")
     assert rc == 0, (out, log)
     assert [n for n, _ in _task_changes(out)] == [1], (out, log)
     child = _task_changes(out, "child ")
     assert child[0][0] == 1 and [n for n, _ in child[1:]] == [2], (out, log)
     assert 280 <= child[1][1] <= 800, (out, log)
-    assert "child end tasks 2" in out and out[-1] == "end tasks 1", (out, log)
+    assert "child end tasks 2" in out and "parent tasks 1" in out, (out, log)
 
 
 def test_stepping_aside_before_the_birth_cancels_it(birth_exe):

@@ -6,8 +6,9 @@
  *   sleep   one nanosleep of MS ms: "slept RC ERRNO" (a signal would cut it short:
  *           -1 4), then "end tasks N"
  *   block   block every signal with pthread_sigmask first, then as busy
- *   fork    run MS/2 ms, fork; the child runs 2*MS ms as busy, prefixed "child ";
- *           the parent waits for it, then "end tasks N"
+ *   fork    run MS/2 ms, fork; the child runs 2*MS ms as busy, prefixed "child ",
+ *           then prints "parent tasks N" (the parent's, asleep in waitpid all the
+ *           while); the parent waits for it, then "end tasks N"
  *   unshare unshare(CLONE_NEWUSER) first ("unshare RC"), then as busy
  *   seccomp install an allow-all seccomp filter on main with prctl first
  *           ("seccomp RC"), then as busy, then "agent seccomp S" for every other
@@ -42,9 +43,9 @@ static long ms_since_start(void)
     return (t.tv_sec - g_t0.tv_sec) * 1000 + (t.tv_nsec - g_t0.tv_nsec) / 1000000;
 }
 
-static int count_tasks(void)
+static int count_tasks_of(const char *dir)
 {
-    DIR *d = opendir("/proc/self/task");
+    DIR *d = opendir(dir);
     struct dirent *e;
     int n = 0;
 
@@ -55,6 +56,11 @@ static int count_tasks(void)
             n++;
     closedir(d);
     return n;
+}
+
+static int count_tasks(void)
+{
+    return count_tasks_of("/proc/self/task");
 }
 
 /* one line of /proc/self/task/TID/status for every thread but this one */
@@ -134,7 +140,11 @@ int main(int argc, char **argv)
             clock_gettime(CLOCK_MONOTONIC, &g_t0);
             g_prefix = "child ";
             busy(2 * ms);
+            char dir[64];
+
+            snprintf(dir, sizeof dir, "/proc/%d/task", (int)getppid());
             printf("child end tasks %d\n", count_tasks());
+            printf("parent tasks %d\n", count_tasks_of(dir));
             fflush(stdout);
             _exit(0);
         }
