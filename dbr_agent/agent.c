@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
+#include <sys/utsname.h>
 #include <time.h>
 #include <unistd.h>
 #include <linux/membarrier.h>
@@ -1105,6 +1106,29 @@ static unsigned birth_step(void)
                                                                         : BIRTH_STEP_MS;
 }
 
+/* 1 if the kernel gives a process-directed timer signal to the thread that was
+ * running when the timer fired (Linux 6.3, "posix-timers: Prefer delivery of
+ * signals to the current thread").  Before, it went to the main thread if that
+ * did not block it, which could be asleep in nanosleep beside running workers. */
+static int signal_goes_to_running_thread(void)
+{
+    struct utsname u;
+    unsigned v[2] = { 0, 0 }, i = 0;
+    const char *c;
+
+    if (uname(&u) != 0)
+        return 0;
+    for (c = u.release; i < 2; c++) {   /* "MAJOR.MINOR..." */
+        if (*c >= '0' && *c <= '9')
+            v[i] = v[i] * 10 + (unsigned)(*c - '0');
+        else if (*c == '.' && c > u.release)
+            i++;
+        else
+            break;
+    }
+    return i >= 1 && (v[0] > 6 || (v[0] == 6 && v[1] >= 3));
+}
+
 /* On a program thread, single-threaded as far as the agent is concerned (the
  * constructor, a fork child's handler).  0 planned, -1 (make the thread now). */
 static int birth_arm(unsigned ms)
@@ -1112,6 +1136,10 @@ static int birth_arm(unsigned ms)
     struct sigevent sev;
     int kid = -1;
 
+    if (!signal_goes_to_running_thread()) {
+        dbr_log("kernel older than 6.3: the agent's thread is made now");
+        return -1;
+    }
     if (dbr_thread_prepare() < 0)
         return -1;
     memset(&sev, 0, sizeof sev);
