@@ -52,6 +52,7 @@ static int g_retired;        /* the agent stopped for good here (dbr_agent_retir
 static int g_thread_started; /* an agent thread was created (it may not have run yet) */
 static int g_born_late;      /* the running agent thread was started by birth_arm's timer */
 static unsigned g_quiet_ms;  /* what the agent's thread waits before it connects */
+static int g_hinted;         /* g_quiet_ms is the service's hint: above 0, births are planned */
 static int g_bye_sent;       /* this session's BYE went out (g_send_mu) */
 static int g_forked;
 static int g_on_disconnect = DBR_DISCONNECT_KEEP;
@@ -1057,11 +1058,12 @@ static unsigned quiet_ms(int *hinted)
  * seccomp filter, which a thread made from it would inherit.  The thread takes
  * the constructor's CPU affinity, policy and nice value (the handler runs on
  * any program thread).  Stepping aside (dbr_agent_retire) and exit cancel a
- * pending birth; a fork child plans its own.  Without the hint (no service, an
- * older one, DBR_AGENT_QUIET_MS set), with a hint of 0 (--aggressive), where
- * the thread cannot be hidden (pthread_create is not safe in a handler), or
- * when the timer cannot be made, the thread is made in the constructor and
- * waits out the quiet, as before. */
+ * pending birth; a fork child plans its own, born parent or not.  Without the
+ * hint (no service, an older one, DBR_AGENT_QUIET_MS set), with a hint of 0
+ * (--aggressive), where the thread cannot be hidden (pthread_create is not
+ * safe in a handler), on a kernel older than 6.3, or when the timer cannot be
+ * made, the thread is made in the constructor and waits out the quiet, as
+ * before. */
 #define BIRTH_STEP_MS    50u
 #define BIRTH_RETRY_MS   100u
 #define BIRTH_RETRIES    50u
@@ -1102,8 +1104,9 @@ static unsigned birth_step(void)
 {
     uint64_t now = dbr_now_ms();
 
-    return now >= g_birth_due ? 1 : g_birth_due - now < BIRTH_STEP_MS ? (unsigned)(g_birth_due - now)
-                                                                        : BIRTH_STEP_MS;
+    if (now >= g_birth_due)
+        return 1;
+    return g_birth_due - now < BIRTH_STEP_MS ? (unsigned)(g_birth_due - now) : BIRTH_STEP_MS;
 }
 
 /* 1 if the kernel gives a process-directed timer signal to the thread that was
@@ -1178,7 +1181,8 @@ static int birth_take(int wait)
 
     for (;;) {
         st = BIRTH_PENDING;
-        if (__atomic_compare_exchange_n(&g_birth, &st, BIRTH_BUSY, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        if (__atomic_compare_exchange_n(&g_birth, &st, BIRTH_BUSY, 0, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST))
             return 1;
         if (st != BIRTH_BUSY || !wait || ++spins > 100000)
             return 0;
@@ -1283,7 +1287,8 @@ static void take_birth_attributes(void)
     int e;
 
     if (g_birth_cpus_ok && sched_getaffinity(0, sizeof now, &now) == 0 &&
-        !CPU_EQUAL(&now, &g_birth_cpus) && sched_setaffinity(0, sizeof g_birth_cpus, &g_birth_cpus) < 0)
+        !CPU_EQUAL(&now, &g_birth_cpus) &&
+        sched_setaffinity(0, sizeof g_birth_cpus, &g_birth_cpus) < 0)
         dbr_log("the agent's thread cannot take the program's CPUs (errno %d)", errno);
     if (g_birth_policy >= 0 &&
         (sched_getscheduler(0) != g_birth_policy ||
@@ -1292,7 +1297,8 @@ static void take_birth_attributes(void)
         dbr_log("the agent's thread cannot take the program's policy (errno %d)", errno);
     errno = 0;
     e = getpriority(PRIO_PROCESS, 0);
-    if (g_birth_nice != INT_MIN && !errno && e != g_birth_nice && setpriority(PRIO_PROCESS, 0, g_birth_nice) < 0)
+    if (g_birth_nice != INT_MIN && !errno && e != g_birth_nice &&
+        setpriority(PRIO_PROCESS, 0, g_birth_nice) < 0)
         dbr_log("the agent's thread cannot take the program's nice value (errno %d)", errno);
 }
 
@@ -1477,8 +1483,6 @@ static void init_wait_cv(void)
 /* atfork child handler (the child has one thread; g_agent_mu was released) */
 void dbr_fork_child_reset(void)
 {
-    int pending;
-
     if (g_cfg.disabled)
         return;
     dbr_mutex_init(&g_send_mu);
@@ -1493,9 +1497,8 @@ void dbr_fork_child_reset(void)
     g_agent_tid = 0;
     g_thread_started = 0;
     g_born_late = 0;
-    /* POSIX timers are not inherited: a birth the parent had pending is
-     * planned again, the quiet counted from the fork (the child's own start) */
-    pending = __atomic_exchange_n(&g_birth, BIRTH_NONE, __ATOMIC_SEQ_CST) != BIRTH_NONE;
+    /* POSIX timers are not inherited: the parent's pending birth is not the child's */
+    __atomic_store_n(&g_birth, BIRTH_NONE, __ATOMIC_SEQ_CST);
     g_birth_timer = -1;
     dbr_thread_fork_child();
     if (g_wake[0] >= 0 && fd_is(g_wake[0], &g_wake_id[0]))
@@ -1513,15 +1516,17 @@ void dbr_fork_child_reset(void)
     if (__atomic_load_n(&g_retired, __ATOMIC_ACQUIRE))
         return;     /* the parent stepped aside (dbr_agent_retire): so does the child */
     g_forked = 1;
-    if (pending && birth_arm(g_quiet_ms) == 0)
+    /* under the service's hint the child plans its birth as any program, counted
+     * from the fork (its own start), whether or not the parent had its thread:
+     * inherited patches need none (the map-change hooks restore sites themselves),
+     * and the service hears of the child once it is old enough and running */
+    if (g_hinted && g_quiet_ms && birth_arm(g_quiet_ms) == 0)
         return;
     dbr_agent_start_thread(1);
 }
 
 __attribute__((constructor)) static void dbr_agent_init(void)
 {
-    int hinted;
-
     dbr_config_load();
     dbr_hooks_resolve();
     if (g_cfg.disabled)
@@ -1542,8 +1547,8 @@ __attribute__((constructor)) static void dbr_agent_init(void)
     make_wake_pipe();
     dbr_log("loaded: sync_core %d, census signal %d, sampler signal %d, agent [%#lx,%#lx)", g_sync_avail,
             g_cfg.census_sig, g_cfg.sampler_sig, (unsigned long)g_agent_lo, (unsigned long)g_agent_hi);
-    g_quiet_ms = quiet_ms(&hinted);
-    if (hinted && g_quiet_ms && birth_arm(g_quiet_ms) == 0)
+    g_quiet_ms = quiet_ms(&g_hinted);
+    if (g_hinted && g_quiet_ms && birth_arm(g_quiet_ms) == 0)
         return;
     dbr_agent_start_thread(0);
 }

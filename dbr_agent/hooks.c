@@ -185,7 +185,8 @@ static const sigset_t *strip_trap(int how, const sigset_t *set, sigset_t *copy)
     /* the agent's thread is still to be made by a timer firing this signal: a
      * program that blocks it in every thread would never get one (agent.c, "born
      * when the service would look") */
-    if (set && how != SIG_UNBLOCK && dbr_agent_birth_pending() && sigismember(set, g_cfg.census_sig))
+    if (set && how != SIG_UNBLOCK && dbr_agent_birth_pending() &&
+        sigismember(set, g_cfg.census_sig))
         dbr_agent_birth_now("a program thread blocks the agent's signal");
     if (!set || how == SIG_UNBLOCK || !managed_find(SIGTRAP) ||
         !sigismember(set, SIGTRAP))

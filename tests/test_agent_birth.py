@@ -127,6 +127,19 @@ def test_a_fork_child_plans_its_own_birth(birth_exe):
     assert "child end tasks 2" in out and "parent tasks 1" in out, (out, log)
 
 
+def test_a_fork_child_of_a_parent_with_its_thread_plans_its_own_too(birth_exe):
+    """The parent has its thread by the time it forks (at 800 ms): the child still
+    makes its own only once it is 300 ms old and running, as any program (the
+    patches it may inherit need no thread)."""
+    rc, out, log, _ = _run(birth_exe, "fork-late", 400, hint="300")
+    assert rc == 0, (out, log)
+    assert [n for n, _ in _task_changes(out)] == [1, 2], (out, log)
+    child = _task_changes(out, "child ")
+    assert child[0][0] == 1 and [n for n, _ in child[1:]] == [2], (out, log)
+    assert 280 <= child[1][1] <= 800, (out, log)
+    assert "child end tasks 2" in out and "parent tasks 2" in out, (out, log)
+
+
 def test_stepping_aside_before_the_birth_cancels_it(birth_exe):
     """unshare(CLONE_NEWUSER) needs a single-threaded process (agent.md, "Calls that
     need a single-threaded process"): with the birth still pending there is no thread

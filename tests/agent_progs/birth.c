@@ -9,6 +9,7 @@
  *   fork    run MS/2 ms, fork; the child runs 2*MS ms as busy, prefixed "child ",
  *           then prints "parent tasks N" (the parent's, asleep in waitpid all the
  *           while); the parent waits for it, then "end tasks N"
+ *   fork-late  the same, the parent running 2*MS ms before it forks
  *   unshare unshare(CLONE_NEWUSER) first ("unshare RC"), then as busy
  *   seccomp install an allow-all seccomp filter on main with prctl first
  *           ("seccomp RC"), then as busy, then "agent seccomp S" for every other
@@ -130,11 +131,11 @@ int main(int argc, char **argv)
         sigfillset(&all);
         pthread_sigmask(SIG_BLOCK, &all, NULL);
         busy(ms);
-    } else if (!strcmp(mode, "fork")) {
+    } else if (!strcmp(mode, "fork") || !strcmp(mode, "fork-late")) {
         pid_t p;
         int st;
 
-        busy(ms / 2);
+        busy(!strcmp(mode, "fork") ? ms / 2 : 2 * ms);
         p = fork();
         if (p == 0) {
             clock_gettime(CLOCK_MONOTONIC, &g_t0);
