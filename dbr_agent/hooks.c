@@ -719,7 +719,7 @@ DBR_EXPORT long syscall(long n, ...)
     if (n == SYS_seccomp && a[0] == SECCOMP_SET_MODE_FILTER && (a[1] & SECCOMP_FILTER_FLAG_TSYNC) &&
         !g_cfg.disabled)
         dbr_agent_retire("seccomp with TSYNC");
-    else if (n == SYS_seccomp && !g_cfg.disabled)
+    else if (n == SYS_seccomp && (unsigned long)a[0] <= SECCOMP_SET_MODE_FILTER && !g_cfg.disabled)
         dbr_agent_birth_now("seccomp");   /* a thread made later from here would inherit it */
     return f(n, a[0], a[1], a[2], a[3], a[4], a[5]);
 }

@@ -14,6 +14,7 @@
  *   seccomp install an allow-all seccomp filter on main with prctl first
  *           ("seccomp RC"), then as busy, then "agent seccomp S" for every other
  *           thread (its Seccomp: line; 0 none, 2 filter)
+ *   seccomp-sys  the same with syscall(SYS_seccomp), as libseccomp does
  *   pinned  pin main to CPU 0 first, then as busy, then "cpus LIST" for every
  *           other thread (its Cpus_allowed_list) */
 #define _GNU_SOURCE
@@ -154,13 +155,16 @@ int main(int argc, char **argv)
     } else if (!strcmp(mode, "unshare")) {
         printf("unshare %d\n", unshare(CLONE_NEWUSER));
         busy(ms);
-    } else if (!strcmp(mode, "seccomp")) {
+    } else if (!strcmp(mode, "seccomp") || !strcmp(mode, "seccomp-sys")) {
         struct sock_filter allow = BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW);
         struct sock_fprog prog = { 1, &allow };
 
         if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
             return 1;
-        printf("seccomp %d\n", prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0));
+        if (!strcmp(mode, "seccomp"))
+            printf("seccomp %d\n", prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0));
+        else
+            printf("seccomp %ld\n", syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog));
         busy(ms);
         others_status("Seccomp:", "agent seccomp");
     } else if (!strcmp(mode, "pinned")) {
