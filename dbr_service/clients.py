@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, Received
 from dbr_service.errors import AgentError, MemoryViewError, ProtocolError, SamplingError
-from dbr_service.procfs import proc_dir
+from dbr_service.procfs import proc_dir, started_monotonic
 from dbr_service.reuse import Job
 from dbr_service.sampling.perf import SwitchGate
 from dbr_service.install import HELD, Installer, InstallState
@@ -228,6 +228,13 @@ class ClientSession:
         self.close_reason = ""
         self.connected_at = time.time()
         self.connected_mono = time.monotonic()
+        #: When the process started (monotonic clock), for min_client_age_s: an agent
+        #: under the service's hint connects only once its program is that old
+        #: (dbr_agent/agent.c, "born when the service would look").  The connection's
+        #: time if /proc cannot tell (a FakeAgent's made-up pid).
+        started = started_monotonic(self.pid) if self.pid > 0 else None
+        self.started_mono = min(started, self.connected_mono) if started is not None \
+            else self.connected_mono
         self.ended_at: float | None = None
         self.lock = threading.RLock()
         #: Thread ids (from /proc/PID/task and THREAD_NEW/THREAD_EXIT notices).

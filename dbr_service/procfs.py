@@ -9,6 +9,7 @@ space, so ``/proc/PID/task/TID/`` of any of them serves instead.
 from __future__ import annotations
 
 import os
+import time
 
 
 def stat_fields(stat_path: str) -> list[str] | None:
@@ -40,6 +41,19 @@ def thread_state(stat_path: str) -> str | None:
     """The state letter of a ``/proc/.../stat`` file (``R``, ``S``, ``Z``...), None if unreadable."""
     rest = stat_fields(stat_path)
     return rest[0] if rest else None
+
+
+def started_monotonic(pid: int) -> float | None:
+    """When process ``pid`` started (its fork), on ``time.monotonic``'s clock: its
+    ``/proc/PID/stat`` starttime (field 22, clock ticks of CLOCK_BOOTTIME) taken back
+    from now.  None if unreadable."""
+    rest = stat_fields(f"/proc/{pid}/stat")
+    try:
+        start = int(rest[22 - 3]) / os.sysconf("SC_CLK_TCK")
+    except (TypeError, IndexError, ValueError, OSError):
+        return None
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - start
+    return time.monotonic() - max(0.0, age)
 
 
 def proc_dir(pid: int) -> str:

@@ -523,9 +523,11 @@ class Service:
         for s in self.live_sessions():
             if s.paused or self._resting(s, now) or self._speed_checking(s):
                 continue
-            if now - s.connected_mono < cfg.min_client_age_s:
+            if now - s.started_mono < cfg.min_client_age_s:
                 # Young: a program that ends within min_client_age_s could not gain
                 # from replacement code; it is sampled from its first snapshot after.
+                # Its age counts from its start, not its connection: under the hint an
+                # agent connects only once its program is that old.
                 if not s.samples_total:
                     s.region_status = (f"not sampled yet: younger than min_client_age_s "
                                        f"({cfg.min_client_age_s:g} s)")

@@ -128,27 +128,39 @@ def test_defaults_leave_young_clients_alone_and_aggressive_does_not():
 def test_a_young_client_is_not_sampled():
     """A client is first sampled once it has run min_client_age_s (a program that
     ends sooner could not gain from replacement code), then as any other; until then
-    `dbr ctl clients`/`regions` say why it has no samples."""
+    `dbr ctl clients`/`regions` say why it has no samples.  Its age counts from its
+    start: an agent that connects at once (DBR_AGENT_QUIET_MS=0) waits in the service,
+    and one that makes its thread when the service would look (the service's hint:
+    connects at 1.5 s) is sampled at the next snapshot, not 1.5 s after connecting."""
     prog = compile_c(["cpuloop.c"], flags=["-O2"])
     svc = ServiceProc("snapshot_interval_s=0.1", "snapshot_window_s=0.05",
                       "min_client_age_s=1.5").wait_ready()
-    client = None
+    early = planned = None
     try:
-        client = spawn_client(svc.dir, [str(prog), "100000"])
-        c = svc.wait_for(lambda: _client(svc, client.pid), 10.0, "the client connecting")
+        t0 = time.time()
+        early = spawn_client(svc.dir, [str(prog), "100000"], env={"DBR_AGENT_QUIET_MS": "0"})
+        planned = spawn_client(svc.dir, [str(prog), "100000"])
+        c = svc.wait_for(lambda: _client(svc, early.pid), 10.0, "the early client connecting")
+        assert c["connected_at"] - t0 < 1.0, c
         seen_young = 0
-        while time.time() - c["connected_at"] < 1.2:
-            c = _client(svc, client.pid)
+        while time.time() - t0 < 1.2:
+            c = _client(svc, early.pid)
             assert c["samples"] == 0 and c["snapshots"] == 0, c
+            assert _client(svc, planned.pid) is None   # no thread yet, no connection
             seen_young += 1
             time.sleep(0.1)
         assert seen_young >= 5          # the service snapshotted meanwhile (every 0.1 s)
-        regions = svc.call("regions", {"pid": client.pid})
+        regions = svc.call("regions", {"pid": early.pid})
         assert "younger than min_client_age_s" in regions["status"], regions
-        c = svc.wait_for(lambda: (c := _client(svc, client.pid)) and c["samples"] > 0 and c,
-                         10.0, "the first samples")
-        assert time.time() - c["connected_at"] >= 1.5
-        assert client.poll() is None
+        c = svc.wait_for(lambda: (c := _client(svc, early.pid)) and c["samples"] > 0 and c,
+                         10.0, "the early client's first samples")
+        assert time.time() - t0 >= 1.5
+        p = svc.wait_for(lambda: (p := _client(svc, planned.pid)) and p["samples"] > 0 and p,
+                         10.0, "the planned client's first samples")
+        assert p["connected_at"] - t0 >= 1.4, p
+        assert time.time() - p["connected_at"] < 1.0, p   # not another 1.5 s after it
+        assert early.poll() is None and planned.poll() is None
     finally:
-        kill(client)
+        kill(early)
+        kill(planned)
         svc.stop()
