@@ -1406,6 +1406,11 @@ int dbr_agent_retire(const char *why)
     return 1;
 }
 
+/* Make the agent's thread now, or under the service's hint plan its birth (a
+ * fork child too, counted from the fork, whether or not the parent had its
+ * thread: inherited patches need none, the map-change hooks restore sites
+ * themselves, and the service hears of the child once it is old enough and
+ * running). */
 void dbr_agent_start_thread(int forked)
 {
     pthread_attr_t attr;
@@ -1413,6 +1418,8 @@ void dbr_agent_start_thread(int forked)
     sigset_t all, old;
 
     g_forked = forked;
+    if (g_hinted && g_quiet_ms && birth_arm(g_quiet_ms) == 0)
+        return;
     sigfillset(&all);
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
@@ -1515,13 +1522,6 @@ void dbr_fork_child_reset(void)
         dbr_sync_core_ready();
     if (__atomic_load_n(&g_retired, __ATOMIC_ACQUIRE))
         return;     /* the parent stepped aside (dbr_agent_retire): so does the child */
-    g_forked = 1;
-    /* under the service's hint the child plans its birth as any program, counted
-     * from the fork (its own start), whether or not the parent had its thread:
-     * inherited patches need none (the map-change hooks restore sites themselves),
-     * and the service hears of the child once it is old enough and running */
-    if (g_hinted && g_quiet_ms && birth_arm(g_quiet_ms) == 0)
-        return;
     dbr_agent_start_thread(1);
 }
 
@@ -1548,8 +1548,6 @@ __attribute__((constructor)) static void dbr_agent_init(void)
     dbr_log("loaded: sync_core %d, census signal %d, sampler signal %d, agent [%#lx,%#lx)", g_sync_avail,
             g_cfg.census_sig, g_cfg.sampler_sig, (unsigned long)g_agent_lo, (unsigned long)g_agent_hi);
     g_quiet_ms = quiet_ms(&g_hinted);
-    if (g_hinted && g_quiet_ms && birth_arm(g_quiet_ms) == 0)
-        return;
     dbr_agent_start_thread(0);
 }
 

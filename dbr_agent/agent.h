@@ -142,7 +142,7 @@ int dbr_send(void *msg, uint32_t type, uint32_t len, int fd, int from_client);
  * DBR_E_TIMEOUT or DBR_E_PROTO (not connected / session ended) otherwise. */
 int dbr_map_changed_wait(uint32_t kind, uint64_t lo, uint64_t hi, uint32_t prot);
 void dbr_map_changed_advise(uint32_t kind, uint64_t lo, uint64_t hi);
-void dbr_agent_start_thread(int forked);
+void dbr_agent_start_thread(int forked);   /* now, or planned under the hint */
 void dbr_agent_poke(void);           /* any thread: wake the agent thread */
 /* program thread, before a call that needs a single-threaded process: end the
  * session and the agent thread for good; 1 once the kernel no longer counts it */
