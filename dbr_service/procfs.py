@@ -43,14 +43,21 @@ def thread_state(stat_path: str) -> str | None:
     return rest[0] if rest else None
 
 
+def started_boottime(stat_path: str) -> float | None:
+    """When the process or thread of a ``/proc/.../stat`` file started, in seconds of
+    CLOCK_BOOTTIME (starttime, field 22, in clock ticks).  None if unreadable."""
+    rest = stat_fields(stat_path)
+    try:
+        return int(rest[22 - 3]) / os.sysconf("SC_CLK_TCK")
+    except (TypeError, IndexError, ValueError, OSError):
+        return None
+
+
 def started_monotonic(pid: int) -> float | None:
     """When process ``pid`` started (its fork), on ``time.monotonic``'s clock: its
-    ``/proc/PID/stat`` starttime (field 22, clock ticks of CLOCK_BOOTTIME) taken back
-    from now.  None if unreadable."""
-    rest = stat_fields(f"/proc/{pid}/stat")
-    try:
-        start = int(rest[22 - 3]) / os.sysconf("SC_CLK_TCK")
-    except (TypeError, IndexError, ValueError, OSError):
+    starttime taken back from now.  None if unreadable."""
+    start = started_boottime(f"/proc/{pid}/stat")
+    if start is None:
         return None
     age = time.clock_gettime(time.CLOCK_BOOTTIME) - start
     return time.monotonic() - max(0.0, age)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from dbr_service.errors import SamplingError
-from dbr_service.procfs import stat_fields, status_field
+from dbr_service.procfs import started_boottime, status_field
 from dbr_service.sampling.base import Sample, SamplingSource
 
 # ---------------------------------------------------------------------------------------
@@ -422,7 +422,6 @@ class SwitchGate:
         self._seen: dict[int, tuple[float, int, float | None]] = {}
         #: threads refused, counted once per look (one a window in the default mode)
         self.refused = 0
-        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     def switches(self, tid: int) -> int | None:
         """The thread's voluntary context switches so far (None: not readable)."""
@@ -433,12 +432,8 @@ class SwitchGate:
             return None
 
     def _started(self, tid: int) -> float | None:
-        """The thread's start, in seconds of CLOCK_BOOTTIME (stat field 22)."""
-        fields = stat_fields(f"/proc/{self.pid}/task/{tid}/stat")
-        try:
-            return int(fields[22 - 3]) / self._tick if fields else None
-        except (IndexError, ValueError):
-            return None
+        """The thread's start, in seconds of CLOCK_BOOTTIME."""
+        return started_boottime(f"/proc/{self.pid}/task/{tid}/stat")
 
     @staticmethod
     def _now() -> float:
