@@ -34,6 +34,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tasks.h"
+
 static struct timespec g_t0;
 static const char *g_prefix = "";
 
@@ -43,26 +45,6 @@ static long ms_since_start(void)
 
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (t.tv_sec - g_t0.tv_sec) * 1000 + (t.tv_nsec - g_t0.tv_nsec) / 1000000;
-}
-
-static int count_tasks_of(const char *dir)
-{
-    DIR *d = opendir(dir);
-    struct dirent *e;
-    int n = 0;
-
-    if (!d)
-        return -1;
-    while ((e = readdir(d)))
-        if (e->d_name[0] != '.')
-            n++;
-    closedir(d);
-    return n;
-}
-
-static int count_tasks(void)
-{
-    return count_tasks_of("/proc/self/task");
 }
 
 /* one line of /proc/self/task/TID/status for every thread but this one */
@@ -146,7 +128,7 @@ int main(int argc, char **argv)
 
             snprintf(dir, sizeof dir, "/proc/%d/task", (int)getppid());
             printf("child end tasks %d\n", count_tasks());
-            printf("parent tasks %d\n", count_tasks_of(dir));
+            printf("parent tasks %d\n", count_tasks_in(dir));
             fflush(stdout);
             _exit(0);
         }

@@ -4,9 +4,10 @@
 #define TASKS_H
 #include <dirent.h>
 
-static int count_tasks(void)
+/* the entries of a /proc/PID/task directory */
+static int count_tasks_in(const char *dir)
 {
-    DIR *d = opendir("/proc/self/task");
+    DIR *d = opendir(dir);
     struct dirent *e;
     int n = 0;
 
@@ -16,5 +17,10 @@ static int count_tasks(void)
         n += e->d_name[0] != '.';
     closedir(d);
     return n;
+}
+
+static int count_tasks(void)
+{
+    return count_tasks_in("/proc/self/task");
 }
 #endif
