@@ -320,16 +320,15 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
     clients = collect_report(ControlClient(runtime_dir), proc.pid) if served else []
     extra = {}
     if served and not clients:
-        quiet_s = quiet_ms / 1000
         if embedded is not None and not args.aggressive and ended_at - up_at < 0.25:
             # The service started beside PROG (above): a PROG that ended within its
             # start-up left before its agent's connection was taken.
             extra["note"] = ("PROG ended as the embedded service (started beside it) came "
                              "up, before its agent's connection was taken; --aggressive "
                              "starts the service first")
-        elif quiet_s and ended_at - t0 < quiet_s + QUIET_MARGIN_S:
+        elif quiet_ms and ended_at - t0 < quiet_ms / 1000 + QUIET_MARGIN_S:
             extra["note"] = (f"PROG ended within its agent's quiet start "
-                             f"({quiet_s * 1000:.0f} ms: DBR_AGENT_QUIET_MS, or the "
+                             f"({quiet_ms} ms: DBR_AGENT_QUIET_MS, or the "
                              f"service's {QUIET_FILE}), "
                              "before the agent first connected")
         elif planned and quiet_ms:
