@@ -1000,6 +1000,37 @@ static void wait_until(uint64_t until)
  * in the constructor (three system calls: the birth is planned there).  A
  * missing or unreadable file, or one that does not hold a number (logged),
  * leaves the default. */
+/* A later birth for this program (DBR_QUIET_PROGRAM beside DBR_QUIET_FILE): a
+ * service that saw the program's last runs each end within its short_run_s, with
+ * nothing installed, writes that age for it (dbr_service/shortruns.py), and its
+ * later runs that end as soon make no thread at all.  The key names the executable
+ * by device, inode and mtime (a rebuilt program is another one).  Two more system
+ * calls, only under a hint above 0; it can only make the birth later.  `from`
+ * (the hint's path, whose directory is its first dir_len bytes) is made to name
+ * the file that set *ms, for the log. */
+static void program_hint(char *from, size_t from_len, int dir_len, unsigned *ms)
+{
+    char path[sizeof g_cfg.sock_path + sizeof DBR_QUIET_FILE + 64], buf[16];
+    struct stat st;
+    unsigned later;
+
+    if (stat("/proc/self/exe", &st) < 0)
+        return;
+    snprintf(path, sizeof path, "%.*s/" DBR_QUIET_PROGRAM, dir_len, from,
+             (unsigned long)st.st_dev, (unsigned long)st.st_ino,
+             (unsigned long long)st.st_mtim.tv_sec);
+    if (dbr_read_small(path, O_NOFOLLOW | O_NONBLOCK, buf, sizeof buf) < 0)
+        return;
+    if (dbr_parse_ms(buf, DBR_QUIET_MAX_MS, &later) < 0) {
+        dbr_log("%s does not hold a number of ms: ignored", path);
+        return;
+    }
+    if (later > *ms) {
+        *ms = later;
+        snprintf(from, from_len, "%s", path);
+    }
+}
+
 static int quiet_hint(char *from, size_t from_len, unsigned *ms)
 {
     const char *slash = strrchr(g_cfg.sock_path, '/');
@@ -1016,13 +1047,15 @@ static int quiet_hint(char *from, size_t from_len, unsigned *ms)
         dbr_log("%s does not hold a number of ms: ignored", from);
         return 0;
     }
+    if (*ms)
+        program_hint(from, from_len, (int)(slash - g_cfg.sock_path), ms);
     return 1;
 }
 
 /* The quiet, and whether the service's hint set it (*hinted) */
 static unsigned quiet_ms(int *hinted)
 {
-    char from[sizeof g_cfg.sock_path + sizeof DBR_QUIET_FILE];
+    char from[sizeof g_cfg.sock_path + sizeof DBR_QUIET_FILE + 64];
     unsigned ms = g_cfg.quiet_ms;
 
     *hinted = quiet_hint(from, sizeof from, &ms);

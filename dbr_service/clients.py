@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import enum
 import logging
 import os
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, Received
 from dbr_service.errors import AgentError, MemoryViewError, ProtocolError, SamplingError
-from dbr_service.procfs import proc_dir, started_monotonic
+from dbr_service.paths import program_key
+from dbr_service.procfs import proc_dir, started_boottime, started_monotonic
 from dbr_service.reuse import Job
 from dbr_service.sampling.perf import SwitchGate
 from dbr_service.install import HELD, Installer, InstallState
@@ -232,7 +234,13 @@ class ClientSession:
         #: under the service's hint connects only once its program is that old
         #: (dbr_agent/agent.c, "born when the service would look").  The connection's
         #: time if /proc cannot tell (a FakeAgent's made-up pid).
-        started = started_monotonic(self.pid) if self.pid > 0 else None
+        #: Its starttime (procfs.started_boottime: the process's identity beside its pid)
+        #: and its executable's key (paths.program_key; shortruns.py), "" if unknown.
+        self.started_boot = started_boottime(f"/proc/{self.pid}/stat") if self.pid > 0 \
+            else None
+        self.exe_key = ""
+        started = started_monotonic(self.pid, self.started_boot) \
+            if self.started_boot is not None else None
         self.started_mono = min(started, self.connected_mono) if started is not None \
             else self.connected_mono
         self.ended_at: float | None = None
@@ -417,6 +425,8 @@ class ClientSession:
         self.build_id = bytes(hello.build_id[: min(hello.build_id_len, P.BUILD_ID_MAX)]).hex()
         self.hello_flags = hello.flags
         self.thread_notices_on = not hello.flags & P.HELLO_QUIET_THREADS
+        with contextlib.suppress(OSError):   # another user's process, unless root
+            self.exe_key = program_key(os.stat(f"/proc/{self.pid}/exe"))
         self._refresh_threads()
         # The memory map is read when the first sampling window opens (begin_window):
         # a client that ends before (min_client_age_s) never costs a parse of it.

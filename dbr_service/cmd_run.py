@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -289,7 +290,10 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
         # thread connect at once instead of staying quiet while PROG starts
         served = _start_embedded(args, embedded)
     # what PROG's agent will read in its constructor (the report's note, below)
-    quiet_ms, planned = agent_quiet(env, runtime_dir)
+    quiet_ms, planned, late = agent_quiet(env, runtime_dir,
+                                          shutil.which(prog[0], path=env.get("PATH")))
+    learned = ("the service's short_run_s: PROG's last runs ended sooner with nothing "
+               "installed, see `dbr ctl status`")
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(prog, env=env)
@@ -327,14 +331,15 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
                              "up, before its agent's connection was taken; --aggressive "
                              "starts the service first")
         elif quiet_ms and ended_at - t0 < quiet_ms / 1000 + QUIET_MARGIN_S:
-            extra["note"] = (f"PROG ended within its agent's quiet start "
-                             f"({quiet_ms} ms: DBR_AGENT_QUIET_MS, or the "
-                             f"service's {QUIET_FILE}), "
-                             "before the agent first connected")
+            why = learned if late else \
+                f"DBR_AGENT_QUIET_MS, or the service's {QUIET_FILE}"
+            extra["note"] = (f"PROG ended within its agent's quiet start ({quiet_ms} ms: "
+                             f"{why}), before the agent first connected")
         elif planned and quiet_ms:
+            why = learned if late else f"the service's min_client_age_s, in its {QUIET_FILE}"
             extra["note"] = (f"PROG's agent makes its thread only once PROG is "
-                             f"{quiet_ms} ms old (the service's min_client_age_s, in its "
-                             f"{QUIET_FILE}) and running: PROG slept from then on, or "
+                             f"{quiet_ms} ms old ({why}) and running: PROG slept from "
+                             "then on, or "
                              "no agent was loaded (a static or setuid program, one that "
                              "clears LD_PRELOAD, or DBR_AGENT_DISABLE=1)")
         else:

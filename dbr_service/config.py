@@ -54,6 +54,15 @@ class Config:
         "seconds a client must have run before its first sampling window: a program "
         "that ends sooner could not gain from replacement code, so it pays nothing for "
         "sampling (0: from its first snapshot)", min=0.0))
+    short_run_s: float = field(default=3.0, metadata=_doc(
+        "a program whose last 3 runs each ended within this many seconds of their start "
+        "with nothing installed gets its agent's thread only at this age in its next "
+        "runs: those that end as soon pay for no thread, session or sampling (above "
+        "min_client_age_s to apply; 0: never)", min=0.0, max=5.0))
+    short_run_memory_s: float = field(default=600.0, metadata=_doc(
+        "seconds a program stays born late (short_run_s) before the service looks at "
+        "its runs again; a run that lives longer, or has a region installed, ends it "
+        "at once (0: never born late)", min=0.0))
     continuous_sampling: bool = field(default=False, metadata=_doc(
         "sample all the time instead of one window per interval"))
     sample_period_us: int = field(default=1000, metadata=_doc(

@@ -149,6 +149,7 @@ def verb_status(service: Service, args: dict[str, Any]) -> dict[str, Any]:
             "paused": service.paused, "snapshots": service.snapshot_count,
             "scheduler": service.scheduler.stats(),
             "session_threads": service.session_threads.stats(),
+            "short_runs": service.short_runs.status(),
             "config_generation": service.config_generation,
             "config_file": service.sources.file,
             "config": service.config.to_dict(),

@@ -48,28 +48,58 @@ def parse_ms(text: str, maximum: int = QUIET_MAX_MS) -> int | None:
     return min(int(s), maximum)
 
 
-def agent_quiet(env: Mapping[str, str], runtime_dir: Path | None) -> tuple[int, bool]:
+def program_key(st: os.stat_result) -> str:
+    """The name a service gives an executable (``st``, a stat of it) in its runtime
+    dir: device, inode and mtime in seconds, in hex, as the agent's constructor forms
+    it from ``stat("/proc/self/exe")`` (dbr_agent/agent.c, program_hint).  A rebuilt or
+    replaced program is another one."""
+    mtime = (st.st_mtime_ns // 1_000_000_000) & 0xFFFF_FFFF_FFFF_FFFF   # tv_sec, as C has it
+    return f"{st.st_dev:x}-{st.st_ino:x}-{mtime:x}"
+
+
+def program_quiet_file(key: str) -> str:
+    """The file beside QUIET_FILE that holds a later birth for one program (a service
+    that learned its runs end sooner: dbr_service/shortruns.py)."""
+    return f"{QUIET_FILE}.{key}"
+
+
+def _read_ms(path: Path) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return parse_ms(os.read(fd, 15).decode("ascii", "replace"))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def agent_quiet(env: Mapping[str, str], runtime_dir: Path | None,
+                exe: str | None = None) -> tuple[int, bool, bool]:
     """How long an agent started with ``env`` beside a service in ``runtime_dir``
-    stays quiet, as the agent decides it, and whether the service's hint said so (a
-    hint of more than 0 plans the agent's thread: it is made only once the program is
-    that old and running)."""
+    stays quiet, as the agent decides it; whether the service's hint said so (a hint
+    of more than 0 plans the agent's thread: it is made only once the program is that
+    old and running); and whether that hint is a later one the service wrote for the
+    program ``exe`` (a path), having learned that its runs end sooner."""
     ms = parse_ms(env.get("DBR_AGENT_QUIET_MS", ""))
     if ms is not None:
-        return ms, False
-    if runtime_dir is not None:
+        return ms, False, False
+    if runtime_dir is None:
+        return QUIET_DEFAULT_MS, False, False
+    hint = _read_ms(runtime_dir / QUIET_FILE)
+    if hint is None:
+        return QUIET_DEFAULT_MS, False, False
+    if hint and exe:
         try:
-            fd = os.open(runtime_dir / QUIET_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            key = program_key(os.stat(exe))
         except OSError:
-            return QUIET_DEFAULT_MS, False
-        try:
-            hint = parse_ms(os.read(fd, 15).decode("ascii", "replace"))
-        except OSError:
-            hint = None
-        finally:
-            os.close(fd)
-        if hint is not None:
-            return hint, True
-    return QUIET_DEFAULT_MS, False
+            return hint, True, False
+        later = _read_ms(runtime_dir / program_quiet_file(key))
+        if later is not None and later > hint:
+            return later, True, True
+    return hint, True, False
 
 
 def quiet_hint_ms(min_client_age_s: float) -> int:

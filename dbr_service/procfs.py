@@ -53,14 +53,23 @@ def started_boottime(stat_path: str) -> float | None:
         return None
 
 
-def started_monotonic(pid: int) -> float | None:
+def started_monotonic(pid: int, start: float | None = None) -> float | None:
     """When process ``pid`` started (its fork), on ``time.monotonic``'s clock: its
-    starttime taken back from now.  None if unreadable."""
-    start = started_boottime(f"/proc/{pid}/stat")
+    starttime (``start``, else read now) taken back from now.  None if unreadable."""
+    start = started_boottime(f"/proc/{pid}/stat") if start is None else start
     if start is None:
         return None
     age = time.clock_gettime(time.CLOCK_BOOTTIME) - start
     return time.monotonic() - max(0.0, age)
+
+
+def process_lives(pid: int, started: float | None) -> bool:
+    """Whether process ``pid``, started at ``started`` (started_boottime: a pid taken
+    by a new process is not it), still runs: a thread of it other than a zombie."""
+    if started is None or started_boottime(f"/proc/{pid}/stat") != started:
+        return False
+    return thread_state(f"/proc/{pid}/stat") not in ("Z", "X", None) or \
+        proc_dir(pid) != f"/proc/{pid}"
 
 
 def proc_dir(pid: int) -> str:

@@ -42,8 +42,10 @@ from dbr_service.control import ControlServer, EventBus
 from dbr_service.errors import ConfigError, DbrError, SamplingError
 from dbr_service.notify import Notifier
 from dbr_service.paths import AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET, QUIET_FILE, quiet_hint_ms
+from dbr_service.procfs import process_lives
 from dbr_service.reuse import ReusedThreads
 from dbr_service.sampling.aggregate import SampleAggregator
+from dbr_service.shortruns import ShortRunPrograms
 from dbr_service.speedcheck import SETTLE_PHASES
 from dbr_service.scheduler import (QUICK_JOBS, ClientJob, JobResult, Scheduler, quick_job,
                                    sampling_interval)
@@ -139,6 +141,10 @@ class Snapshot:
     collect_deadline: float = 0.0
 
 
+#: How long a session's end waits for its process to end (Service._count_run).
+RUN_END_WAIT_S = 0.1
+
+
 # --------------------------------------------------------------------------- service
 class Service:
     """See the module docstring."""
@@ -164,6 +170,9 @@ class Service:
         self.pending: dict[int, ClientSession] = {}
         self.history: collections.deque[ClientSession] = collections.deque(maxlen=1024)
         self.short_thread_programs = ShortThreadPrograms(self.config.short_thread_memory_s)
+        #: Programs whose runs end too soon to gain: their agents are born late.
+        self.short_runs = ShortRunPrograms(self.runtime_dir, self.config.short_run_s,
+                                           self.config.short_run_memory_s)
         self.sessions_seen = 0
         #: pid -> live session, rebuilt at each snapshot (sample attribution).
         self._by_pid: dict[int, ClientSession] = {}
@@ -222,7 +231,8 @@ class Service:
                 0o600 if allowed <= {0, os.getuid()} else 0o666)
             self._listen = agentconn.listen(self.path(AGENT_SOCKET), mode=mode)
         self._listen.setblocking(False)
-        self.write_quiet_hint()   # only now: the runtime dir is this service's
+        self.short_runs.remove_stale()   # only now: the runtime dir is this service's
+        self.write_quiet_hint()
         self._ctx = zmq.Context()
         self._control = ControlServer(self, self._ctx, self.path(CONTROL_SOCKET))
         self.events = EventBus(self._ctx, self.path(EVENTS_SOCKET))
@@ -263,6 +273,7 @@ class Service:
         quiet (their thread made at once, connecting after 50 ms)."""
         path = self.path(QUIET_FILE)
         ms = quiet_hint_ms(self.config.min_client_age_s)
+        self._configure_short_runs(ms)
         try:
             tmp = f"{path}.{os.getpid()}.tmp"
             try:
@@ -276,6 +287,13 @@ class Service:
                 raise
         except OSError as exc:
             log.warning("cannot write the agents' quiet hint %s: %s", path, exc)
+
+    def _configure_short_runs(self, hint_ms: int) -> None:
+        """Programs born late are forgotten when what they were learned under changes;
+        with patching off nothing is learned (sampling is then the point)."""
+        cfg = self.config
+        self.short_runs.configure(cfg.short_run_s if cfg.patching else 0.0,
+                                  cfg.short_run_memory_s, hint_ms)
 
     def _chgrp_sockets(self) -> None:
         group = self.config.socket_group
@@ -427,6 +445,7 @@ class Service:
             self.sessions[s.session_id] = s
             self.sessions_seen += 1
         log.info("client pid %d (%s) connected, session %d", s.pid, s.exe, s.session_id)
+        self.short_runs.connected(s.exe_key, s.connected_mono - s.started_mono)
         self.events.publish("client-connected", pid=s.pid, exe=s.exe, session=s.session_id,
                             ppid=s.ppid)
         if self.stopping:
@@ -459,9 +478,32 @@ class Service:
             self.sessions.pop(s.session_id, None)
             self.history.append(s)
         log.info("client pid %d left: %s", s.pid, s.close_reason)
+        self._count_run(s)
         self.events.publish("client-left", pid=s.pid, session=s.session_id,
                             reason=s.close_reason, samples=s.samples_total)
         self._wake()
+
+    def _count_run(self, s: ClientSession) -> None:
+        """Tell short_runs how the run of an ended session's process went (not that of a
+        session the service ended, a process that lives on, or a fork child of a client
+        of the same program: shortruns.py)."""
+        if self.stopping or not s.exe_key or s.close_reason == "service shutting down":
+            return
+        life = time.monotonic() - s.started_mono
+        # The agent's BYE (its destructor) and the end of the connection come while the
+        # process is still exiting: it is given a moment to end.  One that lives on had
+        # its agent step aside, or exec'd: not the end of a run.
+        deadline = time.monotonic() + RUN_END_WAIT_S
+        while process_lives(s.pid, s.started_boot):
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.005)
+        with self.lock:
+            parent = next((x for x in list(self.sessions.values()) + list(self.history)
+                           if x.pid == s.ppid and x.exe_key == s.exe_key), None)
+        if parent is not None:
+            return
+        self.short_runs.ended(s.exe_key, s.exe, life, installed=s.first_patch_mono is not None)
 
     def find_client(self, pid: int) -> ClientSession | None:
         """The live session of ``pid``, else its most recent ended one."""
@@ -504,6 +546,7 @@ class Service:
         return make_agent_timer_source(s, cfg)
 
     def _snapshot_tick(self, now: float) -> None:
+        self.short_runs.expire()
         snap = self._snap
         if snap is None:
             if now >= self._next_snapshot and not self.paused and not self.stopping:
@@ -776,6 +819,8 @@ class Service:
             logging.getLogger("dbr").setLevel(new.log_level.upper())
         if new.min_client_age_s != old.min_client_age_s and self._started:
             self.write_quiet_hint()
+        elif self._started:
+            self._configure_short_runs(quiet_hint_ms(new.min_client_age_s))
         changed = {k: v for k, v in new.to_dict().items() if old.to_dict()[k] != v}
         self.events.publish("config-changed", changed=changed)
 
@@ -852,6 +897,7 @@ class Service:
                     pass
             with contextlib.suppress(OSError):   # not ours if it is not a file
                 os.unlink(self.path(QUIET_FILE))
+            self.short_runs.remove_stale()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

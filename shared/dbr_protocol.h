@@ -149,6 +149,9 @@ enum dbr_map_kind {
 #define DBR_QUIET_DEFAULT_MS 50u
 #define DBR_QUIET_MAX_MS     5000u
 #define DBR_QUIET_FILE       "agent-quiet-ms"
+/* A later quiet for one program, beside DBR_QUIET_FILE (dbr_service/shortruns.py):
+ * the executable's st_dev, st_ino and st_mtim.tv_sec, in hex (paths.program_key) */
+#define DBR_QUIET_PROGRAM    DBR_QUIET_FILE ".%lx-%lx-%llx"
 
 /* PC_CENSUS entry.state */
 #define DBR_CENSUS_OK       0u /* pc is the thread's interrupted user PC */

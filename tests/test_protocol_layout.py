@@ -88,6 +88,7 @@ def test_quiet_file_name_and_parsing_match_the_agent(tmp_path):
     """The agent's quiet start (shared/dbr_protocol.h): the hint file's name, and the
     Python reading of DBR_AGENT_QUIET_MS and of the file, as the agent reads them
     (util.c, dbr_parse_ms: digits after blanks, one newline at most, capped)."""
+    import os
     import re
 
     from dbr_service import paths
@@ -102,10 +103,26 @@ def test_quiet_file_name_and_parsing_match_the_agent(tmp_path):
     assert paths.agent_quiet({}, None)[0] == paths.QUIET_DEFAULT_MS
     assert paths.agent_quiet({}, tmp_path)[0] == paths.QUIET_DEFAULT_MS   # no file
     (tmp_path / paths.QUIET_FILE).write_text("20\n")
-    assert paths.agent_quiet({}, tmp_path) == (20, True)    # planned: made at 20 ms, running
-    assert paths.agent_quiet(env, tmp_path) == (7, False)
+    # planned: made at 20 ms, running
+    assert paths.agent_quiet({}, tmp_path) == (20, True, False)
+    assert paths.agent_quiet(env, tmp_path) == (7, False, False)
     assert paths.agent_quiet({"DBR_AGENT_QUIET_MS": "soon"}, tmp_path)[0] == 20
     (tmp_path / paths.QUIET_FILE).write_text("later\n")
     assert paths.agent_quiet({}, tmp_path)[0] == paths.QUIET_DEFAULT_MS
     assert [paths.quiet_hint_ms(a) for a in (0.0, 0.02, 0.05, 1.0, -1.0, 60.0)] == \
         [0, 20, 50, 1000, 0, paths.QUIET_MAX_MS]
+    # a program's later birth (shortruns.py): the agent forms the name with
+    # DBR_QUIET_PROGRAM from stat("/proc/self/exe"), the service with program_key
+    m = re.search(r'^#define DBR_QUIET_PROGRAM\s+DBR_QUIET_FILE\s+"([^"]+)"',
+                  HEADER.read_text(), re.M)
+    assert m and m.group(1) == ".%lx-%lx-%llx"
+    def stat(dev, ino, mtime_ns):    # st_mtime_ns is the 15th field (index 14)
+        return os.stat_result((0o755, ino, dev, 1, 0, 0, 10, 0, 0, 0,
+                               0.0, 0.0, 0.0, 0, mtime_ns, 0))
+
+    st = stat(0xfd01, 0x1234, 1_700_000_000_999_999_999)
+    assert st.st_mtime_ns == 1_700_000_000_999_999_999
+    assert paths.program_quiet_file(paths.program_key(st)) == \
+        paths.QUIET_FILE + ".fd01-1234-%x" % 1_700_000_000
+    before_1970 = stat(2, 1, -1)    # 1 ns before: tv_sec -1, tv_nsec 999999999
+    assert paths.program_key(before_1970) == "2-1-ffffffffffffffff"   # tv_sec -1 as %llx
