@@ -62,7 +62,8 @@ class Config:
     short_run_memory_s: float = field(default=600.0, metadata=_doc(
         "seconds a program stays born late (short_run_s) before the service looks at "
         "its runs again; a run that lives longer, or has a region installed, ends it "
-        "at once (0: never born late)", min=0.0))
+        "at once, and after a run with a region installed the program is not born late "
+        "for this long (0: never born late)", min=0.0))
     continuous_sampling: bool = field(default=False, metadata=_doc(
         "sample all the time instead of one window per interval"))
     sample_period_us: int = field(default=1000, metadata=_doc(

@@ -18,8 +18,11 @@ the agent forms it from ``stat("/proc/self/exe")``).  An agent that finds it mak
 thread only at that age: a later run that ends as soon has no thread and no session.
 One that lives longer connects then, and its session, long by then, makes the
 service forget the program (the file is removed).  So does a run that has a region
-installed.  Each entry is forgotten after ``short_run_memory_s`` as well, so a program
-whose runs grew longer is looked at again without waiting for a late birth.
+installed, and for ``short_run_memory_s`` after it the program is not born late however
+short its runs: dbr does something for it (bench ``xz`` and ``stdio``, 1.8-2 s, have a
+region installed in about half their runs at the defaults).  Each late birth is
+forgotten after ``short_run_memory_s`` as well, so a program whose runs grew longer is
+looked at again without waiting for a late birth.
 
 Not counted: a session that ends while its process lives on (an agent that stepped
 aside), a fork child of a client of the same executable (a server's short workers
@@ -55,6 +58,7 @@ class _Program:
     exe: str
     short: int = 0                 # short runs in a row
     late_since: float | None = None    # monotonic time its file was written
+    gained: float | None = None    # when a run of it last had a region installed
     seen: float = 0.0
 
 
@@ -105,30 +109,40 @@ class ShortRunPrograms:
 
     def ended(self, key: str, exe: str, life_s: float, installed: bool) -> None:
         """A client's process ended after ``life_s`` seconds; ``installed``: a region of
-        it was installed.  A short run counts; anything else forgets the program."""
+        it was installed.  A short run with nothing installed counts, unless a run of
+        the program had a region installed within short_run_memory_s; a long run
+        forgets the program."""
         if not key:
             return
-        if installed or life_s >= self.run_s or not self.active:
+        if life_s >= self.run_s or not self.active:
             self.forget(key)
             return
         now = self.clock()
-        write = False
+        write = unlearn = False
         with self._lock:
             p = self._progs.get(key)
             if p is None:
                 p = self._progs[key] = _Program(exe)
             self._progs.move_to_end(key)
-            p.short += 1
             p.seen = now
-            if p.short >= SHORT_RUNS and p.late_since is None:
-                p.late_since = now
-                write = True
+            if installed:
+                # dbr does something for it, even in short runs: it is not born late
+                p.gained, p.short = now, 0
+                unlearn, p.late_since = p.late_since is not None, None
+            elif p.gained is None or now - p.gained >= self.memory_s:
+                p.gained = None
+                p.short += 1
+                if p.short >= SHORT_RUNS and p.late_since is None:
+                    p.late_since = now
+                    write = True
             evicted = []
             while len(self._progs) > self.max_programs:
                 evicted.append(self._progs.popitem(last=False))
         for k, old in evicted:
             if old.late_since is not None:
                 self._remove(k)
+        if unlearn:
+            self._remove(key)
         if write and not self._write(key, exe):
             with self._lock:
                 p.late_since = None
