@@ -1,6 +1,6 @@
 """dbr ctl — talk to a running dbr service over its control socket.
 
-Verbs: status, clients [--all], hotspots PID [--top N], regions PID,
+Verbs: status, clients [--all], waiting, hotspots PID [--top N], regions PID,
 region PID ID [--dot FILE | --svg FILE], unpatch PID [ID], pause [PID], resume [PID],
 config get [KEY], config set KEY VALUE, events, shutdown.
 Human-readable tables by default, --json for scripts.  Exit status: 0 ok, 1 the
@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub.add_parser("status", help="version, uptime, sampling source, clients, config")
     p = sub.add_parser("clients", help="connected clients")
     p.add_argument("--all", action="store_true", help="also sessions that ended")
+    sub.add_parser("waiting", help="processes that carry the agent but have no session "
+                   "yet, and why")
     p = sub.add_parser("hotspots", help="hottest addresses of a client")
     p.add_argument("pid", type=_pid)
     p.add_argument("--top", type=_positive, default=20)
@@ -90,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def request_of(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """The JSON verb and args of a parsed command line."""
     v = args.verb
-    if v == "status" or v == "shutdown" or v == "events":
+    if v in ("status", "shutdown", "events", "waiting"):
         return v, {}
     if v == "clients":
         return v, {"all": args.all}
@@ -179,6 +181,11 @@ def render(verb: str, result: Any) -> str:
         return table([[c["pid"], c["state"], c["threads"], c["samples"], c["source"],
                        "yes" if c["paused"] else "", c["regions"], c["exe"]] for c in result],
                      ["PID", "STATE", "THREADS", "SAMPLES", "SOURCE", "PAUSED", "REGIONS", "EXE"])
+    if verb == "waiting":
+        if not result:
+            return "no process waiting"
+        return table([[c["pid"], "" if c["age_s"] is None else f"{c['age_s']:.1f}s", c["exe"],
+                       c["why"]] for c in result], ["PID", "AGE", "EXE", "WHY"])
     if verb == "hotspots":
         head = (f"pid {result['pid']}: {result['samples']} samples in "
                 f"{result['snapshots']} snapshots")

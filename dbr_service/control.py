@@ -166,6 +166,19 @@ def verb_clients(service: Service, args: dict[str, Any]) -> list[dict[str, Any]]
     return [s.summary() for s in sessions]
 
 
+@verb("waiting")
+def verb_waiting(service: Service, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Processes that carry the agent and would connect to this service but have no
+    session, and why (dbr_service/waiting.py): read from /proc on request."""
+    from dbr_service.waiting import waiting_processes
+
+    with service.lock:
+        live = [s.pid for s in service.sessions.values()] + \
+            [s.pid for s in service.pending.values()]
+        ended = {s.pid: (s.started_boot, s.close_reason) for s in service.history}
+    return waiting_processes(service.runtime_dir, live, ended)
+
+
 @verb("hotspots", pid=Arg((int,), required=True), top=Arg((int,), default=20))
 def verb_hotspots(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Hottest addresses of one client, from every sample since it connected."""

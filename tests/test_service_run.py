@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import time
 import pytest
 from service_helpers import ServiceProc, agent_path, build_example, symbol_range
 
-from dbr_service.paths import QUIET_FILE
+from dbr_service.paths import QUIET_FILE, program_key, program_quiet_file
 
 pytestmark = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 
@@ -145,6 +146,13 @@ def test_a_program_gone_within_the_agent_quiet_start_is_explained():
         assert r.returncode == 0, r.stderr
         assert "(host service)" in r.stderr
         assert "PROG ended within its agent's quiet start (1000 ms" in r.stderr, r.stderr
+        # a program the service found to run too short to gain (shortruns.py): its file
+        key = program_key(os.stat(shutil.which("true")))
+        with open(os.path.join(svc.dir, program_quiet_file(key)), "w") as f:
+            f.write("3000\n")
+        r = _run("--", "true", env=svc.env)
+        assert "PROG ended within its agent's quiet start (3000 ms: the service's " \
+            "short_run_s" in r.stderr, r.stderr
         r = _run("--", "sleep", "1.3", env=svc.env)
         assert r.returncode == 0, r.stderr
         assert "PROG's agent makes its thread only once PROG is 1000 ms old" in r.stderr, \

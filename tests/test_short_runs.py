@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -337,3 +338,65 @@ def test_only_the_end_of_a_programs_own_run_is_counted(tmp_path):
     assert learned() == ["k2", "k1"]
     svc.short_runs.forget_all()
     assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- dbr ctl waiting
+def test_agent_socket_of_resolves_as_the_agent_does():
+    from dbr_service.waiting import agent_socket_of
+
+    assert agent_socket_of({"DBR_RUNTIME_DIR": "/x"}, 1000) == "/x/agent.sock"
+    assert agent_socket_of({"DBR_RUNTIME_DIR": ""}, 0) == "/run/dbr/agent.sock"
+    assert agent_socket_of({"XDG_RUNTIME_DIR": "/run/user/7"}, 7) == \
+        "/run/user/7/dbr/agent.sock"
+    assert agent_socket_of({}, 7) is None
+
+
+def test_waiting_lists_processes_that_carry_the_agent_without_a_session(birth_exe, tmp_path):
+    """Under a hint of 500 ms: a running program younger than its (learned, later) birth
+    age, a sleeping one past its age, one whose agent is disabled; not a program of
+    another service's, nor one without the agent, nor a connected client."""
+    svc = ServiceProc("min_client_age_s=0.5", "snapshot_interval_s=30").wait_ready()
+    procs = {}
+    try:
+        other = tmp_path / "other"
+        other.mkdir()
+        key = program_key(os.stat(birth_exe))
+        with open(os.path.join(svc.dir, program_quiet_file(key)), "w") as f:
+            f.write("3000\n")          # as if learned: shortruns.py
+        sleep_exe = subprocess.run(["sh", "-c", "command -v sleep"], capture_output=True,
+                                   text=True).stdout.strip()
+        procs["young"] = spawn_client(svc.dir, [birth_exe, "busy", "2500"])
+        procs["asleep"] = spawn_client(svc.dir, [sleep_exe, "20"])
+        procs["disabled"] = spawn_client(svc.dir, [sleep_exe, "20"],
+                                         env={"DBR_AGENT_DISABLE": "1"})
+        procs["other"] = spawn_client(str(other), [sleep_exe, "20"])
+        procs["native"] = subprocess.Popen([sleep_exe, "20"])
+        procs["client"] = spawn_client(svc.dir, [sleep_exe, "20"],
+                                       env={"DBR_AGENT_QUIET_MS": "0"})
+        svc.wait_for(lambda: any(c["pid"] == procs["client"].pid
+                                 for c in svc.call("clients")), 10.0, "the client")
+        time.sleep(0.8)                # the sleeper past 500 ms
+        rows = {r["pid"]: r for r in svc.call("waiting")}
+        mine = {name: rows.get(p.pid) for name, p in procs.items()}
+        assert mine["other"] is None and mine["native"] is None and mine["client"] is None, \
+            rows
+        young = mine["young"]
+        assert young and young["birth_ms"] == 3000 and \
+            young["exe"] == os.path.realpath(birth_exe), rows
+        assert young["why"].startswith("younger than its agent's birth age (3000 ms, "
+                                       "short_run_s"), young
+        asleep = mine["asleep"]
+        assert asleep and asleep["birth_ms"] == 500 and asleep["age_s"] >= 0.5, rows
+        assert "once it runs past 500 ms (min_client_age_s): it has slept since" in \
+            asleep["why"], asleep
+        assert mine["disabled"] and "disabled" in mine["disabled"]["why"], rows
+        out = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "waiting"],
+                             env=svc.env, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[0].split() == ["PID", "AGE", "EXE", "WHY"], out.stdout
+        assert any(line.split()[0] == str(procs["young"].pid) for line in
+                   out.stdout.splitlines()[1:]), out.stdout
+    finally:
+        for p in procs.values():
+            kill(p)
+        svc.stop()
