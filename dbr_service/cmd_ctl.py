@@ -174,6 +174,10 @@ def render(verb: str, result: Any) -> str:
                  "host offers: " + ", ".join(
                      f"{k}={'yes' if v.get('available') else 'no'}" for k, v in caps.items()),
                  f"workers: {result['scheduler']}"]
+        late = result.get("short_runs") or []
+        if late:
+            lines.append(f"born late ({late[0]['birth_ms']} ms, short_run_s): " +
+                         ", ".join(x["exe"] for x in late))
         return "\n".join(lines)
     if verb == "clients":
         if not result:

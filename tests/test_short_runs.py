@@ -271,6 +271,10 @@ def test_the_service_learns_a_short_running_program_and_forgets_it_when_it_runs_
         learned = svc.call("status")["short_runs"]
         assert [(x["exe"], x["key"], x["birth_ms"]) for x in learned] == \
             [(os.path.realpath(birth_exe), key, 1000)], learned
+        out = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "status"],
+                             env=svc.env, capture_output=True, text=True, timeout=30)
+        assert f"born late (1000 ms, short_run_s): {os.path.realpath(birth_exe)}" in \
+            out.stdout, out
         # the next short run: no thread, no session
         p = spawn_client(svc.dir, [birth_exe, "busy", "600"])
         procs.append(p)
