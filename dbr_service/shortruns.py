@@ -59,7 +59,6 @@ class _Program:
     short: int = 0                 # short runs in a row
     late_since: float | None = None    # monotonic time its file was written
     gained: float | None = None    # when a run of it last had a region installed
-    seen: float = 0.0
 
 
 class ShortRunPrograms:
@@ -124,7 +123,6 @@ class ShortRunPrograms:
             if p is None:
                 p = self._progs[key] = _Program(exe)
             self._progs.move_to_end(key)
-            p.seen = now
             if installed:
                 # dbr does something for it, even in short runs: it is not born late
                 p.gained, p.short = now, 0

@@ -6,6 +6,8 @@ results so far are already on disk."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import statistics
 from pathlib import Path
 
@@ -456,4 +458,27 @@ def test_service_ab_runs_a_program_under_two_services(tmp_path, monkeypatch, cap
                 ["--", "/no/such/program"]):
         with pytest.raises(SystemExit) as exc:
             service_ab.main(bad)
+        assert exc.value.code == 2
+
+
+def test_preload_floor_compares_the_agent_born_late_with_any_preloaded_library(
+        tmp_path, monkeypatch, capsys):
+    """bench/preload_floor.py: five rounds of a program natively, with an empty library
+    preloaded, with the agent disabled and with the agent born late (a program file as
+    a service writes it): figures printed and written (every run exited 0); a missing
+    program or too few rounds is a usage error."""
+    from bench import preload_floor
+
+    monkeypatch.setenv("DBR_BENCH_RESULTS", str(tmp_path))
+    assert preload_floor.main(["--runs", "5", "--", "true"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{name} " in out for name in ("native", "empty", "disabled", "late")), out
+    data = json.loads((tmp_path / "preload_floor.json").read_text())
+    assert set(data["configs"]) == {"native", "empty", "disabled", "late"}
+    assert all(len(w) == 5 for w in data["walls"].values())
+    assert data["prog"][0] == os.path.realpath(shutil.which("true"))
+    for bad in (["--runs", "5"], ["--runs", "4", "--", "true"],
+                ["--", "/no/such/program"]):
+        with pytest.raises(SystemExit) as exc:
+            preload_floor.main(bad)
         assert exc.value.code == 2
