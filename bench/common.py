@@ -3,6 +3,8 @@ record the machine, write results under bench/results/."""
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import platform
@@ -136,6 +138,18 @@ def ratio_ci(pairs: Sequence[tuple[float, float]], level: float = 0.95,
     stats.sort()
     tail = (1.0 - level) / 2
     return stats[int(tail * (resamples - 1))], stats[int((1 - tail) * (resamples - 1))]
+
+
+def program_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """``-- PROG [ARG ...]`` of an A/B harness's command line (``args.prog``, an
+    argparse.REMAINDER), checked with its ``--runs``: at least ratio_ci's floor of 5
+    rounds (fewer say nothing).  Usage errors exit 2."""
+    prog = args.prog[1:] if args.prog[:1] == ["--"] else args.prog
+    if not prog:
+        ap.error("no program given (-- PROG [ARG ...])")
+    if args.runs < 5:
+        ap.error("--runs must be at least 5")
+    return prog
 
 
 def verdict(ci: tuple[float, float] | None, limit: float) -> str:

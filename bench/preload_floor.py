@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import dbr_agent
-from bench.common import machine, ratio_ci, write_results
+from bench.common import machine, program_of, ratio_ci, write_results
 from dbr_service.paths import QUIET_FILE, program_key, program_quiet_file
 
 
@@ -54,11 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7, help="of the order within rounds")
     ap.add_argument("prog", nargs=argparse.REMAINDER, help="-- PROG [ARG ...]")
     args = ap.parse_args(argv)
-    prog = args.prog[1:] if args.prog[:1] == ["--"] else args.prog
-    if not prog:
-        ap.error("no program given (-- PROG [ARG ...])")
-    if args.runs < 5:
-        ap.error("--runs must be at least 5")
+    prog = program_of(ap, args)
     exe = os.path.realpath(shutil.which(prog[0]) or prog[0])
     try:
         key = program_key(os.stat(exe))

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 import dbr_agent
-from bench.common import machine, ratio_ci, write_results
+from bench.common import machine, program_of, ratio_ci, write_results
 from bench.compare import HostService, run_once
 from dbr_service.cmd_run import preload_env
 
@@ -49,11 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a run may take")
     ap.add_argument("prog", nargs=argparse.REMAINDER, help="-- PROG [ARG ...]")
     args = ap.parse_args(argv)
-    prog = args.prog[1:] if args.prog[:1] == ["--"] else args.prog
-    if not prog:
-        ap.error("no program given (-- PROG [ARG ...])")
-    if args.runs < 5:   # ratio_ci's floor: fewer rounds say nothing
-        ap.error("--runs must be at least 5")
+    prog = program_of(ap, args)
     extra_env = {}
     for name, given in (("A", args.env_a), ("B", args.env_b)):
         extra_env[name] = {}

@@ -3,6 +3,7 @@ PROG starts and must not pay for importing the configuration code then)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,6 +62,22 @@ def program_quiet_file(key: str) -> str:
     """The file beside QUIET_FILE that holds a later birth for one program (a service
     that learned its runs end sooner: dbr_service/shortruns.py)."""
     return f"{QUIET_FILE}.{key}"
+
+
+def write_ms_file(path: str | Path, ms: int) -> None:
+    """Write ``ms`` as the agents read it (dbr_parse_ms), whole: a temporary file, mode
+    0644, renamed over ``path``, so an agent never reads half of it.  Raises OSError
+    (the temporary file removed)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(f"{ms}\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _read_ms(path: Path) -> int | None:

@@ -41,7 +41,8 @@ from dbr_service.config import Config, ConfigSources
 from dbr_service.control import ControlServer, EventBus
 from dbr_service.errors import ConfigError, DbrError, SamplingError
 from dbr_service.notify import Notifier
-from dbr_service.paths import AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET, QUIET_FILE, quiet_hint_ms
+from dbr_service.paths import (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET, QUIET_FILE,
+                               quiet_hint_ms, write_ms_file)
 from dbr_service.procfs import process_lives
 from dbr_service.reuse import ReusedThreads
 from dbr_service.sampling.aggregate import SampleAggregator
@@ -275,16 +276,7 @@ class Service:
         ms = quiet_hint_ms(self.config.min_client_age_s)
         self._configure_short_runs(ms)
         try:
-            tmp = f"{path}.{os.getpid()}.tmp"
-            try:
-                with open(tmp, "w") as f:
-                    f.write(f"{ms}\n")
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, path)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            write_ms_file(path, ms)
         except OSError as exc:
             log.warning("cannot write the agents' quiet hint %s: %s", path, exc)
 

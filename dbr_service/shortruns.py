@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dbr_service.paths import QUIET_FILE, program_quiet_file, quiet_hint_ms
+from dbr_service.paths import QUIET_FILE, program_quiet_file, quiet_hint_ms, write_ms_file
 
 log = logging.getLogger("dbr.service")
 
@@ -188,17 +188,8 @@ class ShortRunPrograms:
     def _write(self, key: str, exe: str) -> bool:
         path = self.runtime_dir / program_quiet_file(key)
         ms = self.late_ms()
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
-            try:
-                with open(tmp, "w") as f:
-                    f.write(f"{ms}\n")
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, path)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            write_ms_file(path, ms)
         except OSError as exc:
             log.warning("cannot write %s: %s", path, exc)
             return False
