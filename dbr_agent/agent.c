@@ -993,13 +993,6 @@ static void wait_until(uint64_t until)
  * program's first moments.  A program that ends within the quiet never had a
  * session (the service does not sample such young clients anyway). */
 
-/* Unless DBR_AGENT_QUIET_MS set it, the service says how young a client it
- * samples in DBR_QUIET_FILE beside agent.sock (service.py, write_quiet_hint:
- * min_client_age_s in ms, 0 under --aggressive): the agent's thread is not
- * needed sooner, and a host service cannot set its clients' environment.  Read
- * in the constructor (three system calls: the birth is planned there).  A
- * missing or unreadable file, or one that does not hold a number (logged),
- * leaves the default. */
 /* A later birth for this program (DBR_QUIET_PROGRAM beside DBR_QUIET_FILE): a
  * service that saw the program's last runs each end within its short_run_s, with
  * nothing installed, writes that age for it (dbr_service/shortruns.py), and its
@@ -1031,6 +1024,13 @@ static void program_hint(char *from, size_t from_len, int dir_len, unsigned *ms)
     }
 }
 
+/* Unless DBR_AGENT_QUIET_MS set it, the service says how young a client it
+ * samples in DBR_QUIET_FILE beside agent.sock (service.py, write_quiet_hint:
+ * min_client_age_s in ms, 0 under --aggressive): the agent's thread is not
+ * needed sooner, and a host service cannot set its clients' environment.  Read
+ * in the constructor (three system calls, two more for program_hint: the birth
+ * is planned there).  A missing or unreadable file, or one that does not hold a
+ * number (logged), leaves the default. */
 static int quiet_hint(char *from, size_t from_len, unsigned *ms)
 {
     const char *slash = strrchr(g_cfg.sock_path, '/');
