@@ -4,7 +4,6 @@ record the machine, write results under bench/results/."""
 from __future__ import annotations
 
 import argparse
-
 import json
 import os
 import platform

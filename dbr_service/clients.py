@@ -230,15 +230,15 @@ class ClientSession:
         self.close_reason = ""
         self.connected_at = time.time()
         self.connected_mono = time.monotonic()
-        #: When the process started (monotonic clock), for min_client_age_s: an agent
-        #: under the service's hint connects only once its program is that old
-        #: (dbr_agent/agent.c, "born when the service would look").  The connection's
-        #: time if /proc cannot tell (a FakeAgent's made-up pid).
         #: Its starttime (procfs.started_boottime: the process's identity beside its pid)
         #: and its executable's key (paths.program_key; shortruns.py), "" if unknown.
         self.started_boot = started_boottime(f"/proc/{self.pid}/stat") if self.pid > 0 \
             else None
         self.exe_key = ""
+        #: When the process started (monotonic clock), for min_client_age_s: an agent
+        #: under the service's hint connects only once its program is that old
+        #: (dbr_agent/agent.c, "born when the service would look").  The connection's
+        #: time if /proc cannot tell (a FakeAgent's made-up pid).
         started = started_monotonic(self.pid, self.started_boot) \
             if self.started_boot is not None else None
         self.started_mono = min(started, self.connected_mono) if started is not None \

@@ -80,7 +80,10 @@ def write_ms_file(path: str | Path, ms: int) -> None:
         raise
 
 
-def _read_ms(path: Path) -> int | None:
+def read_ms_file(path: Path) -> int | None:
+    """A number of ms as the agents read it from ``path`` (parse_ms), None if missing,
+    unreadable or not a number.  O_NONBLOCK: a FIFO put there does not block; O_NOFOLLOW:
+    nor is a link followed."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -105,7 +108,7 @@ def agent_quiet(env: Mapping[str, str], runtime_dir: Path | None,
         return ms, False, False
     if runtime_dir is None:
         return QUIET_DEFAULT_MS, False, False
-    hint = _read_ms(runtime_dir / QUIET_FILE)
+    hint = read_ms_file(runtime_dir / QUIET_FILE)
     if hint is None:
         return QUIET_DEFAULT_MS, False, False
     if hint and exe:
@@ -113,7 +116,7 @@ def agent_quiet(env: Mapping[str, str], runtime_dir: Path | None,
             key = program_key(os.stat(exe))
         except OSError:
             return hint, True, False
-        later = _read_ms(runtime_dir / program_quiet_file(key))
+        later = read_ms_file(runtime_dir / program_quiet_file(key))
         if later is not None and later > hint:
             return later, True, True
     return hint, True, False

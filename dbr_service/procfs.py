@@ -43,14 +43,19 @@ def thread_state(stat_path: str) -> str | None:
     return rest[0] if rest else None
 
 
-def started_boottime(stat_path: str) -> float | None:
-    """When the process or thread of a ``/proc/.../stat`` file started, in seconds of
-    CLOCK_BOOTTIME (starttime, field 22, in clock ticks).  None if unreadable."""
-    rest = stat_fields(stat_path)
+def _starttime(rest: list[str] | None) -> float | None:
+    """starttime (field 22, clock ticks) of stat_fields' result, in seconds of
+    CLOCK_BOOTTIME; None if missing."""
     try:
         return int(rest[22 - 3]) / os.sysconf("SC_CLK_TCK")
     except (TypeError, IndexError, ValueError, OSError):
         return None
+
+
+def started_boottime(stat_path: str) -> float | None:
+    """When the process or thread of a ``/proc/.../stat`` file started, in seconds of
+    CLOCK_BOOTTIME (starttime, field 22, in clock ticks).  None if unreadable."""
+    return _starttime(stat_fields(stat_path))
 
 
 def started_monotonic(pid: int, start: float | None = None) -> float | None:
@@ -66,10 +71,10 @@ def started_monotonic(pid: int, start: float | None = None) -> float | None:
 def process_lives(pid: int, started: float | None) -> bool:
     """Whether process ``pid``, started at ``started`` (started_boottime: a pid taken
     by a new process is not it), still runs: a thread of it other than a zombie."""
-    if started is None or started_boottime(f"/proc/{pid}/stat") != started:
+    rest = stat_fields(f"/proc/{pid}/stat")   # one read: its start and its state
+    if started is None or _starttime(rest) != started:
         return False
-    return thread_state(f"/proc/{pid}/stat") not in ("Z", "X", None) or \
-        proc_dir(pid) != f"/proc/{pid}"
+    return rest[0] not in ("Z", "X") or proc_dir(pid) != f"/proc/{pid}"
 
 
 def proc_dir(pid: int) -> str:

@@ -470,10 +470,10 @@ class Service:
             self.sessions.pop(s.session_id, None)
             self.history.append(s)
         log.info("client pid %d left: %s", s.pid, s.close_reason)
-        self._count_run(s)
         self.events.publish("client-left", pid=s.pid, session=s.session_id,
                             reason=s.close_reason, samples=s.samples_total)
         self._wake()
+        self._count_run(s)   # last: it may wait for the process to end
 
     def _count_run(self, s: ClientSession) -> None:
         """Tell short_runs how the run of an ended session's process went (not that of a

@@ -21,8 +21,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from dbr_service.paths import (AGENT_SOCKET, QUIET_FILE, parse_ms, program_key,
-                               program_quiet_file)
+from dbr_service.paths import AGENT_SOCKET, agent_quiet
 from dbr_service.procfs import process_lives, started_boottime, started_monotonic
 
 AGENT_LIBRARY = "libdbr_agent.so"
@@ -69,13 +68,6 @@ def agent_socket_of(env: dict[str, str], uid: int) -> str | None:
     return None
 
 
-def _read_ms(path: Path) -> int | None:
-    try:
-        return parse_ms(path.read_text()[:15])
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
 def waiting_processes(runtime_dir: Path, session_pids: Iterable[int],
                       ended: dict[int, tuple[float | None, str]],
                       pids: Iterable[int] | None = None) -> list[dict]:
@@ -85,7 +77,6 @@ def waiting_processes(runtime_dir: Path, session_pids: Iterable[int],
     ours = os.path.realpath(runtime_dir / AGENT_SOCKET)
     live = set(session_pids)
     me = os.getpid()
-    hint = _read_ms(runtime_dir / QUIET_FILE)
     if pids is None:
         pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
     out = []
@@ -106,35 +97,28 @@ def waiting_processes(runtime_dir: Path, session_pids: Iterable[int],
             exe = os.readlink(f"/proc/{pid}/exe")
         except OSError:
             exe = ""
-        row = {"pid": pid, "uid": uid, "exe": exe, "age_s": None if age_ms is None
-               else round(age_ms / 1000, 1), "birth_ms": None}
-        row["why"] = _why(pid, env, exe, hint, age_ms, started, ended.get(pid), runtime_dir,
-                          row)
-        out.append(row)
+        why, birth = _why(pid, env, age_ms, started, ended.get(pid), runtime_dir)
+        out.append({"pid": pid, "uid": uid, "exe": exe, "age_s": None if age_ms is None
+                    else round(age_ms / 1000, 1), "birth_ms": birth, "why": why})
     return sorted(out, key=lambda r: r["pid"])
 
 
-def _why(pid: int, env: dict[str, str], exe: str, hint: int | None, age_ms: int | None,
-         started: float | None, ended: tuple[float | None, str] | None, runtime_dir: Path,
-         row: dict) -> str:
+def _why(pid: int, env: dict[str, str], age_ms: int | None, started: float | None,
+         ended: tuple[float | None, str] | None, runtime_dir: Path) -> tuple[str, int | None]:
+    """Why the process has no session, and the age its agent makes its thread at (None
+    where that does not apply)."""
     if env.get("DBR_AGENT_DISABLE") == "1":
-        return "its agent is disabled (DBR_AGENT_DISABLE=1)"
+        return "its agent is disabled (DBR_AGENT_DISABLE=1)", None
     if ended is not None and ended[0] == started and process_lives(pid, started):
-        return f"its session ended while it runs on ({ended[1]}): its agent stepped aside"
-    quiet = parse_ms(env.get("DBR_AGENT_QUIET_MS", ""))
-    if quiet is not None or not hint:
+        return (f"its session ended while it runs on ({ended[1]}): its agent stepped aside",
+                None)
+    # as its agent decides it (paths.agent_quiet), from the files as they are now
+    birth, planned, late = agent_quiet(env, runtime_dir, f"/proc/{pid}/exe")
+    if not planned or not birth:
         return ("its agent's thread was made at its start and has not connected yet "
-                "(it retries with backoff), or its agent stepped aside")
-    birth, source = hint, "min_client_age_s"
-    try:
-        key = program_key(os.stat(f"/proc/{pid}/exe"))
-    except OSError:
-        key = ""
-    later = _read_ms(runtime_dir / program_quiet_file(key)) if key else None
-    if later is not None and later > birth:
-        birth, source = later, "short_run_s: its last runs ended sooner"
-    row["birth_ms"] = birth
+                "(it retries with backoff), or its agent stepped aside"), None
+    source = "short_run_s: its last runs ended sooner" if late else "min_client_age_s"
     if age_ms is not None and age_ms < birth:
-        return f"younger than its agent's birth age ({birth} ms, {source})"
+        return f"younger than its agent's birth age ({birth} ms, {source})", birth
     return (f"its agent makes its thread once it runs past {birth} ms ({source}): it has "
-            "slept since, or its agent stepped aside")
+            "slept since, or its agent stepped aside"), birth

@@ -12,15 +12,11 @@ when its task count changes."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
-import time
 
 import pytest
-
-from dbr_service import protocol as P
-from dbr_service.paths import QUIET_FILE
-from harness import FakeService, compile_c
+from birth_helpers import run_birth, task_changes
+from harness import compile_c
 
 MADE = "agent thread made by its planned birth"
 
@@ -30,45 +26,12 @@ def birth_exe():
     return compile_c(["birth.c"])
 
 
-def _write_hint(svc: FakeService, hint: str | None) -> None:
-    if hint is not None:
-        with open(os.path.join(svc.runtime_dir, QUIET_FILE), "w") as f:
-            f.write(hint + "\n")
-
-
-def _run(birth_exe, mode: str, ms: int, hint: str | None = "300", accept: bool = False):
-    """Run `birth MODE MS` beside a FakeService that has written ``hint``: (exit status,
-    stdout lines, agent log lines, seconds from the start to the agent's connection or
-    None)."""
-    svc = FakeService()
-    _write_hint(svc, hint)
-    try:
-        t0 = time.monotonic()
-        client = svc.spawn([birth_exe, mode, str(ms)], env={"DBR_AGENT_DEBUG": "1"})
-        waited = None
-        if accept:
-            conn = svc.accept(pid=client.pid, timeout=10)
-            waited = time.monotonic() - t0
-            assert conn.hello.flags & P.HELLO_HIDDEN_THREAD
-        rc, out = client.finish(timeout=30)
-        client.err.rest()
-        return rc, out, client.err.lines, waited
-    finally:
-        svc.close()
-
-
-def _task_changes(out: list[str], prefix: str = "") -> list[tuple[int, int]]:
-    """(tasks, at ms) from the program's "tasks N at T" lines"""
-    pat = re.compile(rf"^{prefix}tasks (\d+) at (\d+)$")
-    return [(int(m.group(1)), int(m.group(2))) for m in map(pat.match, out) if m]
-
-
 def test_a_running_program_gets_its_thread_once_as_old_as_the_hint(birth_exe):
     """No thread before 300 ms; one, made by the planned birth and hidden from glibc,
     soon after, which then connects.  It runs its session as any agent thread."""
-    rc, out, log, waited = _run(birth_exe, "busy", 1500, accept=True)
+    rc, out, log, waited = run_birth(birth_exe, "busy", 1500, accept=True)
     assert rc == 0, (out, log)
-    changes = _task_changes(out)
+    changes = task_changes(out)
     assert changes[0][0] == 1, (out, log)
     born = [t for n, t in changes if n == 2]
     assert len(born) == 1 and 280 <= born[0] <= 1500, (out, log)
@@ -81,23 +44,23 @@ def test_a_running_program_gets_its_thread_once_as_old_as_the_hint(birth_exe):
 def test_without_a_hint_or_with_0_the_thread_is_made_at_once(birth_exe, hint):
     """No service's word (a default quiet of 50 ms), or --aggressive's 0: the thread is
     made in the constructor, as before."""
-    rc, out, log, _ = _run(birth_exe, "busy", 200, hint=hint)
+    rc, out, log, _ = run_birth(birth_exe, "busy", 200, hint=hint)
     assert rc == 0, (out, log)
-    assert _task_changes(out)[0][0] == 2, (out, log)
+    assert task_changes(out)[0][0] == 2, (out, log)
     assert not any(MADE in line for line in log), log
 
 
 def test_a_program_that_ends_sooner_never_has_a_second_thread(birth_exe):
-    rc, out, log, _ = _run(birth_exe, "busy", 100, hint="1000")
+    rc, out, log, _ = run_birth(birth_exe, "busy", 100, hint="1000")
     assert rc == 0, (out, log)
-    assert [n for n, _ in _task_changes(out)] == [1] and out[-1] == "end tasks 1", (out, log)
+    assert [n for n, _ in task_changes(out)] == [1] and out[-1] == "end tasks 1", (out, log)
     assert not any("agent thread" in line and "started" in line for line in log), log
 
 
 def test_a_sleeping_program_is_neither_given_a_thread_nor_cut_short(birth_exe):
     """The timer counts the process's CPU time, so it does not fire while the program
     sleeps; a wall-clock timer's signal would end the nanosleep early with EINTR."""
-    rc, out, log, _ = _run(birth_exe, "sleep", 700, hint="200")
+    rc, out, log, _ = run_birth(birth_exe, "sleep", 700, hint="200")
     assert rc == 0, (out, log)
     assert out == ["slept 0 0", "end tasks 1"], (out, log)
 
@@ -105,9 +68,9 @@ def test_a_sleeping_program_is_neither_given_a_thread_nor_cut_short(birth_exe):
 def test_blocking_every_signal_makes_the_thread_at_once(birth_exe):
     """A program that blocks the timer's signal in every thread (signalfd, sigwait
     loops) would never get one: its pthread_sigmask makes the thread first."""
-    rc, out, log, _ = _run(birth_exe, "block", 300, hint="1000")
+    rc, out, log, _ = run_birth(birth_exe, "block", 300, hint="1000")
     assert rc == 0, (out, log)
-    assert _task_changes(out)[0][0] == 2, (out, log)
+    assert task_changes(out)[0][0] == 2, (out, log)
     assert any("a program thread blocks the agent's signal: the agent's thread made now" in line
                for line in log), log
 
@@ -118,10 +81,10 @@ def test_a_fork_child_plans_its_own_birth(birth_exe):
     the child meanwhile, asleep: 800 ms later, well past its own 300 ms, it still has
     none (the child looks; the parent's own few instructions after waitpid could
     still end a timer step)."""
-    rc, out, log, _ = _run(birth_exe, "fork", 400, hint="300")
+    rc, out, log, _ = run_birth(birth_exe, "fork", 400, hint="300")
     assert rc == 0, (out, log)
-    assert [n for n, _ in _task_changes(out)] == [1], (out, log)
-    child = _task_changes(out, "child ")
+    assert [n for n, _ in task_changes(out)] == [1], (out, log)
+    child = task_changes(out, "child ")
     assert child[0][0] == 1 and [n for n, _ in child[1:]] == [2], (out, log)
     assert 280 <= child[1][1] <= 800, (out, log)
     assert "child end tasks 2" in out and "parent tasks 1" in out, (out, log)
@@ -131,10 +94,10 @@ def test_a_fork_child_of_a_parent_with_its_thread_plans_its_own_too(birth_exe):
     """The parent has its thread by the time it forks (at 800 ms): the child still
     makes its own only once it is 300 ms old and running, as any program (the
     patches it may inherit need no thread)."""
-    rc, out, log, _ = _run(birth_exe, "fork-late", 400, hint="300")
+    rc, out, log, _ = run_birth(birth_exe, "fork-late", 400, hint="300")
     assert rc == 0, (out, log)
-    assert [n for n, _ in _task_changes(out)] == [1, 2], (out, log)
-    child = _task_changes(out, "child ")
+    assert [n for n, _ in task_changes(out)] == [1, 2], (out, log)
+    child = task_changes(out, "child ")
     assert child[0][0] == 1 and [n for n, _ in child[1:]] == [2], (out, log)
     assert 280 <= child[1][1] <= 800, (out, log)
     assert "child end tasks 2" in out and "parent tasks 2" in out, (out, log)
@@ -148,10 +111,10 @@ def test_stepping_aside_before_the_birth_cancels_it(birth_exe):
                             timeout=30)
     if "unshare 0" not in native.stdout:
         pytest.skip(f"unshare(CLONE_NEWUSER) fails here natively: {native.stdout!r}")
-    rc, out, log, _ = _run(birth_exe, "unshare", 600, hint="200")
+    rc, out, log, _ = run_birth(birth_exe, "unshare", 600, hint="200")
     assert rc == 0, (out, log)
     assert out[0] == "unshare 0" and out[-1] == "end tasks 1", (out, log)
-    assert [n for n, _ in _task_changes(out)] == [1], (out, log)
+    assert [n for n, _ in task_changes(out)] == [1], (out, log)
     assert any("the agent's thread will not be made" in line for line in log), log
 
 
@@ -160,10 +123,10 @@ def test_a_seccomp_filter_on_main_is_not_passed_to_the_agent_thread(birth_exe, m
     """A filter binds the thread that installs it and the threads it makes later: the
     agent's thread is made before main's prctl(PR_SET_SECCOMP), or its
     syscall(SYS_seccomp) without TSYNC (libseccomp's way), and has none."""
-    rc, out, log, _ = _run(birth_exe, mode, 300, hint="1000")
+    rc, out, log, _ = run_birth(birth_exe, mode, 300, hint="1000")
     assert rc == 0, (out, log)
     assert out[0] == "seccomp 0", (out, log)
-    assert _task_changes(out)[0][0] == 2, (out, log)
+    assert task_changes(out)[0][0] == 2, (out, log)
     assert "agent seccomp 0" in out, (out, log)
 
 
@@ -171,7 +134,7 @@ def test_a_seccomp_filter_on_main_is_not_passed_to_the_agent_thread(birth_exe, m
 def test_a_thread_made_on_a_pinned_thread_takes_the_programs_cpus(birth_exe):
     """The birth runs on whichever program thread was running, here main pinned to CPU
     0: the agent's thread takes the CPUs the program started with."""
-    rc, out, log, _ = _run(birth_exe, "pinned", 700, hint="200")
+    rc, out, log, _ = run_birth(birth_exe, "pinned", 700, hint="200")
     assert rc == 0, (out, log)
     cpus = [line.split(" ", 1)[1] for line in out if line.startswith("cpus ")]
     assert len(cpus) == 1, (out, log)

@@ -16,7 +16,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from harness import FakeService, compile_c
+from birth_helpers import run_birth, task_changes
+from harness import compile_c
 from service_helpers import ServiceProc, kill, spawn_client
 
 from dbr_service.paths import (QUIET_FILE, agent_quiet, program_key, program_quiet_file,
@@ -198,26 +199,9 @@ def test_process_lives_tells_an_ended_process_from_a_live_one():
 
 
 # ----------------------------------------------------------------------------- the agent
-def _agent_run(birth_exe, ms: int, hint: str, program: str | None):
-    svc = FakeService()
-    try:
-        with open(os.path.join(svc.runtime_dir, QUIET_FILE), "w") as f:
-            f.write(hint)
-        if program is not None:
-            key = program_key(os.stat(birth_exe))
-            with open(os.path.join(svc.runtime_dir, program_quiet_file(key)), "w") as f:
-                f.write(program)
-        client = svc.spawn([birth_exe, "busy", str(ms)], env={"DBR_AGENT_DEBUG": "1"})
-        rc, out = client.finish(timeout=30)
-        client.err.rest()
-        return rc, out, client.err.lines
-    finally:
-        svc.close()
-
-
 def _born_at(out: list[str]) -> int | None:
-    return next((int(line.split()[-1]) for line in out if line.startswith("tasks 2 at ")),
-                None)
+    """When the agent's thread made the task count 2, in ms (birth.c), None if never."""
+    return next((at for n, at in task_changes(out) if n == 2), None)
 
 
 @pytest.mark.parametrize("program,ms,born", [
@@ -228,7 +212,9 @@ def _born_at(out: list[str]) -> int | None:
     (None, 800, 300),            # none: the service's hint
 ], ids=["later-short", "later-long", "earlier", "garbage", "none"])
 def test_the_agent_takes_a_later_birth_for_its_program(birth_exe, program, ms, born):
-    rc, out, log = _agent_run(birth_exe, ms, "300\n", program)
+    files = {} if program is None else \
+        {program_quiet_file(program_key(os.stat(birth_exe))): program}
+    rc, out, log, _ = run_birth(birth_exe, "busy", ms, "300", files=files)
     assert rc == 0, (out, log)
     at = _born_at(out)
     if born is None:
