@@ -1282,7 +1282,7 @@ out:
 
 int dbr_agent_birth_pending(void)
 {
-    return __atomic_load_n(&g_birth, __ATOMIC_RELAXED) != BIRTH_NONE;
+    return __atomic_load_n(&g_birth, __ATOMIC_ACQUIRE) != BIRTH_NONE;
 }
 
 /* hooks.c, a program thread about to make a later birth impossible or wrong:

@@ -21,10 +21,11 @@ def write_hint(svc: FakeService, hint: str | None, name: str = QUIET_FILE) -> No
 
 
 def run_birth(birth_exe, mode: str, ms: int, hint: str | None = "300", accept: bool = False,
-              files: dict[str, str] | None = None):
+              files: dict[str, str] | None = None, env: dict[str, str] | None = None):
     """Run `birth MODE MS` beside a FakeService that has written ``hint`` (and
-    ``files``, name -> text, into its runtime dir): (exit status, stdout lines, agent
-    log lines, seconds from the start to the agent's connection or None)."""
+    ``files``, name -> text, into its runtime dir), with ``env`` added: (exit status,
+    stdout lines, agent log lines, seconds from the start to the agent's connection or
+    None)."""
     svc = FakeService()
     write_hint(svc, hint)
     for name, text in (files or {}).items():
@@ -32,7 +33,7 @@ def run_birth(birth_exe, mode: str, ms: int, hint: str | None = "300", accept: b
             f.write(text)
     try:
         t0 = time.monotonic()
-        client = svc.spawn([birth_exe, mode, str(ms)], env={"DBR_AGENT_DEBUG": "1"})
+        client = svc.spawn([birth_exe, mode, str(ms)], env={"DBR_AGENT_DEBUG": "1", **(env or {})})
         waited = None
         if accept:
             conn = svc.accept(pid=client.pid, timeout=10)

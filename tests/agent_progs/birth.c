@@ -16,15 +16,21 @@
  *           thread (its Seccomp: line; 0 none, 2 filter)
  *   seccomp-sys  the same with syscall(SYS_seccomp), as libseccomp does
  *   pinned  pin main to CPU 0 first, then as busy, then "cpus LIST" for every
- *           other thread (its Cpus_allowed_list) */
+ *           other thread (its Cpus_allowed_list)
+ *   starts  start and join a thread at once ("start early wrapped W"), then as
+ *           busy, then another ("start late wrapped W"): W 1 if the thread's start
+ *           routine was called from the agent library (its start wrapper), else 0 */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,6 +100,29 @@ static void busy(long ms)
     } while (now - start < ms);
 }
 
+/* 1 if called from the agent library: its start wrapper calls the program's
+ * routine (not a tail call: it returns through the wrapper) */
+__attribute__((noinline)) static void *called_from(void *arg)
+{
+    Dl_info di;
+    void *ra = __builtin_return_address(0);
+
+    (void)arg;
+    return (void *)(intptr_t)(dladdr(ra, &di) && di.dli_fname &&
+                              strstr(di.dli_fname, "libdbr_agent") != NULL);
+}
+
+static int start_one(const char *when)
+{
+    pthread_t t;
+    void *r;
+
+    if (pthread_create(&t, NULL, called_from, NULL) != 0 || pthread_join(t, &r) != 0)
+        return -1;
+    printf("start %s wrapped %d\n", when, (int)(intptr_t)r);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "busy";
@@ -158,6 +187,12 @@ int main(int argc, char **argv)
             return 1;
         busy(ms);
         others_status("Cpus_allowed_list:", "cpus");
+    } else if (!strcmp(mode, "starts")) {
+        if (start_one("early") < 0)
+            return 1;
+        busy(ms);
+        if (start_one("late") < 0)
+            return 1;
     } else {
         return 2;
     }
