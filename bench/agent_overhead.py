@@ -5,8 +5,10 @@
 * steady state: a CPU-bound program with vs. without the agent, median ratio.
 * thread start: a program that starts and joins threads that do nothing, one at a
   time (bench/workloads/thread_start.c), pinned to one CPU, timed inside the
-  program: nanoseconds per thread without the agent, with the dormant agent, and
-  with the dormant agent's fallback thread (DBR_AGENT_THREAD=pthread).
+  program: nanoseconds per thread without the agent, with the dormant agent, with
+  the dormant agent's fallback thread (DBR_AGENT_THREAD=pthread), and with the agent
+  before its birth (a runtime dir whose hint plans the birth after the run, as a
+  host service's does for a program's first second, or for a program born late).
 
 Targets: under 2 ms added start-up, under 0.5 % steady state; the thread start
 figures have none (they are the agent's per-thread cost, for the design notes).
@@ -25,6 +27,7 @@ from typing import Callable
 
 import dbr_agent
 from bench.common import ab, machine, timed, write_results
+from dbr_service.paths import QUIET_FILE
 
 PROGS = Path(__file__).resolve().parents[1] / "tests" / "agent_progs"
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
@@ -64,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         base = dict(os.environ, DBR_RUNTIME_DIR=rt)
         base.pop("LD_PRELOAD", None)
         with_agent = dict(base, LD_PRELOAD=agent)
+        unborn = os.path.join(d, "rt-unborn")   # a hint of 5 s: born after every run here
+        os.mkdir(unborn)
+        with open(os.path.join(unborn, QUIET_FILE), "w") as f:
+            f.write("5000\n")
 
         # Start-up: a shell loop of K starts per sample (the agent preloaded into the
         # measured program only).  Timing single starts from Python is confounded here:
@@ -93,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
                             per_thread_ns(starter, n_threads,
                                           dict(with_agent, DBR_AGENT_THREAD="pthread"), pin),
                             runs=n_ts)
+        thread_start_u = ab("thread-start-ns-unborn", native_ts,
+                            per_thread_ns(starter, n_threads,
+                                          dict(with_agent, DBR_AGENT_THREAD="",
+                                               DBR_RUNTIME_DIR=unborn), pin),
+                            runs=n_ts)
     rows = [
         ("start-up added (ms, median)", f"{startup.delta * 1e3:+.3f}", "< 2 ms",
          startup.delta < 0.002),
@@ -103,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         ("thread start added, agent (ns, median)", f"{thread_start.delta:+.0f}", "", None),
         ("thread start added, agent pthread (ns, median)", f"{thread_start_p.delta:+.0f}", "",
          None),
+        ("thread start added, agent before its birth (ns, median)",
+         f"{thread_start_u.delta:+.0f}", "", None),
     ]
     print(f"# agent overhead, never patched ({startup.runs} / {steady.runs} / "
           f"{thread_start.runs} alternated runs)")
@@ -111,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {val} | {target} | {'' if met is None else ('yes' if met else 'NO')} |")
     path = write_results("agent_overhead", {"machine": machine(), "startup": startup,
                                             "steady": steady, "thread_start": thread_start,
-                                            "thread_start_pthread": thread_start_p})
+                                            "thread_start_pthread": thread_start_p,
+                                            "thread_start_unborn": thread_start_u})
     print(f"written {path}")
     return 0
 
