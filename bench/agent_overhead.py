@@ -27,7 +27,7 @@ from typing import Callable
 
 import dbr_agent
 from bench.common import ab, machine, timed, write_results
-from dbr_service.paths import QUIET_FILE
+from dbr_service.paths import QUIET_FILE, write_ms_file
 
 PROGS = Path(__file__).resolve().parents[1] / "tests" / "agent_progs"
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         with_agent = dict(base, LD_PRELOAD=agent)
         unborn = os.path.join(d, "rt-unborn")   # a hint of 5 s: born after every run here
         os.mkdir(unborn)
-        with open(os.path.join(unborn, QUIET_FILE), "w") as f:
-            f.write("5000\n")
+        write_ms_file(os.path.join(unborn, QUIET_FILE), 5000)
 
         # Start-up: a shell loop of K starts per sample (the agent preloaded into the
         # measured program only).  Timing single starts from Python is confounded here:

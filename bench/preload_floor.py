@@ -36,7 +36,7 @@ from pathlib import Path
 
 import dbr_agent
 from bench.common import machine, program_of, ratio_ci, write_results
-from dbr_service.paths import QUIET_FILE, program_key, program_quiet_file
+from dbr_service.paths import QUIET_FILE, program_key, program_quiet_file, write_ms_file
 
 
 def configs(agent: str, empty: str, rundir: str) -> dict[str, dict[str, str]]:
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", empty, src], check=True)
         rundir = os.path.join(tmp, "run")
         os.mkdir(rundir)
-        Path(rundir, QUIET_FILE).write_text("1000\n")
-        Path(rundir, program_quiet_file(key)).write_text("3000\n")
+        write_ms_file(Path(rundir, QUIET_FILE), 1000)
+        write_ms_file(Path(rundir, program_quiet_file(key)), 3000)
         cfgs = configs(agent, empty, rundir)
         walls: dict[str, list[float]] = {k: [] for k in cfgs}
         rng = random.Random(args.seed)

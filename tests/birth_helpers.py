@@ -27,11 +27,11 @@ def run_birth(birth_exe, mode: str, ms: int, hint: str | None = "300", accept: b
     stdout lines, agent log lines, seconds from the start to the agent's connection or
     None)."""
     svc = FakeService()
-    write_hint(svc, hint)
-    for name, text in (files or {}).items():
-        with open(os.path.join(svc.runtime_dir, name), "w") as f:
-            f.write(text)
     try:
+        write_hint(svc, hint)
+        for name, text in (files or {}).items():
+            with open(os.path.join(svc.runtime_dir, name), "w") as f:
+                f.write(text)
         t0 = time.monotonic()
         client = svc.spawn([birth_exe, mode, str(ms)], env={"DBR_AGENT_DEBUG": "1", **(env or {})})
         waited = None
