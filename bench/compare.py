@@ -71,6 +71,7 @@ class Run:
     extra: dict = field(default_factory=dict)
     pid: int = 0
     hung: list = field(default_factory=list)  # on a timeout: what each thread was doing
+    round: int = -1         # index of its recorded round in alternate()'s result (-1: none)
 
 
 def digest_outputs(run_dir: Path, outputs: list[str]) -> str:
@@ -550,7 +551,9 @@ class DbrPreload(Config):
         cpu, before = self.host.cpu_s(), self._cpu
         self._cpu = cpu
         if not clients:
-            return {"report_error": f"the host service has no session for pid {run.pid}"}
+            # no session: the service never heard of this run (born late), so no code
+            return {"report_error": f"the host service has no session for pid {run.pid}",
+                    "patched": False}
         rep = run_report([], run.exit_code, run.wall, clients, service="host",
                          runtime_dir=self.host.rt)
         out = summarize_report(rep)
@@ -769,6 +772,7 @@ def alternate(cells: list[Cell], prep: suite.Prepared, argv_of: Callable[[Cell],
                 continue
             _check_run(cell, r, *ref, wname)
             if cell.live:
+                r.round = len(rounds)
                 this.append((cell.cfg.name, r.wall))
         if i >= warmup:
             rounds.append(this)
@@ -793,17 +797,22 @@ def cell_json(cell: Cell, native: Cell | None, rounds: list[list[tuple[str, floa
         ncpu = statistics.median(r.cpu_s for r in native.runs)
         out["ratio"] = out["wall_s"]["median"] / nw if nw else None
         out["cpu_ratio"] = out["cpu_s"]["median"] / ncpu if ncpu else None
-        pairs = []
-        for rnd in rounds:
+        pairs, patched = [], []
+        by_round = {r.round: r for r in cell.runs if r.round >= 0}
+        for i, rnd in enumerate(rounds):
             d = dict(rnd)
             if cell.cfg.name in d and native.cfg.name in d and d[native.cfg.name] > 0:
                 pairs.append((d[cell.cfg.name], d[native.cfg.name]))
+                patched.append(run_patched(by_round.get(i)))
         if pairs:
             out["paired_ratio"] = spread([a / b for a, b in pairs])
             out["paired_walls"] = [[round(a, 6), round(b, 6)] for a, b in pairs]  # raw data
             ci = ratio_ci(pairs)
             if ci is not None:
                 out["ratio_ci95"] = list(ci)
+            if any(p is not None for p in patched):
+                out["paired_patched"] = patched  # per pair: code installed in that run
+                out["by_patch"] = by_patch(pairs, patched)
         out["extra_cpu_s"] = out["cpu_s"]["median"] - ncpu
     reports = [r.extra["report"] for r in cell.runs if "report" in r.extra]
     errors = [r.extra["report_error"] for r in cell.runs if "report_error" in r.extra]
@@ -813,6 +822,35 @@ def cell_json(cell: Cell, native: Cell | None, rounds: list[list[tuple[str, floa
         if pw is not None and out.get("ratio"):
             # PROG's own wall time (dbr run's start-up, report and shutdown excluded)
             out["dbr"]["prog_ratio"] = pw / (out["wall_s"]["median"] / out["ratio"])
+    return out
+
+
+def run_patched(r: Run | None) -> bool | None:
+    """Whether dbr installed code in run ``r`` (its report's time to first patch), or
+    None when the run has no report (not a dbr config, or the report failed)."""
+    if r is None:
+        return None
+    rep = r.extra.get("report")
+    if not isinstance(rep, dict):
+        return r.extra.get("patched")  # False where the service had no session for it
+    return rep.get("time_to_first_patch_s") is not None
+
+
+def by_patch(pairs: list[tuple[float, float]], patched: list[bool | None]) -> dict:
+    """The paired rounds split by whether the dbr run had code installed: for each side,
+    its rounds, the ratio of medians and its interval.  With default settings only some
+    runs are patched (short runs are born late); this says what each kind costs, which
+    the ratio over all rounds mixes."""
+    out: dict[str, Any] = {}
+    for key, want in (("patched", True), ("unpatched", False)):
+        side = [pr for pr, p in zip(pairs, patched) if p is want]
+        if not side:
+            continue
+        nb = statistics.median(b for _, b in side)
+        ci = ratio_ci(side)
+        out[key] = {"rounds": len(side),
+                    "ratio": statistics.median(a for a, _ in side) / nb if nb else None,
+                    "ratio_ci95": list(ci) if ci else None}
     return out
 
 

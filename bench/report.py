@@ -110,7 +110,32 @@ def _target_md(c: dict, rows: list[dict]) -> list[str]:
                 out.append(f"| {r['name']} | {n} | {cj['ratio']:.3f} | {ci_s} | **{v}** |")
             tally[v] = tally.get(v, 0) + 1
     out += ["", "Verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(tally.items())) + "."]
+    out += _by_patch_md(rows, cfgs)
     return out
+
+
+def _by_patch_md(rows: list, cfgs: list[str]) -> list[str]:
+    """The rounds of each dbr config split by whether its run had code installed (only
+    where some runs were and some were not): what the mixed ratio above is made of."""
+    lines = []
+    for r in rows:
+        for n in cfgs:
+            bp = (r.get("configs", {}).get(n) or {}).get("by_patch") or {}
+            if "patched" not in bp or "unpatched" not in bp:
+                continue
+            cells = []
+            for key in ("patched", "unpatched"):
+                side = bp[key]
+                ci = side.get("ratio_ci95")
+                cells.append(f"{side['rounds']} | {_f(side.get('ratio'))} | "
+                             + (f"{ci[0]:.3f}–{ci[1]:.3f}" if ci else "–"))
+            lines.append(f"| {r['name']} | {n} | " + " | ".join(cells) + " |")
+    if not lines:
+        return []
+    return ["", "Rounds split by whether the dbr run had code installed (ratio of medians "
+            "over those rounds, with its interval):", "",
+            "| workload | config | rounds patched | ratio | interval | rounds unpatched | "
+            "ratio | interval |", "|---|---|---|---|---|---|---|---|"] + lines
 
 
 def _compare_md(c: dict) -> list[str]:

@@ -207,6 +207,49 @@ def test_cell_json_carries_the_interval_and_the_report_judges_by_it():
     assert "Verdicts: missed 1." in md
 
 
+def test_rounds_split_by_whether_the_dbr_run_was_patched():
+    # patched runs cost 5 %, unpatched ones nothing: the split shows it, the mix hides it
+    nat, b = compare.Cell(compare.Native()), compare.Cell(Wrapped("dbr-preload"))
+    pairs = _noisy_pairs(1.0, 40, 0.005, 6)
+    rounds = []
+    for i, (x, n) in enumerate(pairs):
+        patched = i % 4 == 0
+        nat.runs.append(_run(n))
+        r = _run(x * (1.05 if patched else 1.0))
+        r.round = i
+        if i % 8 == 2:
+            r.extra = {"report_error": "no session", "patched": False}
+        elif i % 8 == 6:
+            r.extra = {"report_error": "no readable report: x"}   # unknown: in neither side
+        else:
+            r.extra = {"report": {"time_to_first_patch_s": 0.3 if patched else None}}
+        b.runs.append(r)
+        rounds.append([("native", n), ("dbr-preload", r.wall)])
+    cj = compare.cell_json(b, nat, rounds)
+    assert cj["paired_patched"].count(True) == 10 and cj["paired_patched"].count(None) == 5
+    bp = cj["by_patch"]
+    assert bp["patched"]["rounds"] == 10 and bp["unpatched"]["rounds"] == 25
+    assert bp["patched"]["ratio"] == pytest.approx(1.05, abs=0.01)
+    assert bp["patched"]["ratio_ci95"][0] > 1.03
+    assert bp["unpatched"]["ratio_ci95"][0] <= 1.0 <= bp["unpatched"]["ratio_ci95"][1]
+    from bench import report
+
+    data = {"benchmarks": {"compare": {
+        "settings": {}, "target": compare.TARGET, "configs": {},
+        "workloads": [{"name": "w", "status": "ok",
+                       "configs": {"native": compare.cell_json(nat, None, rounds),
+                                   "dbr-preload": cj}}]}}}
+    md = report.markdown(data)
+    assert "Rounds split by whether the dbr run had code installed" in md
+    assert f"| w | dbr-preload | 10 | {bp['patched']['ratio']:.3f} |" in md
+    # a native cell, or a run with no report at all, has no split
+    assert "by_patch" not in compare.cell_json(nat, None, rounds)
+    plain = compare.Cell(Wrapped("b"))
+    plain.runs = [_run(x) for x, _ in pairs]
+    assert "by_patch" not in compare.cell_json(
+        plain, nat, [[("native", n), ("b", x)] for x, n in pairs])
+
+
 def test_summarize_dbr_report():
     rep = {"schema": "dbr.run/1", "exit_code": 0, "wall_s": 1.0,
            "clients": [{"pid": 1, "samples": 100, "samples_after_first_patch": 60,
