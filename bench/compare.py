@@ -475,6 +475,22 @@ class HostService:
         except Exception:  # noqa: BLE001 - no psutil, or the service is gone
             return None
 
+    def patched(self, pid: int) -> bool | None:
+        """Whether this service installed code in the client ``pid`` (asked after it
+        ended, while the service keeps its session): False when it has no session for
+        it (the run was born late, or ended before the service heard of it), None when
+        the service cannot be asked."""
+        if not self.rt or not pid:
+            return None
+        from dbr_service.cmd_run import collect_report
+        from dbr_service.ctlclient import ControlClient
+
+        try:
+            clients = collect_report(ControlClient(self.rt), pid)
+        except Exception:  # noqa: BLE001 - a service that does not answer: unknown
+            return None
+        return any(c.get("time_to_first_patch_s") is not None for c in clients or [])
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()

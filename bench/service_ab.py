@@ -5,7 +5,9 @@ under service B (both started once, each with its own runtime dir, as a deployed
 host's service would be), in an order rotated from round to round, timed like
 ``bench.compare`` (spawn to wait4).  Reports each configuration's median over native,
 the paired median, B over A with a 95 % bootstrap interval (rounds resampled whole),
-and the CPU the services spent per run (their processes and workers, psutil).
+and the CPU the services spent per run (their processes and workers, psutil).  Each
+service is asked after every run whether it installed code in it; where some runs of
+a service were patched and some not, its ratio is also given over each kind alone.
 
 It answers "does this setting change what the program pays", where two whole-suite
 runs taken at different times would differ by more than the effect.
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         names = list(envs)
         walls: dict[str, list[float]] = {n: [] for n in names}
         cpu: dict[str, list[float]] = {n: [] for n in services}
+        patched: dict[str, list[bool | None]] = {n: [] for n in services}
         argv_run = [exe, *prog[1:]]
         for rnd in range(args.runs + 1):           # round 0 warms up, not counted
             k = rnd % len(names)
@@ -94,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 if rnd:
                     walls[n].append(r.wall)
+                    if svc:
+                        patched[n].append(svc.patched(r.pid))
                     c1 = svc.cpu_s() if svc else None
                     if c0 is not None and c1 is not None:
                         cpu[n].append(c1 - c0)
@@ -113,6 +118,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{rows[n]['ratio']:.4f} (paired {rows[n]['paired']:.4f})"
               + (f"  service CPU a run {rows[n]['service_cpu_mean_s'] * 1e3:.1f} ms"
                  if "service_cpu_mean_s" in rows[n] else ""))
+    for n in services:
+        p = patched[n]
+        rows[n]["runs_patched"] = p.count(True)
+        print(f"{n:7s} code installed in {p.count(True)} of {len(p)} runs"
+              + (f" ({p.count(None)} unknown)" if None in p else ""))
+        for key, want in (("patched", True), ("unpatched", False)):
+            side = [(x, y) for x, y, q in zip(walls[n], walls["native"], p) if q is want]
+            if side and len(side) < len(p):
+                ci = ratio_ci(side)
+                rows[n][f"ratio_{key}"] = (statistics.median(x for x, _ in side)
+                                           / statistics.median(y for _, y in side))
+                rows[n][f"ratio_{key}_ci95"] = list(ci) if ci else None
+                print(f"        its {len(side)} {key} rounds over native "
+                      f"{rows[n][f'ratio_{key}']:.4f}"
+                      + (f" [{ci[0]:.4f}-{ci[1]:.4f}]" if ci else ""))
     lo, hi = ratio_ci(list(zip(walls["B"], walls["A"])))   # as bench.compare's verdicts
     ba = statistics.median(walls["B"]) / statistics.median(walls["A"])
     print(f"B over A {ba:.4f} [{lo:.4f}-{hi:.4f}]  "
@@ -122,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(), "prog": prog, "runs": args.runs, "a": args.a, "b": args.b,
         "env_a": args.env_a, "env_b": args.env_b,
         "configs": rows, "b_over_a": ba, "b_over_a_ci95": [lo, hi], "walls": walls,
-        "service_cpu_s": cpu})
+        "service_cpu_s": cpu, "patched": patched})
     print(f"written {path}")
     return 0
 

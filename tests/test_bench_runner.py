@@ -492,6 +492,9 @@ def test_service_ab_runs_a_program_under_two_services(tmp_path, monkeypatch, cap
     data = json.loads((tmp_path / "service_ab.json").read_text())
     assert set(data["configs"]) == {"native", "A", "B"}
     assert all(len(w) == 5 for w in data["walls"].values())
+    # /bin/true ends before any service hears of it: no session, so no code, known
+    assert data["patched"] == {"A": [False] * 5, "B": [False] * 5}
+    assert "B       code installed in 0 of 5 runs\n" in out, out
     lo, hi = data["b_over_a_ci95"]
     assert lo <= data["b_over_a"] <= hi
     # a setting the service refuses: it does not start, and nothing is run
