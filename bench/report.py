@@ -133,7 +133,10 @@ def _by_patch_md(rows: list, cfgs: list[str]) -> list[str]:
     if not lines:
         return []
     return ["", "Rounds split by whether the dbr run had code installed (ratio of medians "
-            "over those rounds, with its interval):", "",
+            "over those rounds, with its interval). Not the installed code's effect: code "
+            "comes only to a run that lasts until the service's first job ends, so a run the "
+            "machine slowed is more often patched (`bench.service_ab` with `patching=false` "
+            "on one side measures the code itself):", "",
             "| workload | config | rounds patched | ratio | interval | rounds unpatched | "
             "ratio | interval |", "|---|---|---|---|---|---|---|---|"] + lines
 
