@@ -185,6 +185,17 @@ def test_ratio_interval_and_the_verdict_it_gives():
     assert ratio_ci([(1.0, 1.0)] * 4) is None and verdict(None, 1.01) == "undecided"
 
 
+def _report_of_one(nat: compare.Cell, cj: dict, rounds: list) -> str:
+    """bench.report's markdown of one workload "w": native and a dbr-preload cell."""
+    from bench import report
+
+    return report.markdown({"benchmarks": {"compare": {
+        "settings": {}, "target": compare.TARGET, "configs": {},
+        "workloads": [{"name": "w", "status": "ok",
+                       "configs": {"native": compare.cell_json(nat, None, rounds),
+                                   "dbr-preload": cj}}]}}})
+
+
 def test_cell_json_carries_the_interval_and_the_report_judges_by_it():
     nat, b = compare.Cell(compare.Native()), compare.Cell(Wrapped("dbr-preload"))
     pairs = _noisy_pairs(1.05, 21, 0.01, 5)
@@ -194,14 +205,7 @@ def test_cell_json_carries_the_interval_and_the_report_judges_by_it():
     cj = compare.cell_json(b, nat, rounds)
     lo, hi = cj["ratio_ci95"]
     assert lo <= cj["ratio"] <= hi and lo > 1.01
-    data = {"benchmarks": {"compare": {
-        "settings": {}, "target": compare.TARGET, "configs": {},
-        "workloads": [{"name": "w", "status": "ok",
-                       "configs": {"native": compare.cell_json(nat, None, rounds),
-                                   "dbr-preload": cj}}]}}}
-    from bench import report
-
-    md = report.markdown(data)
+    md = _report_of_one(nat, cj, rounds)
     assert "## Target: no workload slower than native by more than 1 %" in md
     assert f"| w | dbr-preload | {cj['ratio']:.3f} | {lo:.3f}–{hi:.3f} | **missed** |" in md
     assert "Verdicts: missed 1." in md
@@ -232,14 +236,7 @@ def test_rounds_split_by_whether_the_dbr_run_was_patched():
     assert bp["patched"]["ratio"] == pytest.approx(1.05, abs=0.01)
     assert bp["patched"]["ratio_ci95"][0] > 1.03
     assert bp["unpatched"]["ratio_ci95"][0] <= 1.0 <= bp["unpatched"]["ratio_ci95"][1]
-    from bench import report
-
-    data = {"benchmarks": {"compare": {
-        "settings": {}, "target": compare.TARGET, "configs": {},
-        "workloads": [{"name": "w", "status": "ok",
-                       "configs": {"native": compare.cell_json(nat, None, rounds),
-                                   "dbr-preload": cj}}]}}}
-    md = report.markdown(data)
+    md = _report_of_one(nat, cj, rounds)
     assert "Rounds split by whether the dbr run had code installed" in md
     assert f"| w | dbr-preload | 10 | {bp['patched']['ratio']:.3f} |" in md
     # a native cell, or a run with no report at all, has no split
