@@ -32,7 +32,7 @@ from pathlib import Path
 
 import dbr_agent
 from bench.common import machine, program_of, ratio_ci, write_results
-from bench.compare import HostService, run_once
+from bench.compare import HostService, by_patch, run_once
 from dbr_service.cmd_run import preload_env
 
 
@@ -123,16 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         rows[n]["runs_patched"] = p.count(True)
         print(f"{n:7s} code installed in {p.count(True)} of {len(p)} runs"
               + (f" ({p.count(None)} unknown)" if None in p else ""))
-        for key, want in (("patched", True), ("unpatched", False)):
-            side = [(x, y) for x, y, q in zip(walls[n], walls["native"], p) if q is want]
-            if side and len(side) < len(p):
-                ci = ratio_ci(side)
-                rows[n][f"ratio_{key}"] = (statistics.median(x for x, _ in side)
-                                           / statistics.median(y for _, y in side))
-                rows[n][f"ratio_{key}_ci95"] = list(ci) if ci else None
-                print(f"        its {len(side)} {key} rounds over native "
-                      f"{rows[n][f'ratio_{key}']:.4f}"
-                      + (f" [{ci[0]:.4f}-{ci[1]:.4f}]" if ci else ""))
+        for key, side in by_patch(list(zip(walls[n], walls["native"])), p).items():
+            if side["rounds"] < len(p):     # only where some runs were patched and some not
+                ci = side["ratio_ci95"]
+                rows[n][f"ratio_{key}"], rows[n][f"ratio_{key}_ci95"] = side["ratio"], ci
+                print(f"        its {side['rounds']} {key} rounds over native "
+                      f"{side['ratio']:.4f}" + (f" [{ci[0]:.4f}-{ci[1]:.4f}]" if ci else ""))
     lo, hi = ratio_ci(list(zip(walls["B"], walls["A"])))   # as bench.compare's verdicts
     ba = statistics.median(walls["B"]) / statistics.median(walls["A"])
     print(f"B over A {ba:.4f} [{lo:.4f}-{hi:.4f}]  "
