@@ -14,10 +14,12 @@ under its lock or post work to session threads with a bounded wait.
 from __future__ import annotations
 
 import enum
+import grp
 import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import threading
 import time
@@ -88,15 +90,29 @@ def check_args(name: str, spec: dict[str, Arg], args: Any) -> dict[str, Any]:
     return out
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def decode_request(raw: bytes) -> Any:
+    """One request frame as a JSON value: strict UTF-8 (json.loads would also take
+    UTF-16/32) and strict JSON (no NaN/Infinity); a Fault for anything else."""
+    if len(raw) > MAX_REQUEST:
+        raise Fault(Code.TOO_LARGE, f"request of {len(raw)} bytes exceeds {MAX_REQUEST}")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError as exc:
+        raise Fault(Code.BAD_REQUEST, f"request is not UTF-8: {exc}") from None
+    # ValueError: malformed JSON, or an integer beyond Python's digit limit;
+    # RecursionError: nesting deeper than the parser's stack.
+    except (ValueError, RecursionError) as exc:
+        raise Fault(Code.BAD_REQUEST, f"malformed JSON: {exc}") from None
+
+
 def dispatch(service: Service, raw: bytes) -> dict[str, Any]:
     """Decode one request, run its handler, and build the reply (never raises)."""
     try:
-        if len(raw) > MAX_REQUEST:
-            raise Fault(Code.TOO_LARGE, f"request of {len(raw)} bytes exceeds {MAX_REQUEST}")
-        try:
-            req = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise Fault(Code.BAD_REQUEST, f"malformed JSON: {exc}") from None
+        req = decode_request(raw)
         if not isinstance(req, dict) or not isinstance(req.get("verb"), str):
             raise Fault(Code.BAD_REQUEST, 'request must be {"verb": STRING, "args": {...}}')
         extra = sorted(set(req) - {"verb", "args"})
@@ -112,11 +128,26 @@ def dispatch(service: Service, raw: bytes) -> dict[str, Any]:
         result = fn(service, check_args(name, spec, req.get("args")))
         return {"ok": True, "result": result}
     except Fault as f:
-        return {"ok": False, "error": {"code": int(f.code), "message": f.message}}
+        return fault_reply(f.code, f.message)
     except Exception as exc:  # a handler bug: report it, keep serving
         log.exception("control request failed")
-        return {"ok": False, "error": {"code": int(Code.INTERNAL),
-                                       "message": f"internal error: {exc!r}"}}
+        return fault_reply(Code.INTERNAL, f"internal error: {exc!r}")
+
+
+def fault_reply(code: Code, message: str) -> dict[str, Any]:
+    return {"ok": False, "error": {"code": int(code), "message": message}}
+
+
+def encode_reply(reply: dict[str, Any]) -> bytes:
+    """The reply as JSON; one that cannot be encoded (a handler returned a cycle, an
+    integer beyond the digit limit...) becomes an INTERNAL fault instead.  ASCII
+    output, so ``encode`` cannot fail."""
+    try:
+        return json.dumps(reply, default=_json_default).encode()
+    except Exception as exc:
+        log.exception("control reply could not be encoded")
+        return json.dumps(fault_reply(Code.INTERNAL,
+                                      f"reply could not be encoded: {exc!r}")).encode()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -126,6 +157,11 @@ def _client(service: Service, pid: int) -> ClientSession:
     if s is None:
         raise Fault(Code.NO_CLIENT, f"no client with pid {pid}")
     return s
+
+
+MAX_TOP = 10_000
+"""Most hot spots one ``hotspots`` reply lists: each costs a mapping lookup on the
+control thread and ~150 bytes of reply."""
 
 
 def _int_arg(v: Any, name: str) -> int:
@@ -184,8 +220,10 @@ def verb_hotspots(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Hottest addresses of one client, from every sample since it connected."""
     from dbr_service.scheduler import find_hotspots
 
-    s = _client(service, _int_arg(args["pid"], "pid"))
     top = _int_arg(args["top"], "top")
+    if top > MAX_TOP:
+        raise Fault(Code.BAD_ARGS, f"hotspots: top must be at most {MAX_TOP}")
+    s = _client(service, _int_arg(args["pid"], "pid"))
     with s.lock:
         counts = dict(s.ip_counts)
         maps = list(s.maps)
@@ -303,14 +341,18 @@ def verb_report(service: Service, args: dict[str, Any]) -> list[dict[str, Any]]:
         raise Fault(Code.BAD_ARGS, "report: pids must be a list of integers")
     with service.lock:
         sessions = list(service.history) + list(service.sessions.values())
+    children: dict[int, list[int]] = {}
+    for s in sessions:
+        children.setdefault(s.ppid, []).append(s.pid)
+    # follow forks: children of wanted pids are wanted too (each pid expanded once,
+    # so the work is linear in the sessions remembered, whatever the caller sends)
     wanted = set(pids)
-    changed = True
-    while changed:  # follow forks: children of wanted pids are wanted too
-        changed = False
-        for s in sessions:
-            if s.ppid in wanted and s.pid not in wanted:
-                wanted.add(s.pid)
-                changed = True
+    todo = list(wanted)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in wanted:
+                wanted.add(child)
+                todo.append(child)
     return [s.report() for s in sessions if s.pid in wanted and s.exe]
 
 
@@ -328,48 +370,157 @@ def verb_shutdown(service: Service, args: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- sockets
+MAX_FRAME = 4 * MAX_REQUEST
+"""zmq.MAXMSGSIZE of the control socket: zmq closes the connection of a peer that
+announces a larger frame before reading its body, so it is never buffered.  Frames
+between MAX_REQUEST and this still arrive and get a TOO_LARGE reply."""
+
+SEND_TIMEOUT_MS = 1000
+"""zmq.SNDTIMEO: a reply that cannot be queued within this is given up (REP drops
+replies to peers that do not read rather than block, but the bound is explicit)."""
+
+
 class ControlServer:
-    """Serves the REP control socket from its own thread."""
+    """Serves the REP control socket from its own thread.
+
+    One request is one single-frame message; anything else gets a fault reply.  A
+    zmq error while serving one request is logged and, since it may leave the REP
+    socket owing a reply it can no longer send, the socket is closed and bound afresh
+    on the same path: only :meth:`stop` ends the loop.
+    """
 
     def __init__(self, service: Service, ctx: zmq.Context, path: str) -> None:
         self.service = service
+        self.ctx = ctx
         self.path = path
-        self.sock = ctx.socket(zmq.REP)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        old = os.umask(0o177)  # the ipc file is created 0600
-        try:
-            self.sock.bind(f"ipc://{path}")
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
+        self.sock = self._bind()
         self._stop = threading.Event()
         # stop() writes here so the serving thread wakes at once (a stopping `dbr run`
         # used to wait out the poll period).
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.requests = 0
+        self.rebinds = 0
         self.thread = threading.Thread(target=self._serve, name="dbr-control", daemon=True)
+
+    def _bind(self, mode: int = 0o600, gid: int = -1) -> zmq.Socket:
+        """A REP socket bound on ``path``, its file ``mode`` (0600: created under
+        umask 0177, so it is never open to others) and group ``gid``."""
+        sock = self.ctx.socket(zmq.REP)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+            sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+            # The ipc file is created 0600.  umask is per process: a file another
+            # thread creates meanwhile is at worst made more private, never less.
+            old = os.umask(0o177)
+            try:
+                sock.bind(f"ipc://{self.path}")
+            finally:
+                os.umask(old)
+            if gid != -1:
+                try:
+                    os.chown(self.path, -1, gid)
+                except OSError as exc:  # the group bits would then name the wrong group
+                    log.error("control socket %s: chgrp failed: %s", self.path, exc)
+                    mode &= 0o600
+            os.chmod(self.path, mode)
+        except BaseException:
+            sock.close(0)
+            raise
+        return sock
 
     def start(self) -> None:
         self.thread.start()
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                ready = dict(poller.poll(1000))
-                if self.sock not in ready:
-                    continue
-                raw = self.sock.recv(copy=True)
-                reply = dispatch(self.service, raw)
-                self.requests += 1
-                self.sock.send(json.dumps(reply, default=_json_default).encode())
-        except zmq.ZMQError as exc:
-            if not self._stop.is_set():
-                log.error("control socket failed: %s", exc)
+                poller = zmq.Poller()
+                poller.register(self.sock, zmq.POLLIN)
+                poller.register(self._wake_r, zmq.POLLIN)
+                try:
+                    while not self._stop.is_set():
+                        self._serve_one(poller)
+                except zmq.ZMQError as exc:
+                    # ETERM: the context is being terminated (the service releases
+                    # its sockets only after stop()): nothing can be bound any more.
+                    if self._stop.is_set() or exc.errno == zmq.ETERM:
+                        break
+                    log.error("control socket: %s; binding it afresh", exc)
+                    if not self._rebind():
+                        break
+                except Exception:  # a bug here must not end the loop either
+                    log.exception("control socket: unexpected error; binding it afresh")
+                    if not self._rebind():
+                        break
         finally:
             self.sock.close(0)
+
+    def _serve_one(self, poller: zmq.Poller) -> None:
+        """Wait (bounded) for one request and answer it."""
+        ready = dict(poller.poll(1000))
+        if self.sock not in ready:
+            return
+        try:
+            first = self.sock.recv(zmq.NOBLOCK)
+        except zmq.Again:  # woken with nothing to read
+            return
+        # From here the REP socket owes this peer exactly one reply.
+        frames = self._drop_more_frames()
+        if frames != 1:
+            reply = fault_reply(Code.BAD_REQUEST, f"request has {frames} frames; send "
+                                                  "one frame holding a JSON object")
+        else:
+            reply = dispatch(self.service, first)
+        self.requests += 1
+        self._send_reply(encode_reply(reply))
+
+    def _drop_more_frames(self) -> int:
+        """Read the rest of the message whose first frame was just read; its number of
+        frames.  Like recv_multipart, but frames are dropped as they are read rather
+        than all held at once; the parts of one message arrive together, so none waits."""
+        frames = 1
+        while self.sock.get(zmq.RCVMORE):
+            self.sock.recv(zmq.NOBLOCK, copy=False)
+            frames += 1
+        return frames
+
+    def _send_reply(self, data: bytes) -> None:
+        self.sock.send(data)
+
+    def _rebind(self) -> bool:
+        """Close the socket and bind a fresh one on the same path, with the mode and
+        group its file had (the service may have given it a socket_group); retried
+        with back-off until it works or stop().  False when it cannot work again."""
+        mode, gid = 0o600, -1
+        try:
+            st = os.stat(self.path)
+            mode, gid = stat.S_IMODE(st.st_mode) & 0o660 | 0o600, st.st_gid
+        except OSError:  # file gone: what Service._chgrp_sockets gives it
+            group = getattr(self.service.config, "socket_group", "")
+            if group:
+                try:
+                    mode, gid = 0o660, grp.getgrnam(group).gr_gid
+                except KeyError:
+                    log.error("socket_group %r does not exist; control socket 0600", group)
+        self.sock.close(0)
+        delay = 0.05
+        while not self._stop.is_set():
+            try:
+                self.sock = self._bind(mode, gid)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.ETERM:
+                    return False
+                log.error("cannot bind the control socket %s again: %s", self.path, exc)
+            except OSError as exc:
+                log.error("cannot bind the control socket %s again: %s", self.path, exc)
+            else:
+                self.rebinds += 1
+                log.warning("control socket %s bound afresh", self.path)
+                return True
+            self._stop.wait(delay)
+            delay = min(delay * 2, 5.0)
+        return False
 
     def stop(self) -> None:
         self._stop.set()

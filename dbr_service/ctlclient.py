@@ -21,7 +21,7 @@ MAX_REQUEST = 64 * 1024
 class Code(enum.IntEnum):
     """Fault codes of the control API (stable; documented in docs/control-api.md)."""
 
-    BAD_REQUEST = 1     # not JSON, not an object, no verb string
+    BAD_REQUEST = 1     # not one frame, not UTF-8 JSON, not an object, no verb string
     UNKNOWN_VERB = 2
     BAD_ARGS = 3        # unknown, missing or wrongly typed argument
     TOO_LARGE = 4       # request above MAX_REQUEST bytes
