@@ -4,6 +4,7 @@ serving; a zmq error in one request rebinds the socket instead of ending its thr
 
 from __future__ import annotations
 
+import dataclasses
 import grp
 import json
 import os
@@ -12,6 +13,7 @@ import stat
 import tempfile
 import threading
 import time
+from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -277,3 +279,199 @@ def test_report_follows_forks_in_linear_time():
     out = control.verb_report(service, {"pids": [999]})
     assert len(out) == 2000
     assert time.monotonic() - t0 < 0.5
+
+
+# ----------------------------------------------------------------- fuzzing
+# Hypothesis: random messages on one live service.  Every well-framed message whose
+# frames are within MAXMSGSIZE gets a JSON reply with "ok"; the service stays up,
+# `status` answers at the end and its descriptor count comes back.  `config_set` may
+# change settings on the way (allowed); `shutdown` is left out.
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from dbr_service.config import Config  # noqa: E402
+
+FUZZ_VERBS = sorted(v for v in control.VERBS if v != "shutdown")
+WORDS = [*Config.keys(), *control.VERBS, "json", "dot", "svg", "r1", "", "verb", "args"]
+
+
+def _valid_settings() -> list[tuple[str, object]]:
+    """(key, value) pairs config_set accepts on their own: each key's default, bounds
+    and choices (runtime_dir and socket_group are refused whatever the value)."""
+    out = []
+    for f in dataclasses.fields(Config):
+        values = [getattr(Config(), f.name), *f.metadata.get("choices", ())]
+        values += [f.metadata[b] for b in ("min", "max") if b in f.metadata]
+        out += [(f.name, v) for v in values if v is not None]
+    return out
+
+
+VALID_SETTINGS = _valid_settings()
+
+_ints = st.one_of(st.integers(-2**70, 2**70),
+                  st.sampled_from([0, 1, -1, 2**31, 2**63, -2**63 - 1, 10**4000,
+                                   -(10**4000), control.MAX_TOP, control.MAX_TOP + 1]))
+_strings = st.one_of(st.text(max_size=24), st.sampled_from(WORDS))
+_scalars = st.one_of(st.none(), st.booleans(), _ints, _strings,
+                     st.floats(allow_nan=False, allow_infinity=False))
+_json = st.recursive(_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(_strings, inner, max_size=4)),
+    max_leaves=12)
+
+_TYPED = {int: _ints, str: _strings, bool: st.booleans(), list: st.lists(_ints, max_size=6),
+          float: st.floats(allow_nan=False, allow_infinity=False)}
+
+
+@st.composite
+def _requests(draw) -> object:
+    """A request object: a registered verb, arguments named in its spec or not, values
+    of the right type or not; sometimes a wrong shape around them."""
+    name = draw(st.sampled_from(FUZZ_VERBS))
+    spec = control.VERBS[name][1]
+    args = {}
+    for key in draw(st.lists(st.sampled_from(sorted(spec) or ["x"]), max_size=4)):
+        typed = [_TYPED[t] for t in spec[key].types] if key in spec else [_ints]
+        args[key] = draw(st.one_of(*typed, _json))
+    if draw(st.integers(0, 9)) == 0:
+        args[draw(_strings)] = draw(_json)
+    if name == "config_set" and draw(st.booleans()):
+        args = dict(zip(("key", "value"), draw(st.sampled_from(VALID_SETTINGS))))
+    req: dict = {"verb": name, "args": args}
+    shape = draw(st.integers(0, 19))
+    if shape == 0:
+        del req["args"]
+    elif shape == 1:
+        req["args"] = draw(_json)
+    elif shape == 2:
+        req[draw(_strings)] = draw(_json)
+    return req
+
+
+@st.composite
+def _messages(draw) -> tuple[str, list[bytes], int]:
+    """(how it is framed, payload frames, size the one frame is padded to with JSON
+    whitespace or 0): "single", "multi", "undelimited" (no empty delimiter frame: REP
+    drops it) or "giant" (a frame above MAXMSGSIZE).  Padding is applied when sent,
+    so that a failing example prints short."""
+    def payload() -> bytes:
+        kind = draw(st.integers(0, 3))
+        if kind == 0:
+            return draw(st.binary(max_size=200))
+        if kind == 1:
+            return json.dumps(draw(_json)).encode()
+        return json.dumps(draw(_requests())).encode()
+
+    framing = draw(st.integers(0, 99))
+    if framing == 0:
+        return "giant", [b""], MAX_FRAME + 1 + draw(st.integers(0, 1 << 20))
+    if framing < 5:  # at the size bounds
+        return "single", [payload()], draw(st.sampled_from([MAX_REQUEST, MAX_REQUEST + 1,
+                                                            MAX_FRAME]))
+    if framing < 15:
+        return "undelimited", [payload() or b"x" for _ in range(draw(st.integers(1, 3)))], 0
+    if framing < 30:
+        return "multi", [payload() for _ in range(draw(st.integers(2, 4)))], 0
+    return "single", [payload()], 0
+
+
+def _fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _settled_fd_count(pid: int, timeout: float = 10.0) -> int:
+    """The service's descriptor count once it stays the same for a second."""
+    deadline = time.monotonic() + timeout
+    last, same_since = _fd_count(pid), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        n = _fd_count(pid)
+        if n != last:
+            last, same_since = n, time.monotonic()
+        elif time.monotonic() - same_since >= 1.0:
+            break
+    return last
+
+
+class _Fuzzer:
+    """One DEALER for the examples; each message carries a tag frame before the empty
+    delimiter, which REP sends back, so a late reply is never taken for another's."""
+
+    def __init__(self, svc) -> None:
+        self.svc = svc
+        self.path = _control_path(svc)
+        self.dealer = _socket(self.path, zmq.DEALER)
+        self.sent = 0
+        self.replies = 0
+        # The service is shared by all examples: a failure may come from an earlier
+        # message, so the last ones are quoted, and once one went unanswered the
+        # following fail at once (hypothesis then calls the failure flaky).
+        self.recent: deque[str] = deque(maxlen=6)
+        self.unanswered: str | None = None
+
+    def close(self) -> None:
+        self.dealer.close(0)
+
+    def run(self, framing: str, frames: list[bytes], pad_to: int) -> None:
+        assert self.unanswered is None, f"no reply since {self.unanswered}"
+        self.sent += 1
+        self.recent.append(f"{framing} {frames!r:.200} pad_to={pad_to}")
+        if pad_to:
+            frames = [frames[0][:pad_to].ljust(pad_to, b" ")]
+        tag = self.sent.to_bytes(8, "little")
+        if framing == "giant":
+            assert _ask(self.path, frames, timeout=0.1) is None
+        elif framing == "undelimited":
+            self.dealer.send_multipart([tag, *frames])
+        else:
+            self.dealer.send_multipart([tag, b"", *frames])
+            if not self.dealer.poll(10_000):
+                self.unanswered = "\n".join(self.recent)
+                raise AssertionError(f"no reply; messages up to it:\n{self.unanswered}")
+            got = self.dealer.recv_multipart()
+            assert got[0] == tag and got[1] == b"" and len(got) == 3, got[:3]
+            reply = json.loads(got[2])
+            assert reply["ok"] in (True, False), reply
+            if not reply["ok"]:
+                assert reply["error"]["code"] in Code._value2member_map_, reply
+            if framing == "multi":
+                assert reply["error"]["code"] == Code.BAD_REQUEST, reply
+            elif len(frames[0]) > MAX_REQUEST:
+                assert reply["error"]["code"] == Code.TOO_LARGE, reply
+            self.replies += 1
+        assert self.svc.proc.poll() is None, self.svc.output()[-3000:]
+
+
+def _fuzz(svc, examples: int, derandomize: bool) -> None:
+    pid = svc.proc.pid
+    fds = _settled_fd_count(pid)
+    fuzzer = _Fuzzer(svc)
+    try:
+        @settings(max_examples=examples, deadline=None, derandomize=derandomize,
+                  database=None, print_blob=True,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                         HealthCheck.large_base_example])
+        @given(msg=_messages())
+        def one(msg):
+            fuzzer.run(*msg)
+
+        one()
+    finally:
+        fuzzer.close()
+    assert fuzzer.sent >= examples and fuzzer.replies > examples // 2, \
+        (fuzzer.sent, fuzzer.replies)
+    svc.call("resume")  # a random `pause` may have stopped snapshots
+    _serving(svc)
+    deadline = time.monotonic() + 10
+    while _fd_count(pid) != fds and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _fd_count(pid) == fds, (fds, sorted(os.listdir(f"/proc/{pid}/fd")))
+
+
+def test_fuzz_control_socket(svc):
+    _fuzz(svc, 2000, derandomize=True)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(3600)
+def test_fuzz_control_socket_long(svc):
+    _fuzz(svc, 30_000, derandomize=False)
