@@ -17,6 +17,12 @@ QUICK_SKIP = {
                     "back off (about 18 minutes); run it by name",
 }
 
+#: Run only when named (`python -m bench long ...`): too long for a plain `make bench`.
+NAMED_ONLY = {
+    "long": "long-running programs against BOLT and PGO (about 45 minutes, --quick under "
+            "10); run it by name: python -m bench long [--quick]",
+}
+
 # name -> module with main(argv) -> int, in the order they run.
 BENCHMARKS = [
     ("agent_overhead", "bench.agent_overhead"),      # issue 2: the agent, never patched
@@ -25,6 +31,7 @@ BENCHMARKS = [
     ("codegen_rate", "bench.codegen_rate"),  # issue 5: replacement-code bytes per second
     ("scaling", "bench.scaling"),     # issue 6: 1..64 clients under one service
     ("steady_state", "bench.steady_state"),  # issue 5: long runs, sampling backoff
+    ("long", "bench.long.main"),      # issue 35: 15-60 s programs vs BOLT and PGO
 ]
 
 
@@ -36,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer runs, smaller inputs")
     ap.add_argument("names", nargs="*", help="subset of: " + ", ".join(n for n, _ in BENCHMARKS))
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given and given[0] == "long" or given[:2] == ["--quick", "long"]:
+        # `python -m bench long ...`: its own options (--pairs, --only, --setup, ...)
+        given.remove("long")
+        return importlib.import_module("bench.long.main").main(given)
     args = ap.parse_args(argv)
     unknown = set(args.names) - {n for n, _ in BENCHMARKS}
     if unknown:
@@ -51,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     rc = 0
     for name, mod in BENCHMARKS:
         if args.names and name not in args.names:
+            continue
+        if not args.names and name in NAMED_ONLY:
+            print(f"== {name}: not run unless named ({NAMED_ONLY[name]})", flush=True)
             continue
         if args.quick and not args.names and name in QUICK_SKIP:
             print(f"== {name}: skipped in --quick ({QUICK_SKIP[name]})", flush=True)
