@@ -145,10 +145,8 @@ class AgentConnection:
         with self._recv_lock:
             if self.closed:
                 raise AgentError("session closed")
-            if timeout is not None:
-                r, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
-                if not r:
-                    return None
+            if timeout is not None and not readable(self.sock.fileno(), timeout):
+                return None
             fds = array.array("i")
             try:
                 data, anc, flags, _ = self.sock.recvmsg(
@@ -395,6 +393,14 @@ class AgentConnection:
             self.sock.close()
         except OSError:
             pass
+
+
+def readable(fd: int, timeout: float) -> bool:
+    """Whether ``fd`` is readable (or hung up) within ``timeout`` seconds.  poll, not
+    select: a service with many clients has descriptors above FD_SETSIZE (1024)."""
+    p = select.poll()
+    p.register(fd, select.POLLIN | select.POLLPRI)
+    return bool(p.poll(max(0, int(timeout * 1000 + 0.999))))
 
 
 def result_name(code: int) -> str:

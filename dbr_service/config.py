@@ -104,6 +104,12 @@ class Config:
     allowed_uids: tuple[int, ...] | None = field(default=None, metadata=_doc(
         "uids whose agents may connect (unset: root and the service's uid); "
         "comma-separated in the environment and -o, empty means nobody"))
+    max_handshakes: int = field(default=64, metadata=_doc(
+        "agent connections allowed in their handshake at once; more are refused "
+        "(ERROR E_LIMIT) and closed at once", min=1, max=100_000))
+    max_sessions_per_uid: int = field(default=1024, metadata=_doc(
+        "sessions (live and in their handshake) one uid may hold; more are refused "
+        "(ERROR E_LIMIT) and closed at once", min=1, max=1_000_000))
     on_disconnect: str = field(default="keep", metadata=_doc(
         "keep | revert: what an agent does with its patches when the service goes away",
         choices=POLICIES))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,6 +25,80 @@ def resolve_runtime_dir(configured: str = "", env: Mapping[str, str] | None = No
         return Path("/run/dbr")
     xdg = env.get("XDG_RUNTIME_DIR") or f"/tmp/dbr-{os.getuid()}"
     return Path(xdg) / "dbr"
+
+
+class UnsafeDirError(OSError):
+    """A directory the service would write into could be changed by someone else."""
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _check_ancestor(st: os.stat_result, where: str) -> None:
+    """An ancestor of a private dir: owned by root or us, and writable by nobody else
+    unless sticky (/tmp), where others cannot rename or remove what is ours."""
+    if st.st_uid not in (0, os.geteuid()):
+        raise UnsafeDirError(f"{where} is owned by uid {st.st_uid}, not root or uid "
+                             f"{os.geteuid()}")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeDirError(f"{where} is writable by group or others "
+                             f"(mode {stat.S_IMODE(st.st_mode):04o}) and not sticky")
+
+
+def open_safe_dir(path: str | Path, *, create: bool = False, mode: int = 0o755) -> int:
+    """A descriptor of directory ``path`` after checking that nobody but this process's
+    user (and root) can change what it holds: the directory itself is not a symlink,
+    is owned by our euid and is not writable by group or others; every ancestor is
+    owned by root or us and is not writable by others unless sticky.  Symlinks above
+    the directory are resolved first and the resolved components checked.  The walk
+    opens each component relative to its parent with O_NOFOLLOW, so the descriptor
+    returned is the directory that was checked.  ``create``: make missing components
+    (``mode`` for the last, 0755 above it).  Raises UnsafeDirError or OSError."""
+    p = Path(os.path.abspath(path))
+    name = p.name
+    if name in ("", ".", ".."):
+        raise UnsafeDirError(f"{path}: not a usable directory name")
+    parent = Path(os.path.realpath(p.parent))
+    fd = os.open("/", _DIR_FLAGS)
+    try:
+        where = "/"
+        _check_ancestor(os.fstat(fd), where)
+        for comp in parent.parts[1:]:
+            where = os.path.join(where, comp)
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(comp, 0o755, dir_fd=fd)
+            nfd = os.open(comp, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+            _check_ancestor(os.fstat(fd), where)
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, mode, dir_fd=fd)
+        where = str(p)
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise UnsafeDirError(f"{where} does not exist") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafeDirError(f"{where} is a symbolic link")
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeDirError(f"{where} is not a directory")
+        dfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+    finally:
+        os.close(fd)
+    try:
+        st = os.fstat(dfd)
+        if st.st_uid != os.geteuid():
+            raise UnsafeDirError(f"{where} is owned by uid {st.st_uid}, not by this "
+                                 f"process's uid {os.geteuid()}")
+        if st.st_mode & 0o022:
+            raise UnsafeDirError(f"{where} is writable by group or others "
+                                 f"(mode {stat.S_IMODE(st.st_mode):04o})")
+    except BaseException:
+        os.close(dfd)
+        raise
+    return dfd
 
 
 # The agent's quiet start (dbr_agent/agent.c, "quiet while the program starts" and
@@ -64,19 +139,32 @@ def program_quiet_file(key: str) -> str:
     return f"{QUIET_FILE}.{key}"
 
 
-def write_ms_file(path: str | Path, ms: int) -> None:
+def write_ms_file(path: str | Path, ms: int, dir_fd: int | None = None) -> None:
     """Write ``ms`` as the agents read it (dbr_parse_ms), whole: a temporary file, mode
-    0644, renamed over ``path``, so an agent never reads half of it.  Raises OSError
-    (the temporary file removed)."""
+    0644, renamed over ``path``, so an agent never reads half of it.  With ``dir_fd``
+    (a directory from open_safe_dir) ``path`` is a name in it.  The temporary file is
+    created with O_EXCL|O_NOFOLLOW: nothing planted there is followed or reused.
+    Raises OSError (the temporary file removed)."""
     tmp = f"{path}.{os.getpid()}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    created = False
     try:
-        with open(tmp, "w") as f:
-            f.write(f"{ms}\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        try:
+            fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
+        except FileExistsError:   # left by a writer of the same pid that died
+            os.unlink(tmp, dir_fd=dir_fd)
+            fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
+        created = True
+        try:
+            os.write(fd, f"{ms}\n".encode())
+            os.fchmod(fd, 0o644)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if created:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
         raise
 
 

@@ -346,7 +346,9 @@ def _worker_init(service_pid: int) -> None:
             fd = os.pidfd_open(service_pid)
         except OSError:
             os._exit(0)  # already gone
-        select.select([fd], [], [])  # readable once the process has exited
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        p.poll()  # readable once the process has exited
         os._exit(0)
 
     threading.Thread(target=watch, name="dbr-worker-watch", daemon=True).start()

@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 import queue
+import resource
 import select
 import signal
 import socket
@@ -42,7 +43,7 @@ from dbr_service.control import ControlServer, EventBus
 from dbr_service.errors import ConfigError, DbrError, SamplingError
 from dbr_service.notify import Notifier
 from dbr_service.paths import (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET, QUIET_FILE,
-                               quiet_hint_ms, write_ms_file)
+                               UnsafeDirError, open_safe_dir, quiet_hint_ms, write_ms_file)
 from dbr_service.procfs import process_lives
 from dbr_service.reuse import ReusedThreads
 from dbr_service.sampling.aggregate import SampleAggregator
@@ -145,6 +146,21 @@ class Snapshot:
 #: How long a session's end waits for its process to end (Service._count_run).
 RUN_END_WAIT_S = 0.1
 
+#: Connections refused at a limit (max_handshakes, max_sessions_per_uid) are logged at
+#: most once per this many seconds.
+LIMIT_LOG_S = 10.0
+
+
+def raise_nofile_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard one: each client costs a socket and a wake pipe,
+    and each of its threads a perf event, so 1024 (systemd's soft default) is soon
+    reached on a busy host.  Not for an embedded service: the program it starts would
+    inherit the raised limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
 
 # --------------------------------------------------------------------------- service
 class Service:
@@ -201,6 +217,12 @@ class Service:
         self._control: ControlServer | None = None
         self._started = False
         self.stopped = threading.Event()
+        #: The runtime dir, opened and checked (_prepare_runtime_dir); files in it are
+        #: written relative to this descriptor.
+        self.dir_fd = -1
+        #: Agent connections refused at max_handshakes or max_sessions_per_uid.
+        self.refused_at_limit = 0
+        self._limit_logged = -LIMIT_LOG_S
 
     # ------------------------------------------------------------------ paths
     def path(self, name: str) -> str:
@@ -222,6 +244,8 @@ class Service:
             raise
 
     def _start(self) -> None:
+        if not self.embedded:
+            raise_nofile_limit()
         self._prepare_runtime_dir()
         if self._prebound is not None:
             self._listen = self._prebound
@@ -250,17 +274,33 @@ class Service:
         self.notifier.ready(self._status_line())
 
     def _prepare_runtime_dir(self) -> None:
+        """Open the runtime dir, refusing one that anybody but this service's user could
+        change (a symlink, another owner, writable by group or others, an unsafe
+        ancestor: paths.open_safe_dir).  Its mode is then set through the descriptor,
+        never through a path that could lead elsewhere."""
         d = self.runtime_dir
         group = self.config.socket_group
         try:
-            d.mkdir(parents=True, exist_ok=True)
-            os.chmod(d, 0o750 if group else 0o755)
-            if group:
-                os.chown(d, -1, grp.getgrnam(group).gr_gid)
+            gid = grp.getgrnam(group).gr_gid if group else -1
         except KeyError:
             raise ServiceError(f"socket_group {group!r} does not exist") from None
+        try:
+            fd = open_safe_dir(d, create=True, mode=0o700)
+        except UnsafeDirError as exc:
+            raise ServiceError(f"refusing runtime dir: {exc}") from None
         except OSError as exc:
             raise ServiceError(f"runtime dir {d}: {exc}") from None
+        try:
+            os.fchmod(fd, 0o750 if group else 0o755)
+            if group:
+                os.fchown(fd, -1, gid)
+        except OSError as exc:
+            os.close(fd)
+            raise ServiceError(f"runtime dir {d}: {exc}") from None
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+        self.dir_fd = fd
+        self.short_runs.dir_fd = fd
 
     def write_quiet_hint(self) -> None:
         """Tell agents how young a client this service samples (paths.QUIET_FILE,
@@ -276,7 +316,7 @@ class Service:
         ms = quiet_hint_ms(self.config.min_client_age_s)
         self._configure_short_runs(ms)
         try:
-            write_ms_file(path, ms)
+            write_ms_file(QUIET_FILE, ms, dir_fd=self.dir_fd)
         except OSError as exc:
             log.warning("cannot write the agents' quiet hint %s: %s", path, exc)
 
@@ -314,7 +354,7 @@ class Service:
                 probe.close()
         for name in (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET):
             try:
-                os.unlink(self.path(name))
+                os.unlink(name, dir_fd=self.dir_fd)
                 log.info("removed stale %s", self.path(name))
             except FileNotFoundError:
                 pass
@@ -366,14 +406,16 @@ class Service:
 
     def _loop_once(self) -> None:
         timeout = self._next_deadline() - time.monotonic()
-        r, _, _ = select.select([self._listen, self._wake_r], [], [],
-                                min(0.25, max(0.0, timeout)))
-        if self._wake_r in r:
+        p = select.poll()
+        p.register(self._listen.fileno(), select.POLLIN)
+        p.register(self._wake_r, select.POLLIN)
+        ready = {fd for fd, _ in p.poll(int(min(0.25, max(0.0, timeout)) * 1000 + 0.999))}
+        if self._wake_r in ready:
             try:
                 os.read(self._wake_r, 4096)
             except BlockingIOError:
                 pass
-        if self._listen in r:
+        if self._listen.fileno() in ready:
             self._accept()
         while True:
             try:
@@ -425,11 +467,53 @@ class Service:
                 sock.close()
                 log.warning("agent connection dropped before credentials: %s", exc)
                 continue
+            why = self._over_limit(conn.peer_uid)
+            if why:
+                self._refuse_at_once(conn, why)
+                continue
             sid = self._id_base + next(self._ids)
             s = ClientSession(self, conn, sid)
             with self.lock:
                 self.pending[sid] = s
             s.start()
+
+    def _over_limit(self, uid: int) -> str:
+        """Why a new connection of ``uid`` is refused before its handshake (a flood of
+        connections must not cost a thread and descriptors each), or ''."""
+        cfg = self.config
+        with self.lock:
+            if len(self.pending) >= cfg.max_handshakes:
+                return f"too many handshakes in progress (max_handshakes {cfg.max_handshakes})"
+            n = sum(1 for s in self.sessions.values() if s.uid == uid) + \
+                sum(1 for s in self.pending.values() if s.uid == uid)
+        if n >= cfg.max_sessions_per_uid:
+            return f"uid {uid} holds {n} sessions (max_sessions_per_uid " \
+                   f"{cfg.max_sessions_per_uid})"
+        return ""
+
+    def _refuse_at_once(self, conn: agentconn.AgentConnection, why: str) -> None:
+        """ERROR E_LIMIT and close, on the control thread, never waiting on the peer;
+        logged at most once per LIMIT_LOG_S with the count refused since."""
+        self.refused_at_limit += 1
+        try:
+            conn.sock.setblocking(False)
+            conn.error(P.Result.E_LIMIT, why)
+            # What the peer sent already (its HELLO) is read first: closing a socket with
+            # unread data resets the connection, and the peer would not see the ERROR.
+            for _ in range(4):
+                conn.sock.recv(P.MSG_MAX + 1)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        now = time.monotonic()
+        if now - self._limit_logged >= LIMIT_LOG_S:
+            log.warning("agent connection from pid %d uid %d refused: %s (%d refused at a "
+                        "limit so far)", conn.peer_pid, conn.peer_uid, why,
+                        self.refused_at_limit)
+            self._limit_logged = now
+        self.events.publish("client-refused", pid=conn.peer_pid, uid=conn.peer_uid,
+                            reason=why, peer_gone=False)
 
     def session_started(self, s: ClientSession) -> None:
         with self.lock:
@@ -883,13 +967,15 @@ class Service:
         if self._listen is not None:
             self._listen.close()
             for name in (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET):
-                try:
-                    os.unlink(self.path(name))
-                except FileNotFoundError:
-                    pass
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=self.dir_fd)
             with contextlib.suppress(OSError):   # not ours if it is not a file
-                os.unlink(self.path(QUIET_FILE))
+                os.unlink(QUIET_FILE, dir_fd=self.dir_fd)
             self.short_runs.remove_stale()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        if self.dir_fd >= 0:
+            self.short_runs.dir_fd = None
+            os.close(self.dir_fd)
+            self.dir_fd = -1

@@ -69,6 +69,9 @@ class ShortRunPrograms:
                  max_programs: int = SHORT_RUN_PROGRAMS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.runtime_dir = runtime_dir
+        #: The runtime dir opened and checked by the service (paths.open_safe_dir);
+        #: files are written and removed relative to it.  None: nothing is written.
+        self.dir_fd: int | None = None
         self.run_s = run_s
         self.memory_s = memory_s
         self.hint_ms = 0               # the service's own hint (paths.quiet_hint_ms)
@@ -188,8 +191,10 @@ class ShortRunPrograms:
     def _write(self, key: str, exe: str) -> bool:
         path = self.runtime_dir / program_quiet_file(key)
         ms = self.late_ms()
+        if self.dir_fd is None:
+            return False
         try:
-            write_ms_file(path, ms)
+            write_ms_file(program_quiet_file(key), ms, dir_fd=self.dir_fd)
         except OSError as exc:
             log.warning("cannot write %s: %s", path, exc)
             return False
@@ -199,18 +204,22 @@ class ShortRunPrograms:
         return True
 
     def _remove(self, key: str) -> None:
+        if self.dir_fd is None:
+            return
         with contextlib.suppress(OSError):
-            os.unlink(self.runtime_dir / program_quiet_file(key))
+            os.unlink(program_quiet_file(key), dir_fd=self.dir_fd)
 
     def remove_stale(self) -> None:
         """Remove every program file in the runtime dir (a service that held it before
         and did not stop cleanly; and at stop)."""
         prefix = f"{QUIET_FILE}."
+        if self.dir_fd is None:
+            return
         try:
-            names = os.listdir(self.runtime_dir)
+            names = os.listdir(self.dir_fd)
         except OSError:
             return
         for name in names:
             if name.startswith(prefix):
                 with contextlib.suppress(OSError):
-                    os.unlink(self.runtime_dir / name)
+                    os.unlink(name, dir_fd=self.dir_fd)

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -20,8 +21,8 @@ from birth_helpers import run_birth, task_changes
 from harness import compile_c
 from service_helpers import ServiceProc, kill, spawn_client
 
-from dbr_service.paths import (QUIET_FILE, agent_quiet, program_key, program_quiet_file,
-                               quiet_hint_ms)
+from dbr_service.paths import (QUIET_FILE, agent_quiet, open_safe_dir, program_key,
+                               program_quiet_file, quiet_hint_ms)
 from dbr_service.procfs import process_lives, started_boottime
 from dbr_service.shortruns import SHORT_RUNS, ShortRunPrograms
 
@@ -42,6 +43,8 @@ class Clock:
 def _memory(tmp_path, run_s=3.0, memory_s=600.0, hint_ms=1000, **kw):
     clock = Clock()
     m = ShortRunPrograms(tmp_path, run_s, memory_s, clock=clock, **kw)
+    m.dir_fd = open_safe_dir(tmp_path)   # as the service gives it
+    weakref.finalize(m, os.close, m.dir_fd)
     m.configure(run_s, memory_s, hint_ms)
     return m, clock
 
@@ -154,13 +157,18 @@ def test_stale_files_are_removed_and_a_failed_write_is_tried_again(tmp_path):
     m, _ = _memory(tmp_path)
     m.remove_stale()
     assert os.listdir(tmp_path) == [QUIET_FILE]      # the service's own hint stays
-    # a runtime dir that cannot be written: logged, no program born late, tried again
+    # a runtime dir that cannot be written (removed under the service): logged, no
+    # program born late, tried again at the next run's end
     gone = tmp_path / "gone"
+    gone.mkdir()
     m2, _ = _memory(gone)
+    gone.rmdir()
     for _ in range(SHORT_RUNS):
         m2.ended("k", "/bin/k", 1.0, installed=False)
     assert m2.status() == [] and m2.learned == 0
     gone.mkdir()
+    m2.dir_fd = open_safe_dir(gone)
+    weakref.finalize(m2, os.close, m2.dir_fd)
     m2.ended("k", "/bin/k", 1.0, installed=False)
     assert _file(gone, "k") == "3000\n"
 
@@ -293,6 +301,7 @@ def test_only_the_end_of_a_programs_own_run_is_counted(tmp_path):
 
     svc = Service(ConfigSources(env=dict(os.environ, DBR_RUNTIME_DIR=str(tmp_path))),
                   embedded=True)
+    svc._prepare_runtime_dir()       # what start() does first: the files go there
     svc._configure_short_runs(1000)
     ended = subprocess.Popen(["true"])
     ended_boot = started_boottime(f"/proc/{ended.pid}/stat")
