@@ -174,6 +174,9 @@ def render(verb: str, result: Any) -> str:
                  "host offers: " + ", ".join(
                      f"{k}={'yes' if v.get('available') else 'no'}" for k, v in caps.items()),
                  f"workers: {result['scheduler']}"]
+        if result.get("refused_at_limit"):
+            lines.append(f"refused at a connection limit: {result['refused_at_limit']} "
+                         f"(max_handshakes, max_sessions_per_uid)")
         late = result.get("short_runs") or []
         if late:
             lines.append(f"born late ({late[0]['birth_ms']} ms, short_run_s): " +

@@ -182,6 +182,8 @@ def verb_status(service: Service, args: dict[str, Any]) -> dict[str, Any]:
             "runtime_dir": str(service.runtime_dir), "embedded": service.embedded,
             "sampling": service.sampling_status(),
             "clients": len(live), "clients_seen": service.sessions_seen,
+            "handshakes": len(service.pending),
+            "refused_at_limit": service.refused_at_limit,
             "paused": service.paused, "snapshots": service.snapshot_count,
             "scheduler": service.scheduler.stats(),
             "session_threads": service.session_threads.stats(),

@@ -239,7 +239,8 @@ def test_1500_connections_at_once_are_refused_at_the_limits_and_leave_nothing_be
                      timeout=15, what="every flood session to end")
         n = settle(svc.proc.pid, base_fds)
         assert n <= base_fds, f"{n - base_fds} descriptors left behind"
-        assert svc.call("status")["clients"] == 0
+        st = svc.call("status")
+        assert st["clients"] == 0 and st["handshakes"] == 0 and st["refused_at_limit"] > 0
         assert "Traceback" not in svc.output() and "out of range" not in svc.output()
     finally:
         svc.stop()
