@@ -659,6 +659,13 @@ static int say_once(unsigned reason)
     return !(__atomic_fetch_or(&g_distrust_said, reason, __ATOMIC_RELAXED) & reason);
 }
 
+/* Root, the agent's own euid, or the service uid the process's owner named */
+static int trusted_uid(uid_t uid)
+{
+    return uid == 0 || uid == geteuid() ||
+           (g_cfg.service_uid >= 0 && (long)uid == g_cfg.service_uid);
+}
+
 /* The runtime dir (agent.sock's), opened if it can be trusted, else -1.  Its
  * path goes to dir (cap bytes), the socket's name in it to *name, its fstat to
  * *st.  Trailing slashes are dropped: "link/" would follow the link despite
@@ -694,7 +701,8 @@ static int open_runtime_dir(char *dir, size_t cap, const char **name, struct sta
         close(fd);
         return -1;
     }
-    if (st->st_uid != 0 && st->st_uid != (me = geteuid())) {
+    if (!trusted_uid(st->st_uid)) {
+        me = geteuid();
         if (say_once(DISTRUST_OWNER))
             dbr_log("not connecting: %s is owned by uid %u, neither root nor %u", dir,
                     (unsigned)st->st_uid, (unsigned)me);
@@ -776,7 +784,7 @@ static int connect_service(void)
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) < 0 || peer_len < sizeof peer)
         peer.uid = (uid_t)-1;
     me = geteuid();
-    if (peer.uid != 0 && peer.uid != me) {
+    if (!trusted_uid(peer.uid)) {
         if (say_once(DISTRUST_PEER))
             dbr_log("not connecting: listener uid %d is neither root nor %u", (int)peer.uid,
                     (unsigned)me);

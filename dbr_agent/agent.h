@@ -65,6 +65,7 @@ struct dbr_config {
     unsigned start_delay_us; /* DBR_AGENT_TEST_START_DELAY_US: tests widen an unwrapped start */
     unsigned quiet_ms;      /* DBR_AGENT_QUIET_MS: the agent's thread waits this long first */
     int  quiet_from_env;    /* DBR_AGENT_QUIET_MS was given (else the service's hint may apply) */
+    long service_uid;       /* DBR_SERVICE_UID: a service's uid trusted besides root, or -1 */
     char sock_path[108];    /* $DBR_RUNTIME_DIR/agent.sock; "" if unknown */
 };
 extern struct dbr_config g_cfg;

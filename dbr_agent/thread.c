@@ -102,7 +102,7 @@ static void *thread_pointer(void)
 /* Once, in the constructor (single-threaded as far as we know). */
 void dbr_thread_init(void)
 {
-    const char *v = getenv("DBR_AGENT_THREAD");
+    const char *v = secure_getenv("DBR_AGENT_THREAD");
     const uint32_t *tid_desc;
     char *self = thread_pointer();
 
@@ -230,7 +230,7 @@ static int sys_nice_held(void)
 /* 1 if the calling thread may go to SCHED_FIFO and back; g_birth_policy set */
 static int rt_birth_allowed(void)
 {
-    const char *v = getenv("DBR_AGENT_RT_BIRTH");
+    const char *v = secure_getenv("DBR_AGENT_RT_BIRTH");
     struct rlimit rl;
     int p;
 

@@ -74,7 +74,7 @@ long dbr_page_size(void)
 
 static int env_signal(const char *name, int def)
 {
-    const char *v = getenv(name);
+    const char *v = secure_getenv(name);
     char *end;
     long s;
 
@@ -151,15 +151,19 @@ int dbr_parse_ms(const char *s, unsigned max, unsigned *out)
     return 0;
 }
 
+/* Every DBR_* variable (and XDG_RUNTIME_DIR) is read with secure_getenv: in a
+ * set-user-ID or capability-raising exec (AT_SECURE) they come from a user who
+ * is not the process's owner, and must not choose its service.  The agent then
+ * keeps its defaults: /run/dbr only if the real uid is root, else no service. */
 void dbr_config_load(void)
 {
     const char *v, *dir;
     char tmp[sizeof g_cfg.sock_path + 16];
     int n;
 
-    v = getenv("DBR_AGENT_DISABLE");
+    v = secure_getenv("DBR_AGENT_DISABLE");
     g_cfg.disabled = v && strcmp(v, "1") == 0;
-    v = getenv("DBR_AGENT_DEBUG");
+    v = secure_getenv("DBR_AGENT_DEBUG");
     g_cfg.debug = v && strcmp(v, "1") == 0;
     /* A seccomp filter inherited across exec (systemd's SystemCallFilter=, a
      * sandbox launcher) binds the agent's thread too, and its default action is
@@ -169,7 +173,7 @@ void dbr_config_load(void)
         g_cfg.disabled = 1;
         dbr_log("a seccomp filter is in force: the agent stays inert");
     }
-    v = getenv("DBR_ON_DISCONNECT");
+    v = secure_getenv("DBR_ON_DISCONNECT");
     g_cfg.on_disconnect_env = -1;
     if (v && strcmp(v, "revert") == 0)
         g_cfg.on_disconnect_env = DBR_DISCONNECT_REVERT;
@@ -177,14 +181,14 @@ void dbr_config_load(void)
         g_cfg.on_disconnect_env = DBR_DISCONNECT_KEEP;
     /* Tests only: a pause between an unwrapped thread start's look at the flags and
      * its clone, the race dbr_wait_unwrapped_starts closes (tests/test_agent_notices.py) */
-    v = getenv("DBR_AGENT_TEST_START_DELAY_US");
+    v = secure_getenv("DBR_AGENT_TEST_START_DELAY_US");
     g_cfg.start_delay_us = v ? (unsigned)strtoul(v, NULL, 10) % 1000000u : 0;
     /* How long the agent's thread waits before its first connection (agent.c,
      * "quiet while the program starts").  0 connects at once; values over
      * DBR_QUIET_MAX_MS are that maximum.  Not a number: logged, and the value is
      * left to the service's hint (agent.c, quiet_hint) or the default, as when
      * unset. */
-    v = getenv("DBR_AGENT_QUIET_MS");
+    v = secure_getenv("DBR_AGENT_QUIET_MS");
     g_cfg.quiet_ms = DBR_QUIET_DEFAULT_MS;
     g_cfg.quiet_from_env = 0;
     if (v && *v) {
@@ -202,14 +206,28 @@ void dbr_config_load(void)
     if (g_cfg.sampler_sig == g_cfg.census_sig)
         g_cfg.sampler_sig = g_cfg.census_sig == SIGRTMIN + 9 ? SIGRTMIN + 8 : SIGRTMIN + 9;
 
+    /* A service that runs as a dedicated user (docs/security.md): its uid,
+     * trusted as the listener's and the runtime dir's owner besides root and
+     * the agent's own euid.  Only the process's owner sets it (secure_getenv). */
+    v = secure_getenv("DBR_SERVICE_UID");
+    g_cfg.service_uid = -1;
+    if (v && *v) {
+        char *end;
+        unsigned long u = strtoul(v, &end, 10);
+
+        if (*end || u >= 0xFFFFFFFFul)
+            dbr_log("DBR_SERVICE_UID=%s is not a uid: ignored", v);
+        else
+            g_cfg.service_uid = (long)u;
+    }
     g_cfg.sock_path[0] = 0;
-    dir = getenv("DBR_RUNTIME_DIR");
+    dir = secure_getenv("DBR_RUNTIME_DIR");
     if (dir && *dir) {
         n = snprintf(tmp, sizeof tmp, "%s/agent.sock", dir);
     } else if (getuid() == 0) {
         n = snprintf(tmp, sizeof tmp, "/run/dbr/agent.sock");
     } else {
-        dir = getenv("XDG_RUNTIME_DIR");
+        dir = secure_getenv("XDG_RUNTIME_DIR");
         n = (dir && *dir) ? snprintf(tmp, sizeof tmp, "%s/dbr/agent.sock", dir) : -1;
     }
     if (n > 0 && n < (int)sizeof g_cfg.sock_path)

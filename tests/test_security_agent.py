@@ -239,6 +239,24 @@ def test_listener_that_dropped_to_nobody_before_listen_is_refused(dirs):
     assert len(why) == 1 and "listener uid 65534 is neither root nor 0" in why[0], err
 
 
+def test_a_service_uid_the_owner_names_is_trusted(dirs):
+    """The same listener, with DBR_SERVICE_UID=65534 in the client's environment (a
+    service run as a dedicated user): it is the owner's choice, so it gets the HELLO."""
+    _can_drop()
+    d = dirs(0, 0o755)
+    path = os.path.join(d, "agent.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.bind(path)
+        os.chmod(path, 0o666)
+        listener = Listener(path, uid=MALLORY, fd=s.fileno())
+    finally:
+        s.close()
+    got, err = _served(d, listener, {"DBR_SERVICE_UID": str(MALLORY)})
+    assert _hellos(got), (got, err)
+    assert not _refusals(err), err
+
+
 @pytest.mark.parametrize("slash", ["", "/"], ids=["link", "link-slash"])
 def test_symlinked_runtime_dir_is_refused(dirs, slash):
     """c: DBR_RUNTIME_DIR a symbolic link to a good dir with a root listener: refused
