@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: build agent pyc test test-long demo bench clean lint
+.PHONY: build agent pyc test test-long demo bench bench-quick bench-setup bench-long bench-long-quick clean lint
 
 build: $(STAMP) agent pyc
 
@@ -46,3 +46,16 @@ clean:
 # issue 6: the comparison and scaling benchmarks in quick mode (< 3 min)
 bench-quick: build
 	$(PY) -m bench --quick compare scaling
+
+# issue 35: long-running programs (15-60 s) under dbr, BOLT and PGO.  bench-setup
+# installs what they need (apt: bolt-19 linux-perf redis-server redis-tools sqlite3;
+# PyPI: the lupa sdist, for Lua's sources); bench-long takes about 45 minutes,
+# bench-long-quick under 10.  Results in bench/results/long-<timestamp>/.
+bench-setup: build
+	$(PY) -m bench long --setup
+
+bench-long: build
+	$(PY) -m bench long
+
+bench-long-quick: build
+	$(PY) -m bench long --quick

@@ -35,7 +35,8 @@ def summarize_workload(w: dict) -> dict:
     if w.get("kind") == "server":
         out["native_rps"] = _med(r.get("rps") for r in nat_ok)
     for cfg, info in (w.get("configs") or {}).items():
-        cs: dict[str, Any] = {"status": info.get("status"), "reason": info.get("reason")}
+        cs: dict[str, Any] = {"status": info.get("status"), "reason": info.get("reason"),
+                              "bolt_notes": (info.get("bolt") or {}).get("notes") or []}
         rr = by.get(cfg, {})
         fails: dict[str, int] = {}
         for r in rr.values():
@@ -110,6 +111,17 @@ def summarize(data: dict) -> dict:
 
 # ------------------------------------------------------------------ markdown
 
+def _note(notes: list[str], text: str) -> int:
+    """The number of ``text`` among the table's notes (added once)."""
+    if text not in notes:
+        notes.append(text)
+    return notes.index(text) + 1
+
+
+BLOCKS_ONLY = ("BOLT without relocations (a distribution binary): functions not reordered, "
+               "blocks laid out in place; stripped: --allow-stripped")
+
+
 def _ratio_cell(c: dict | None, notes: list[str]) -> str:
     if not c:
         return "–"
@@ -120,12 +132,13 @@ def _ratio_cell(c: dict | None, notes: list[str]) -> str:
         cell = f"x{r['median']:.3f} [{r['min']:.2f}–{r['max']:.2f}]"
         if r["n"] < 2:
             cell = f"x{r['median']:.3f} (1 pair)"
+        if any("no relocations" in n for n in c.get("bolt_notes") or []):
+            cell += f" ({_note(notes, BLOCKS_ONLY)})"
         return cell + (f"; {fail}" if fail else "")
     if fail:
         return fail
     if c.get("status") == "n/a" or c.get("reason"):
-        notes.append(c.get("reason") or "not available")
-        return f"n/a ({len(notes)})"
+        return f"n/a ({_note(notes, c.get('reason') or 'not available')})"
     return "–"
 
 
@@ -149,9 +162,8 @@ def table(data: dict, summary: dict | None = None) -> str:
     for name, w in (data.get("workloads") or {}).items():
         if name not in summary["workloads"]:
             why = w.get("reason") or w.get("status", "not run")
-            notes.append(why)
-            lines.append(f"| {name} | {why if len(why) < 40 else f'skipped ({len(notes)})'} |"
-                         " | | | | | | |")
+            lines.append(f"| {name} | {why if len(why) < 40 else f'skipped ({_note(notes, why)})'}"
+                         " | | | | | | | |")
             continue
         s = summary["workloads"][name]
         cf = s["configs"]

@@ -401,9 +401,10 @@ def prepare_bolt(prep: Prepared, ctx: Ctx, env: dict[str, str], log) -> bolt.Bol
         da = _dir_digest(ctx.work / prep.name / "v-native")
         db = _dir_digest(ctx.work / prep.name / "v-bolt")
         if b["exit"] != 0:
+            last = [ln for ln in b["stderr_tail"].strip().splitlines() if ln.strip()]
             return bolt.BoltResult(None, f"BOLT's binary crashed on the training input "
-                                   f"(exit {b['exit']})", res.notes, res.seconds,
-                                   res.profiled_functions)
+                                   f"(exit {b['exit']}: {(last or ['no message'])[-1][:160]})",
+                                   res.notes, res.seconds, res.profiled_functions)
         if a["exit"] == 0 and da != db:
             return bolt.BoltResult(None, "BOLT's binary gave wrong output on the training input",
                                    res.notes, res.seconds, res.profiled_functions)

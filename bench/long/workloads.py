@@ -91,7 +91,7 @@ def python(ctx: Ctx) -> Prepared:
 
 # ------------------------------------------------------------------ cc1
 
-CC1_FUNCS = {True: 500, False: 1900}
+CC1_FUNCS = {True: 500, False: 1700}
 
 
 def _c_input(ctx: Ctx, nfuncs: int) -> Path:
@@ -177,7 +177,7 @@ def sqlite(ctx: Ctx) -> Prepared:
 
 # ------------------------------------------------------------------ lua
 
-LUA_SCALE = {True: 4.0, False: 16.0}
+LUA_SCALE = {True: 4.0, False: 20.0}
 LUA_CFLAGS = ["-O2", "-DLUA_COMPAT_5_3", "-DLUA_USE_LINUX", "-fno-pie"]
 LUA_LDFLAGS = ["-no-pie", "-Wl,-q", "-Wl,-E"]
 
