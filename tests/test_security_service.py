@@ -310,3 +310,151 @@ def test_the_host_service_raises_its_descriptor_limit():
     finally:
         svc.stop()
 
+
+
+# ----------------------------------------------------------------------------- capabilities
+#: What the service needs besides a uid (docs/security.md): perf events on other users'
+#: threads, /proc/PID/mem and maps of other users' processes, perf rings beyond
+#: perf_event_mlock_kb, and reading their binaries.
+SERVICE_CAPS = "perfmon,sys_ptrace,ipc_lock,dac_read_search"
+
+
+def _setpriv_can(*args: str) -> bool:
+    if shutil.which("setpriv") is None:
+        return False
+    r = subprocess.run(["setpriv", *args, "true"], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.parametrize("as_user", [False, True], ids=["root-uid", "dedicated-uid"])
+def test_the_service_serves_another_users_program_with_only_its_capabilities(base, as_user):
+    """uid 0 with a bounding set of four capabilities (CapabilityBoundingSet=), or a
+    dedicated uid with them as ambient capabilities (User= + AmbientCapabilities=, its
+    clients naming it with DBR_SERVICE_UID): a program of another user is sampled and
+    patched, and gives its native output."""
+    if agent_path() is None:
+        pytest.skip("the agent could not be built")
+    caps = ",".join(f"+{c}" for c in SERVICE_CAPS.split(","))
+    if as_user:
+        priv = ["--reuid=65534", "--regid=65534", "--clear-groups",
+                f"--inh-caps=-all,{caps}", f"--ambient-caps=-all,{caps}"]
+        svc_uid, client_uid = NOBODY, 0
+    else:
+        priv = [f"--bounding-set=-all,{caps}", "--inh-caps=-all"]
+        svc_uid, client_uid = 0, NOBODY
+    if not _setpriv_can(*priv):
+        pytest.skip("setpriv cannot set these capabilities here")
+    os.chmod(base, 0o755)
+    d = base / "run"
+    d.mkdir(mode=0o755)
+    os.chown(d, svc_uid, svc_uid)
+    prog_dir = base / "prog"
+    prog_dir.mkdir(mode=0o755)
+    prog = prog_dir / "hotloop"
+    shutil.copy(compile_c([TESTS.parent / "examples" / "hotloop.c"], flags=["-O1"]), prog)
+    os.chmod(prog, 0o755)
+    native = subprocess.run([str(prog), "300"], capture_output=True, text=True, timeout=30)
+    env = dict(os.environ, DBR_RUNTIME_DIR=str(d), HOME=str(base))
+    svc = subprocess.Popen(["setpriv", *priv, sys.executable, "-m", "dbr_service.cli", "service",
+                            "--aggressive", "-o", f"allowed_uids=0,{NOBODY}"],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = None
+    try:
+        from dbr_service.ctlclient import ControlClient
+        ctl = ControlClient(str(d), timeout=2.0)
+        deadline = time.monotonic() + 15
+        while not ctl.answers(timeout=0.5):
+            assert svc.poll() is None and time.monotonic() < deadline, "service not ready"
+            time.sleep(0.1)
+        with open(f"/proc/{svc.pid}/status") as f:
+            eff = next(int(x.split()[1], 16) for x in f if x.startswith("CapEff"))
+        assert eff == (1 << 2) | (1 << 14) | (1 << 19) | (1 << 38)   # only those four
+        cenv = dict(env, LD_PRELOAD=agent_path(), DBR_AGENT_QUIET_MS="0")
+        if as_user:
+            cenv["DBR_SERVICE_UID"] = str(NOBODY)
+        client = subprocess.Popen([str(prog), "3000"], env=cenv, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  user=client_uid, group=client_uid, extra_groups=[])
+        out, err = client.communicate(timeout=60)
+        assert client.returncode == 0, err
+        # the check line is the same natively (the slice count depends on the time)
+        assert out.split("check")[-1] == native.stdout.split("check")[-1]
+        rows = [r for r in ctl.result("clients", {"all": True}) if r["pid"] == client.pid]
+        assert rows and rows[-1]["uid"] == client_uid and rows[-1]["patches_installed"] >= 1, \
+            rows
+    finally:
+        kill(client)
+        if svc.poll() is None:
+            svc.terminate()
+            try:
+                svc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        kill(svc)
+
+
+# ----------------------------------------------------------------------------- the unit
+UNIT = TESTS.parent / "docs" / "dbr-service.service"
+
+
+def _unit() -> dict[str, list[str]]:
+    keys: dict[str, list[str]] = {}
+    for line in UNIT.read_text().splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            k, v = line.split("=", 1)
+            keys.setdefault(k.strip(), []).append(v.strip())
+    return keys
+
+
+def test_the_unit_is_hardened_and_its_command_starts_with_no_config_file(base):
+    """The shipped unit: systemd accepts it, it keeps the hardening the threat model
+    relies on, and its ExecStart, run with its environment and capability bounding set,
+    starts a service that answers although no configuration file exists."""
+    from dbr_service.config import DEFAULT_CONFIG_FILE
+
+    u = _unit()
+    for key, want in {"NoNewPrivileges": "yes", "ProtectSystem": "strict",
+                      "RuntimeDirectory": "dbr", "RuntimeDirectoryMode": "0755",
+                      "RestrictAddressFamilies": "AF_UNIX"}.items():
+        assert u.get(key) == [want], key
+    assert u["ProtectHome"][0] in ("yes", "read-only", "tmpfs")
+    bounding = u["CapabilityBoundingSet"][0].split()
+    assert sorted(bounding) == sorted(f"CAP_{c.upper()}" for c in SERVICE_CAPS.split(","))
+    exec_start = u["ExecStart"][0].split()
+    assert exec_start[1:] == ["service"], "no -c: the default file is read only if present"
+    if shutil.which("systemd-analyze"):
+        local = base / "dbr-service.service"
+        local.write_text(UNIT.read_text().replace(exec_start[0], str(TESTS.parent / ".venv"
+                                                                      / "bin" / "dbr")))
+        r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(local)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+    if os.path.exists(DEFAULT_CONFIG_FILE):
+        pytest.skip(f"{DEFAULT_CONFIG_FILE} exists here: cannot show a start without it")
+    caps = ",".join("+" + c.lower().removeprefix("cap_") for c in bounding)
+    if not _setpriv_can(f"--bounding-set=-all,{caps}"):
+        pytest.skip("setpriv cannot set the unit's bounding set here")
+    os.chmod(base, 0o755)
+    d = base / "run"
+    env = dict(os.environ, DBR_RUNTIME_DIR=str(d))   # the unit's Environment=, moved
+    svc = subprocess.Popen(["setpriv", f"--bounding-set=-all,{caps}", sys.executable, "-m",
+                            "dbr_service.cli", *exec_start[1:]],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        from dbr_service.ctlclient import ControlClient
+        ctl = ControlClient(str(d), timeout=2.0)
+        deadline = time.monotonic() + 15
+        while not ctl.answers(timeout=0.5):
+            assert svc.poll() is None, svc.stdout.read()
+            assert time.monotonic() < deadline, "service not ready"
+            time.sleep(0.1)
+        st = ctl.result("status")
+        assert st["config_file"] is None and stat.S_IMODE(os.stat(d).st_mode) == 0o755
+    finally:
+        if svc.poll() is None:
+            svc.terminate()
+            try:
+                svc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        kill(svc)
