@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from dbr_service.paths import resolve_runtime_dir
+from dbr_service.paths import resolve_runtime_dir, untrusted_dir
 from dbr_service.ctlclient import Code, ControlClient
 from dbr_service.speedcheck import verdict_text
 
@@ -114,6 +114,10 @@ def request_of(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     rdir = resolve_runtime_dir()
+    why = untrusted_dir(rdir)
+    if why:
+        print(f"dbr ctl: not talking to a service there: {why}", file=sys.stderr)
+        return 1
     client = ControlClient(rdir, timeout=args.timeout)
     verb, vargs = request_of(args)
     try:

@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dbr_service.paths import AGENT_SOCKET, QUIET_FILE, agent_quiet, resolve_runtime_dir
+from dbr_service.paths import (AGENT_SOCKET, QUIET_FILE, agent_quiet, resolve_runtime_dir,
+                               untrusted_dir)
 from dbr_service.report import format_report, run_report
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -243,6 +244,11 @@ def _host_listening(runtime_dir: Path) -> bool:
     control socket would need zmq, 15 ms of imports before PROG starts.)"""
     path = runtime_dir / AGENT_SOCKET
     if not path.exists():
+        return False
+    why = untrusted_dir(runtime_dir)
+    if why:   # the agent would not connect there either
+        print(f"dbr run: not using the service on {runtime_dir}: {why}; starting an "
+              f"embedded one", file=sys.stderr)
         return False
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     probe.settimeout(1.0)

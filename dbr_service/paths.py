@@ -101,6 +101,26 @@ def open_safe_dir(path: str | Path, *, create: bool = False, mode: int = 0o755) 
     return dfd
 
 
+def untrusted_dir(path: str | Path) -> str | None:
+    """Why a service's runtime dir at ``path`` should not be talked to (as the agent
+    judges it: a symlink, owned by neither root nor us, writable by group or others),
+    or None.  `dbr run` and `dbr ctl` use it before they take a socket there for a
+    service's: a root user's `dbr ctl` must not read another user's fake service."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link"
+    if st.st_uid not in (0, os.geteuid()):
+        return f"{path} is owned by uid {st.st_uid}, neither root nor uid {os.geteuid()}"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
 # The agent's quiet start (dbr_agent/agent.c, "quiet while the program starts" and
 # "born when the service would look"; shared/dbr_protocol.h: DBR_QUIET_DEFAULT_MS,
 # DBR_QUIET_MAX_MS, DBR_QUIET_FILE, which tests/test_protocol_layout.py checks these

@@ -458,3 +458,22 @@ def test_the_unit_is_hardened_and_its_command_starts_with_no_config_file(base):
             except subprocess.TimeoutExpired:
                 pass
         kill(svc)
+
+
+def test_dbr_ctl_and_dbr_run_do_not_take_another_users_dir_for_a_service(base):
+    """A root operator's `dbr ctl` must not read (and print) a fake service's replies
+    from a dir mallory controls; `dbr run` runs its program with an embedded service."""
+    os.chmod(base, 0o755)
+    d = base / "d"
+    d.mkdir()
+    (d / "agent.sock").touch()
+    os.chown(d, NOBODY, NOBODY)
+    os.chmod(d, 0o777)
+    env = dict(os.environ, DBR_RUNTIME_DIR=str(d))
+    r = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "status"], env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "not talking to a service there" in r.stderr, r.stderr
+    assert f"owned by uid {NOBODY}" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "dbr_service.cli", "run", "--", "true"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "starting an embedded one" in r.stderr, r.stderr
