@@ -59,6 +59,9 @@ def test_server_ratio_counts_only_the_window_after_the_first_patch():
     assert whole["ratio"] == pytest.approx(0.85)
     assert not whole["after_patch"]
     assert stats.window_mean([], 0.0) is None
+    late = stats.server_pair_ratio(cfg, native, first_patch_s=7.5)  # after the last slice
+    assert late["ratio"] == pytest.approx(0.85) and not late["after_patch"]
+    assert "after the last whole slice" in late["note"]
 
 
 def test_classify_runs():

@@ -179,7 +179,7 @@ def run_batch(argv: list[str], env: dict[str, str], run_dir: Path, outputs: list
 # ------------------------------------------------------------------ servers (redis)
 
 REDIS_TESTS = "set,get,incr,lpush,rpop,sadd,hset,zadd,lrange_100,mset"
-REDIS_SLICE_N = 10000  # requests per test per slice (about 2-3 s a slice natively)
+REDIS_SLICE_N = 20000  # requests per test per slice (about 2-3 s a slice natively)
 REDIS_CHECK = [
     ["FLUSHALL"],
     ["RPUSH", "chk:list", *[str((i * 7919) % 1000) for i in range(200)]],
@@ -402,6 +402,7 @@ def prepare_bolt(prep: Prepared, ctx: Ctx, env: dict[str, str], log) -> bolt.Bol
         db = _dir_digest(ctx.work / prep.name / "v-bolt")
         if b["exit"] != 0:
             last = [ln for ln in b["stderr_tail"].strip().splitlines() if ln.strip()]
+            last = [ln for ln in last if "error" in ln or "fault" in ln.lower()] or last
             return bolt.BoltResult(None, f"BOLT's binary crashed on the training input "
                                    f"(exit {b['exit']}: {(last or ['no message'])[-1][:160]})",
                                    res.notes, res.seconds, res.profiled_functions)

@@ -99,11 +99,18 @@ def server_pair_ratio(cfg_slices: Sequence[dict], native_slices: Sequence[dict],
     the configuration's first patch (seconds from its server's start) to the end, or
     the whole run when it installed nothing (``after_patch`` says which).  A native run
     with no slice in that window gives no ratio."""
-    t0 = first_patch_s if first_patch_s is not None else 0.0
     end = min((max((s["end"] for s in cfg_slices), default=0.0),
                max((s["end"] for s in native_slices), default=0.0)))
+    t0 = first_patch_s if first_patch_s is not None else 0.0
+    after = first_patch_s is not None
+    note = ""
+    if after and (window_mean(cfg_slices, t0, end) is None
+                  or window_mean(native_slices, t0, end) is None):
+        # patched too late for a whole slice of load after it: the whole run
+        t0, after = 0.0, False
+        note = f"first patch at {first_patch_s:.1f} s, after the last whole slice"
     c = window_mean(cfg_slices, t0, end)
     n = window_mean(native_slices, t0, end)
     ratio = (c / n) if (c is not None and n) else None
     return {"ratio": ratio, "cfg_rps": c, "native_rps": n, "window_start_s": t0,
-            "after_patch": first_patch_s is not None}
+            "after_patch": after, "note": note}
