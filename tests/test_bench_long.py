@@ -39,6 +39,7 @@ def test_summarize_and_geomean_and_share():
     assert stats.share_of_gain(0.95, 0.90) == pytest.approx(0.5)
     assert stats.share_of_gain(1.05, 0.90) == pytest.approx(-0.5)
     assert stats.share_of_gain(0.95, 1.02) is None  # the reference gains nothing
+    assert stats.share_of_gain(1.05, 0.995) is None  # ... or less than noise
 
 
 def _slices(rps, start=0.0, step=2.0):

@@ -284,14 +284,15 @@ def plots(data: dict, outdir: Path) -> list[Path]:
                     lo.append(r["median"] - r["min"])
                     hi.append(r["max"] - r["median"])
             if xs:
-                ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=LABEL[cfg])
+                ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, ms=6, label=LABEL[cfg])
         ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_xticks(range(len(names)), names)
+        ax.set_xticks(range(len(names)), [
+            n + (" (throughput)" if (data["workloads"][n].get("kind") == "server") else "")
+            for n in names])
         ax.set_ylabel("time / native (median, min–max over pairs)")
-        ax.set_title("long-running programs: dbr, BOLT and PGO against native")
+        ax.set_title("long-running programs: dbr, BOLT and PGO against native (lower is faster)")
+        ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-        lo_y = min([0.8] + [b.get_height() for b in ax.patches if b.get_height() > 0])
-        ax.set_ylim(max(0, lo_y - 0.1), None)
         fig.tight_layout()
         p = outdir / "long-ratios.png"
         fig.savefig(p, dpi=110)

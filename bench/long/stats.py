@@ -66,11 +66,16 @@ def geomean(xs: Iterable[float | None]) -> float | None:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
+#: Below this gain (1 - ratio) a reference's gain is within run-to-run noise and a share
+#: of it means nothing (a 0.5 % gain would turn a 5 % loss into -1000 %).
+MIN_REF_GAIN = 0.01
+
+
 def share_of_gain(dbr_ratio: float | None, ref_ratio: float | None) -> float | None:
     """What part of a reference's gain (BOLT's, PGO's) dbr captures: (1 - dbr) / (1 - ref).
     1.0 = as much as the reference, 0 = none, negative = dbr slower than native.  None
-    when either is unknown or the reference gains nothing (ratio >= 1)."""
-    if dbr_ratio is None or ref_ratio is None or ref_ratio >= 1.0:
+    when either is unknown or the reference gains less than MIN_REF_GAIN."""
+    if dbr_ratio is None or ref_ratio is None or 1.0 - ref_ratio < MIN_REF_GAIN:
         return None
     return (1.0 - dbr_ratio) / (1.0 - ref_ratio)
 
