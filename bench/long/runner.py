@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from bench.compare import run_once, summarize_report
 from bench.long import bolt, tools
-from bench.long.workloads import Ctx, Prepared, Skip
+from bench.long.workloads import Ctx, Prepared
 
 CONFIGS = ["native", "dbr-default", "dbr-aggressive", "bolt", "pgo"]
 CONFIG_WHAT = {
