@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, Received
+from dbr_service.clientfiles import PerfMap
 from dbr_service.errors import AgentError, MemoryViewError, ProtocolError, SamplingError
 from dbr_service.paths import program_key
 from dbr_service.procfs import proc_dir, started_boottime, started_monotonic
@@ -330,7 +331,7 @@ class ClientSession:
         self.slow_ranges: list[tuple[str, int, int]] = []
         #: The last speed-check command posted (control thread).
         self.speed_fut: Future | None = None
-        self._perf_map_ours = False
+        self._perf_map: PerfMap | None = None
         #: Seconds from connection to the first occurrence of each step of the cycle.
         self.timeline: dict[str, float] = {}
         #: Source this client must use (set when perf was refused for it).
@@ -478,6 +479,8 @@ class ClientSession:
         self.ended_at = time.time()
         self._close_source()
         self.conn.close()
+        if self._perf_map is not None:
+            self._perf_map.close()
         while True:  # fail whatever is still queued
             try:
                 _, fut = self._commands.get_nowait()
@@ -1150,19 +1153,17 @@ class ClientSession:
         return ip if inst is None else inst.attribute(ip)[0]
 
     def _write_perf_map(self) -> None:
-        """/tmp/perf-PID.map names replacement code for `perf report`; never touches a
-        map another writer (a JIT in the client) owns."""
+        """/tmp/perf-PID.map names replacement code for `perf report`
+        (clientfiles.PerfMap: created once, never through a link, never over a map
+        another writer owns, removed when the session ends)."""
         if not self.service.config.perf_map or self.installer is None:
             return
-        path = f"/tmp/perf-{self.pid}.map"
-        if not self._perf_map_ours and os.path.exists(path):
-            return
-        try:
-            with open(path, "w") as f:
-                f.write("\n".join(self.installer.perf_map_lines()) + "\n")
-            self._perf_map_ours = True
-        except OSError as exc:
-            self.errors.append(f"perf map: {exc}")
+        if self._perf_map is None:
+            self._perf_map = PerfMap(self.pid, getattr(self.service, "runtime_dir", None))
+        why = self._perf_map.write(self.installer.perf_map_lines())
+        if why:
+            self.errors.append(f"perf map: {why}")
+            log.info("pid %d: perf map: %s", self.pid, why)
 
     # ------------------------------------------------------------------ views
     def summary(self) -> dict[str, Any]:

@@ -1,0 +1,233 @@
+"""What another local user can make the root service do through the perf map in /tmp:
+links planted there, removal at the client's end, stale maps of a killed service."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+
+import pytest
+from service_helpers import ServiceProc, agent_path, build_example, kill, spawn_client
+
+from dbr_service.clientfiles import (PERF_MAP_RECORDS, PerfMap, perf_map_path,
+                                     remove_stale_perf_maps)
+
+needs_agent = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the service must run as root")
+
+VICTIM_TEXT = "root's own file\n"
+
+
+def _row(svc: ServiceProc, pid: int, all_: bool = False) -> dict | None:
+    rows = svc.call("clients", {"all": all_}) if all_ else svc.call("clients")
+    return next((r for r in rows if r["pid"] == pid), None)
+
+
+def _patched(svc: ServiceProc, pid: int) -> bool:
+    r = _row(svc, pid)
+    return bool(r and r["patches_installed"] > 0)
+
+
+def _snapshots(svc: ServiceProc, pid: int) -> int:
+    r = _row(svc, pid)
+    return r["snapshots"] if r else -1
+
+
+def _wait_snapshots(svc: ServiceProc, pid: int, more: int) -> None:
+    """Some more snapshots of ``pid``: each rewrites its perf map (evaluate)."""
+    start = _snapshots(svc, pid)
+    svc.wait_for(lambda: _snapshots(svc, pid) >= start + more, 10.0, f"{more} snapshots")
+
+
+@pytest.fixture(scope="module")
+def patching_service():
+    svc = ServiceProc("--aggressive").wait_ready()
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture
+def private_dir():
+    d = tempfile.mkdtemp(prefix="dbr-victim-")   # 0700, root's
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@needs_agent
+@needs_root
+def test_a_link_planted_as_the_perf_map_is_never_followed(patching_service, private_dir):
+    """Links planted at /tmp/perf-PID.map before the first write: one dangling (into a
+    directory only root can write), one to an existing root-owned file.  Neither is
+    followed: no file appears at the dangling one's target, the victim keeps its
+    bytes, both links stay as they were, and the service says why it left them."""
+    svc = patching_service
+    prog = build_example("hotloop")
+    victim = os.path.join(private_dir, "victim")
+    with open(victim, "w") as f:
+        f.write(VICTIM_TEXT)
+    target = os.path.join(private_dir, "created-by-the-service")
+    clients, links = [], []
+    try:
+        for dest in (target, victim):
+            c = spawn_client(svc.dir, [prog, "4000"])
+            link = perf_map_path(c.pid)
+            _unlink(link)
+            os.symlink(dest, link)    # the map is written at the first patch, later
+            clients.append(c)
+            links.append((link, dest))
+        for c in clients:
+            svc.wait_for(lambda c=c: _patched(svc, c.pid), 20.0, "client patched")
+        for c in clients:
+            _wait_snapshots(svc, c.pid, 3)
+        assert not os.path.lexists(target), "the service created a file through a link"
+        with open(victim) as f:
+            assert f.read() == VICTIM_TEXT
+        for link, dest in links:
+            assert os.path.islink(link) and os.readlink(link) == dest
+        assert svc.output().count("exists (another writer's map, or a link): left alone") \
+            >= 2, svc.output()[-3000:]
+    finally:
+        for c in clients:
+            kill(c)
+        for link, _ in links:
+            _unlink(link)
+
+
+@needs_agent
+@needs_root
+def test_the_perf_map_is_rewritten_through_its_descriptor(patching_service, private_dir):
+    """Once the service made the map, it writes through the file it created, never by
+    path: a map removed meanwhile (a /tmp cleaner) and replaced by a link to a
+    root-owned file is not followed, and at the client's end the link is not removed
+    (the path is no longer the service's file)."""
+    svc = patching_service
+    prog = build_example("hotloop")
+    victim = os.path.join(private_dir, "victim")
+    with open(victim, "w") as f:
+        f.write(VICTIM_TEXT)
+    c = spawn_client(svc.dir, [prog, "5000"])
+    link = perf_map_path(c.pid)
+    try:
+        svc.wait_for(lambda: os.path.isfile(link) and not os.path.islink(link)
+                     and "dbr:" in open(link).read(), 20.0, "perf map written")
+        st = os.lstat(link)
+        assert st.st_mode & 0o777 == 0o644 and st.st_uid == os.geteuid()
+        os.unlink(link)
+        os.symlink(victim, link)
+        _wait_snapshots(svc, c.pid, 4)
+        with open(victim) as f:
+            assert f.read() == VICTIM_TEXT, "the service wrote through a link"
+        kill(c)
+        svc.wait_for(lambda: _row(svc, c.pid) is None, 10.0, "session ended")
+        assert os.path.islink(link) and os.readlink(link) == victim
+    finally:
+        kill(c)
+        _unlink(link)
+
+
+@needs_agent
+@needs_root
+def test_the_perf_map_is_removed_when_the_client_ends(patching_service):
+    svc = patching_service
+    prog = build_example("hotloop")
+    c = spawn_client(svc.dir, [prog, "5000"])
+    path = perf_map_path(c.pid)
+    try:
+        svc.wait_for(lambda: os.path.isfile(path), 20.0, "perf map written")
+        st = os.lstat(path)
+        record = f"{c.pid}-{st.st_dev:x}-{st.st_ino:x}"
+        records = os.path.join(svc.dir, PERF_MAP_RECORDS)
+        recorded = os.path.isdir(records) and record in os.listdir(records)
+        os.kill(c.pid, signal.SIGKILL)
+        c.wait(5)
+        svc.wait_for(lambda: _row(svc, c.pid) is None, 10.0, "session ended")
+        assert not os.path.lexists(path), "the map outlived its client"
+        assert recorded and record not in os.listdir(records)
+    finally:
+        kill(c)
+        _unlink(path)
+
+
+def _dead_pids(n: int) -> list[int]:
+    """Pids of processes that have ended (reaped) and are not reused yet."""
+    out = []
+    while len(out) < n:
+        p = subprocess.Popen(["true"])
+        p.wait()
+        if not os.path.exists(f"/proc/{p.pid}") and not os.path.lexists(perf_map_path(p.pid)):
+            out.append(p.pid)
+    return out
+
+
+@needs_root
+def test_stale_perf_maps_of_a_killed_service_are_removed(tmp_path):
+    """remove_stale_perf_maps: a recorded map goes (its record too); a recorded path that
+    is a link now is spared; a map dbr did not write (another format), one of a running
+    process, one of another user, and a link are spared; an unrecorded map in dbr's
+    format of an ended process (an older dbr's, or a killed `dbr run`'s) goes."""
+    rdir = tmp_path / "run"
+    rdir.mkdir()
+    sleeper = subprocess.Popen(["sleep", "30"])
+    recorded, relinked, foreign, legacy, other_user, link = _dead_pids(6)
+    lines = ["7f0000001000 40 dbr:r1@0x401000", "7f0000001040 8 dbr:r1@0x401010"]
+    made = []
+    try:
+        for pid in (recorded, relinked):
+            pm = PerfMap(pid, rdir)
+            assert pm.write(lines) is None
+            os.close(pm.fd)          # a killed service: no close()
+            made.append(pm.path)
+        os.unlink(perf_map_path(relinked))
+        os.symlink("/etc/hostname", perf_map_path(relinked))
+        dbr_text = "\n".join(lines) + "\n"
+        for pid, text in ((foreign, "7f00 10 java::Foo.bar\n"), (legacy, dbr_text),
+                          (sleeper.pid, dbr_text), (other_user, dbr_text)):
+            with open(perf_map_path(pid), "w") as f:
+                f.write(text)
+            made.append(perf_map_path(pid))
+        os.chown(perf_map_path(other_user), 65534, 65534)
+        os.symlink("/etc/hostname", perf_map_path(link))
+        made += [perf_map_path(relinked), perf_map_path(link)]
+
+        removed = remove_stale_perf_maps(rdir)   # other stale dbr maps in /tmp too
+        assert {perf_map_path(recorded), perf_map_path(legacy)} <= set(removed)
+        assert not os.path.lexists(perf_map_path(recorded))
+        assert not os.path.lexists(perf_map_path(legacy))
+        assert os.listdir(rdir / PERF_MAP_RECORDS) == []
+        for pid in (relinked, foreign, sleeper.pid, other_user, link):
+            assert os.path.lexists(perf_map_path(pid)), pid
+        assert os.path.islink(perf_map_path(relinked)) and os.path.islink(perf_map_path(link))
+        assert open("/etc/hostname").read()     # the links' target is untouched
+    finally:
+        kill(sleeper)
+        for p in made:
+            _unlink(p)
+
+
+def test_perf_map_rewrites_in_place_and_removes_only_its_own_file(tmp_path):
+    pid = _dead_pids(1)[0]
+    pm = PerfMap(pid, tmp_path)
+    try:
+        assert pm.write([]) is None and not os.path.lexists(pm.path)   # nothing live: no file
+        assert pm.write(["1000 20 dbr:r1@0x400000", "1020 8 dbr:r2@0x400100"]) is None
+        ino = os.lstat(pm.path).st_ino
+        assert pm.write(["1000 20 dbr:r1@0x400000"]) is None
+        assert open(pm.path).read() == "1000 20 dbr:r1@0x400000\n"
+        assert os.lstat(pm.path).st_ino == ino
+        os.unlink(pm.path)
+        with open(pm.path, "w") as f:            # another writer's map now
+            f.write("other\n")
+        pm.close()
+        assert open(pm.path).read() == "other\n"
+    finally:
+        _unlink(pm.path)
