@@ -1,6 +1,9 @@
 """What the service (often root) reads and writes on behalf of a client, done so that
 neither the client nor another user can redirect it.
 
+* :class:`ProcHandle`: an open ``/proc/PID`` directory.  Lookups through it fail once
+  the process that connected has ended, even if its pid is taken by another process;
+  the client's threads, executable, memory and maps are read through it.
 * :class:`PerfMap`: ``/tmp/perf-PID.map``, created with ``O_EXCL|O_NOFOLLOW`` (a link
   planted in /tmp, or a map another writer owns, is left alone), rewritten through the
   descriptor, removed at the session's end only if the path is still that file.
@@ -14,12 +17,16 @@ import contextlib
 import os
 import re
 import stat
+import threading
+from typing import NamedTuple
 
 #: Where perf looks for JIT symbol maps (perf-PID.map).
 PERF_MAP_DIR = "/tmp"
 #: Subdirectory of the runtime dir holding one empty file per map the service created,
 #: named PID-DEV-INO (hex dev and inode of the map).
 PERF_MAP_RECORDS = "perf-maps"
+#: Highest user-space address on x86-64 (4-level paging) plus one.
+USER_TOP = 1 << 47
 #: Largest pid/tid the kernel hands out (PID_MAX_LIMIT).
 TID_MAX = 1 << 22
 #: Largest dbr map :func:`remove_stale_perf_maps` reads to check its format.
@@ -30,6 +37,228 @@ _RECORD_RE = re.compile(r"([0-9]+)-([0-9a-f]+)-([0-9a-f]+)")
 _MAP_NAME_RE = re.compile(r"perf-([0-9]+)\.map")
 # A line install.py (Installer.perf_map_lines) writes: START SIZE dbr:REGION@0xORIG
 _MAP_LINE_RE = re.compile(rb"[0-9a-f]+ [0-9a-f]+ dbr:[A-Za-z0-9_.:-]+@0x[0-9a-f]+")
+
+
+# --------------------------------------------------------------------------- /proc
+class Mapping(NamedTuple):
+    """One line of /proc/PID/maps with its device and inode."""
+
+    lo: int
+    hi: int
+    perms: str
+    dev: tuple[int, int]
+    ino: int
+    path: str
+
+
+class ThreadCheck:
+    OWN = "own"          # a thread of the client
+    GONE = "gone"        # no such thread now (ended, or never was)
+    FOREIGN = "foreign"  # a thread of another process
+
+
+class ProcHandle:
+    """``/proc/PID`` of one client, held open (see the module docstring); ``fd`` is -1
+    if it could not be opened (every lookup then fails).  Any thread may use it; the
+    lock keeps :meth:`close` from freeing the descriptor's number while a lookup uses
+    it (the number could name another file by then)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.fd = -1
+        self._lock = threading.RLock()
+        if 0 < pid <= TID_MAX:
+            with contextlib.suppress(OSError):
+                self.fd = os.open(f"/proc/{pid}", _O_DIR)
+        #: Whether /proc/PID could be opened at all.
+        self.opened = self.fd >= 0
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self.fd = self.fd, -1
+            if fd >= 0:
+                os.close(fd)
+
+    def read(self, rel: str, limit: int = 1 << 16) -> bytes | None:
+        """Up to ``limit`` bytes of a file under the directory; None if unreadable."""
+        with self._lock:
+            if self.fd < 0:
+                return None
+            try:
+                fd = os.open(rel, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=self.fd)
+            except OSError:
+                return None
+            try:
+                chunks, n = [], 0
+                while n < limit:
+                    b = os.read(fd, min(1 << 16, limit - n))
+                    if not b:
+                        break
+                    chunks.append(b)
+                    n += len(b)
+                return b"".join(chunks)
+            except OSError:
+                return None
+            finally:
+                os.close(fd)
+
+    def alive(self) -> bool:
+        """Whether the process that was opened still exists (a zombie leader counts)."""
+        with self._lock:
+            if self.fd < 0:
+                return False
+            try:
+                os.stat("stat", dir_fd=self.fd)
+                return True
+            except OSError:
+                return False
+
+    def thread_check(self, tid: int) -> str:
+        """Whether ``tid`` is a thread of this process (its task entry exists and its
+        Tgid is the pid), of another process, or of none now."""
+        if not 0 < tid <= TID_MAX:
+            return ThreadCheck.FOREIGN
+        own = _status_tgid(self.read(f"task/{tid}/status", 4096))
+        if own is not None:
+            return ThreadCheck.OWN if own == self.pid else ThreadCheck.FOREIGN
+        # not ours (or ours has ended): a thread of some process, or of none
+        other = _status_tgid(_read_path(f"/proc/{tid}/status", 4096))
+        return ThreadCheck.GONE if other is None else ThreadCheck.FOREIGN
+
+    def tids(self) -> set[int] | None:
+        """The process's threads (task/), None if unreadable."""
+        with self._lock:
+            if self.fd < 0:
+                return None
+            try:
+                fd = os.open("task", _O_DIR, dir_fd=self.fd)
+            except OSError:
+                return None
+            try:
+                return {int(t) for t in os.listdir(fd) if t.isdigit()}
+            except OSError:
+                return None
+            finally:
+                os.close(fd)
+
+    def live_dir(self) -> str:
+        """``.`` (the process's directory), or ``task/TID`` of a live thread when the
+        leader is a zombie (its mem and maps are then unusable: procfs.proc_dir)."""
+        state = _stat_state(self.read("stat", 4096))
+        if state not in ("Z", "X"):
+            return "."
+        for tid in sorted(self.tids() or ()):
+            if tid != self.pid and _stat_state(self.read(f"task/{tid}/stat", 4096)) \
+                    not in ("Z", "X", None):
+                return f"task/{tid}"
+        return "."
+
+    def exe(self) -> str | None:
+        """The kernel's path of the executable (readlink), None if unreadable."""
+        with self._lock:
+            if self.fd < 0:
+                return None
+            for rel in ("exe", f"{self.live_dir()}/exe"):
+                with contextlib.suppress(OSError):
+                    return os.readlink(rel, dir_fd=self.fd)
+            return None
+
+    def exe_stat(self) -> os.stat_result | None:
+        with self._lock:
+            if self.fd < 0:
+                return None
+            for rel in ("exe", f"{self.live_dir()}/exe"):
+                with contextlib.suppress(OSError):
+                    return os.stat(rel, dir_fd=self.fd)
+            return None
+
+    def ppid(self) -> int | None:
+        text = self.read("status", 8192)
+        m = re.search(rb"\nPPid:\s*([0-9]+)", text or b"")
+        return int(m.group(1)) if m else None
+
+    def open_mem(self) -> int:
+        """A read-only descriptor of the process's memory (OSError if it cannot be had)."""
+        with self._lock:
+            if self.fd < 0:
+                raise ProcessLookupError(f"no /proc entry of pid {self.pid}")
+            return os.open(f"{self.live_dir()}/mem", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.fd)
+
+    def maps(self) -> list[Mapping] | None:
+        """The process's mappings with device and inode; None if unreadable."""
+        text = self.read(f"{self.live_dir()}/maps", 256 << 20)
+        if text is None:
+            return None
+        out = []
+        for line in text.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) < 5:
+                continue
+            try:
+                lo, _, hi = parts[0].partition(b"-")
+                major, _, minor = parts[3].partition(b":")
+                out.append(Mapping(int(lo, 16), int(hi, 16), parts[1].decode(),
+                                   (int(major, 16), int(minor, 16)), int(parts[4]),
+                                   parts[5].decode(errors="replace") if len(parts) > 5
+                                   else ""))
+            except ValueError:
+                continue
+        return out
+
+
+def _read_path(path: str, limit: int) -> bytes | None:
+    try:
+        with open(path, "rb", buffering=0) as f:
+            return f.read(limit)
+    except OSError:
+        return None
+
+
+def _status_tgid(text: bytes | None) -> int | None:
+    m = re.search(rb"(?:^|\n)Tgid:\s*([0-9]+)", text or b"")
+    return int(m.group(1)) if m else None
+
+
+def _stat_state(text: bytes | None) -> str | None:
+    if not text:
+        return None
+    rest = text[text.rfind(b")") + 1:].split()
+    return rest[0].decode("ascii", "replace") if rest else None
+
+
+def code_buffer_problem(proc: ProcHandle, fd: int, base: int, size: int,
+                        requested: int) -> str | None:
+    """Why a code buffer the agent handed over (CODE_BUFFER: ``fd`` mapped at ``base``,
+    ``size`` bytes, for a request of ``requested``) is not one the service may map and
+    write; None if it is.  It must be page-aligned user memory of the requested size
+    (rounded up by at most 2 MiB), the fd a regular file of exactly that size, and the
+    client's own mapping at [base, base + size) that same file."""
+    page = 4096
+    if size < requested or size > ((requested + (2 << 20) - 1) & ~((2 << 20) - 1)) \
+            or size % page:
+        return f"size {size:#x} for a request of {requested:#x}"
+    if base % page or base == 0 or base + size > USER_TOP:
+        return f"base {base:#x} is not page-aligned user memory"
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        return f"fd: {exc}"
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        return f"fd is not a file of {size:#x} bytes"
+    maps = proc.maps()
+    if maps is None:
+        return "the client's maps are unreadable"
+    dev = (os.major(st.st_dev), os.minor(st.st_dev))
+    at = base
+    for m in maps:
+        if m.hi <= at or m.lo > at:
+            continue
+        if m.dev != dev or m.ino != st.st_ino:
+            return f"the client maps another file at {at:#x}"
+        at = m.hi
+        if at >= base + size:
+            return None
+    return f"[{base:#x}, {base + size:#x}) is not mapped in the client"
 
 
 # --------------------------------------------------------------------------- perf maps

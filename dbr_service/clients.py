@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import bisect
 import collections
-import contextlib
 import enum
 import logging
+import mmap
 import os
 import queue
 import select
@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dbr_service import protocol as P
-from dbr_service.agentconn import AgentConnection, Received
-from dbr_service.clientfiles import PerfMap
+from dbr_service.agentconn import AgentConnection, CodeBufferHandle, Received, result_name
+from dbr_service.clientfiles import (TID_MAX, USER_TOP, PerfMap, ProcHandle, ThreadCheck,
+                                     code_buffer_problem)
 from dbr_service.errors import AgentError, MemoryViewError, ProtocolError, SamplingError
 from dbr_service.paths import program_key
 from dbr_service.procfs import proc_dir, started_boottime, started_monotonic
@@ -63,6 +64,15 @@ _LATE_REPLIES = {P.MsgType.ACK, P.MsgType.CODE_BUFFER, P.MsgType.PATCH_RESULT,
 #: Map changes that add or remove code (a munmap or mprotect of data is no news;
 #: one that touches installed code removes regions, which counts by itself).
 _CODE_MAP_KINDS = {int(P.MapKind.DLOPEN), int(P.MapKind.DLCLOSE), int(P.MapKind.MMAP_EXEC)}
+_MAP_KINDS = {int(k) for k in P.MapKind}
+#: MAP_CHANGED rereads /proc/PID/maps at most this often; a burst's last change is
+#: read when the interval is over (the session loop), so the map is never left stale.
+MAPS_REREAD_S = 0.02
+#: How often the session loop checks that the process that connected still exists (a
+#: socket handed to another process outlives it; its pid may be another's by then).
+ALIVE_CHECK_S = 1.0
+#: Most census entries gathered from one census (PC_CENSUS ... CENSUS_MORE).
+CENSUS_ENTRIES_MAX = 1 << 16
 
 
 # --------------------------------------------------------------------------- memory
@@ -84,11 +94,14 @@ def read_maps(pid: int) -> list[MapEntry]:
     """Parse /proc/PID/maps (sorted by address); MemoryViewError if unreadable."""
     try:
         with open(f"{proc_dir(pid)}/maps") as fh:
-            lines = fh.read().splitlines()
+            return parse_maps(fh.read())
     except OSError as exc:
         raise MemoryViewError(f"cannot read maps of pid {pid}: {exc}") from exc
+
+
+def parse_maps(text: str) -> list[MapEntry]:
     out = []
-    for line in lines:
+    for line in text.splitlines():
         parts = line.split(None, 5)
         if len(parts) < 5:
             continue
@@ -210,6 +223,111 @@ class ShortThreadPrograms:
             return True
 
 
+class CheckedConnection:
+    """The session's connection as the installer sees it.  The replies the service maps
+    memory for or adds up (CODE_BUFFER, PC_CENSUS, TRANSFER_RESULT) are checked before
+    they are used, and descriptors sent along with them are closed; everything else is
+    the connection's own.  A reply that fails a check ends the session
+    (``on_violation``): the agent lies about its own memory."""
+
+    def __init__(self, conn: AgentConnection, proc: ProcHandle,
+                 on_violation: Callable[[str], None]) -> None:
+        self._conn, self._proc, self._on_violation = conn, proc, on_violation
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def _violation(self, why: str) -> None:
+        self._on_violation(why)
+        raise ProtocolError(why)
+
+    def code_buffer(self, near: int, size: int, timeout: float = 2.0) -> CodeBufferHandle:
+        """Ask for a code buffer near ``near`` and map it here once it checks out
+        (clientfiles.code_buffer_problem): a hostile size or fd is never mapped."""
+        conn = self._conn
+        rec = conn.request(P.MsgType.CODE_BUFFER_REQ,
+                           P.CodeBufferReq(req_id=conn.next_id(), near=near, size=size),
+                           timeout=timeout)
+        cb: P.CodeBuffer = rec.msg.body  # type: ignore[assignment]
+        fds, rec.fds = list(rec.fds), []
+        try:
+            if cb.result != P.Result.OK:
+                raise AgentError(f"code buffer refused: {result_name(cb.result)}")
+            why = (f"{len(fds)} fds, expected 1" if len(fds) != 1 else
+                   f"buffer id {cb.buffer_id} in use" if cb.buffer_id in conn.buffers else
+                   code_buffer_problem(self._proc, fds[0], cb.base, cb.size, size))
+            if why:
+                self._violation(f"CODE_BUFFER: {why}")
+            try:
+                mem = mmap.mmap(fds[0], cb.size, mmap.MAP_SHARED,
+                                mmap.PROT_READ | mmap.PROT_WRITE)
+            except (OSError, ValueError, OverflowError) as exc:
+                raise AgentError(f"cannot map code buffer {cb.buffer_id}: {exc}") from exc
+        finally:
+            for fd in fds:
+                os.close(fd)
+        handle = CodeBufferHandle(cb.buffer_id, cb.base, cb.size, mem)
+        conn.buffers[cb.buffer_id] = handle
+        return handle
+
+    def census(self, timeout_ms: int = 200) -> list[P.CensusEntry]:
+        """Every thread's PC; a reply of more than CENSUS_ENTRIES_MAX entries, or one
+        not complete within its bound, is refused."""
+        conn = self._conn
+        req_id = conn.next_id()
+        rec = conn.request(P.MsgType.PC_CENSUS_REQ,
+                           P.CensusReq(req_id=req_id, timeout_ms=timeout_ms),
+                           timeout=timeout_ms / 1000 + 2.0)
+        entries = list(rec.msg.items)
+        deadline = time.monotonic() + 2.0
+        while True:
+            for fd in rec.fds:
+                os.close(fd)
+            if len(entries) > CENSUS_ENTRIES_MAX:
+                self._violation(f"PC_CENSUS: more than {CENSUS_ENTRIES_MAX} entries")
+            if not rec.msg.body.flags & P.CENSUS_MORE:
+                return entries
+            left = deadline - time.monotonic()
+            nxt = conn.recv(left) if left > 0 else None
+            if nxt is None:
+                raise AgentError("census reply incomplete")
+            if nxt.type is not P.MsgType.PC_CENSUS or nxt.msg.body.req_id != req_id:
+                conn._unsolicited(nxt)
+                continue
+            rec = nxt
+            entries.extend(rec.msg.items)
+
+    def transfer(self, region_id: int, points: dict[int, int] | list[tuple[int, int]],
+                 timeout_ms: int = 100) -> P.TransferResult:
+        pts = sorted(dict(points).items())
+        return self._move(P.MsgType.TRANSFER, region_id,
+                          [P.TransferPoint(orig=o, repl=r) for o, r in pts], timeout_ms)
+
+    def evict(self, region_id: int, points: dict[int, int] | list[tuple[int, int]],
+              timeout_ms: int = 100) -> P.TransferResult:
+        pts = sorted(dict(points).items())
+        return self._move(P.MsgType.EVICT, region_id,
+                          [P.TransferPoint(orig=o, repl=r) for r, o in pts], timeout_ms)
+
+    def _move(self, kind: P.MsgType, region_id: int, items: list[P.TransferPoint],
+              timeout_ms: int) -> P.TransferResult:
+        """AgentConnection._move, with the reply's counts checked: none is more than
+        the threads signalled, and those are at most a process's."""
+        if not 0 < len(items) <= P.MAX_TRANSFER:
+            raise AgentError(f"a {kind.name} holds 1..{P.MAX_TRANSFER} points, not {len(items)}")
+        conn = self._conn
+        rec = conn.request(kind, P.Transfer(req_id=conn.next_id(), region_id=region_id,
+                                            timeout_ms=timeout_ms),
+                           items=items, timeout=timeout_ms / 1000 + 3.0)
+        for fd in rec.fds:
+            os.close(fd)
+        res: P.TransferResult = rec.msg.body  # type: ignore[assignment]
+        if res.threads > TID_MAX or max(res.moved, res.no_reply, res.left) > res.threads:
+            raise AgentError(f"{kind.name}: counts out of bounds (threads {res.threads}, "
+                             f"moved {res.moved}, no reply {res.no_reply}, left {res.left})")
+        return res
+
+
 class ClientSession:
     """One agent session: the connection, the client's threads, map, samples and regions.
 
@@ -229,6 +347,10 @@ class ClientSession:
         self.hello_flags = 0
         self.state = SessionState.HANDSHAKE
         self.close_reason = ""
+        #: THREAD_NEW tids that are not threads of this process, and MAP_CHANGED ranges
+        #: or kinds out of bounds: refused (nothing done for them), counted here.
+        self.foreign_tids = 0
+        self.map_changes_refused = 0
         self.connected_at = time.time()
         self.connected_mono = time.monotonic()
         #: Its starttime (procfs.started_boottime: the process's identity beside its pid)
@@ -332,6 +454,9 @@ class ClientSession:
         #: The last speed-check command posted (control thread).
         self.speed_fut: Future | None = None
         self._perf_map: PerfMap | None = None
+        self._maps_due = 0.0     # monotonic s a deferred maps reread is due (0: none)
+        self._maps_read = 0.0    # monotonic s of the last reread
+        self._alive_look = time.monotonic()
         #: Seconds from connection to the first occurrence of each step of the cycle.
         self.timeline: dict[str, float] = {}
         #: Source this client must use (set when perf was refused for it).
@@ -343,6 +468,8 @@ class ClientSession:
         #: The session's thread, one the service kept from an earlier session if it
         #: could (dbr_service/reuse.py: a thread's birth costs the client).
         self.thread: Job | None = None
+        #: /proc/PID of the process that connected, held open (clientfiles.ProcHandle).
+        self.proc = ProcHandle(self.pid)
         conn.on_unsolicited = self._on_unsolicited
 
     # ------------------------------------------------------------------ control
@@ -389,14 +516,18 @@ class ClientSession:
         svc = self.service
         try:
             self._handshake()
-        except (AgentError, ProtocolError, OSError) as exc:
-            self.close_reason = f"refused: {exc}"
+        except Exception as exc:   # a bug too: the session must not stay pending
+            if not isinstance(exc, (AgentError, ProtocolError, OSError)):
+                log.exception("session %d (pid %d): handshake failed", self.session_id,
+                              self.pid)
+            why = str(exc)
+            self.close_reason = f"refused: {why}"
             self._finish()
             # A peer that hung up before the handshake ended exited or exec'd meanwhile
             # (every short command a shell script runs under dbr), or was a probe.
             gone = isinstance(exc.__cause__, (BrokenPipeError, ConnectionResetError)) \
                 or "closed the session" in str(exc)
-            svc.session_refused(self, str(exc), peer_gone=gone)
+            svc.session_refused(self, why, peer_gone=gone)
             return
         self.state = SessionState.CONNECTED
         svc.session_started(self)
@@ -410,7 +541,11 @@ class ClientSession:
         except Exception as exc:  # a bug must end this session only
             log.exception("session %d (pid %d) failed", self.session_id, self.pid)
             self.close_reason = self.close_reason or f"internal error: {exc!r}"
-        leftover = self._drain_source()
+        try:
+            leftover = self._drain_source()
+        except Exception:
+            log.exception("session %d (pid %d): last samples lost", self.session_id, self.pid)
+            leftover = []
         self._finish()
         svc.session_ended(self, leftover)
 
@@ -421,33 +556,58 @@ class ClientSession:
             on_disconnect=P.DISCONNECT_REVERT if cfg.on_disconnect == "revert"
             else P.DISCONNECT_KEEP,
             map_wait_ms=cfg.map_wait_ms, timeout=2.0)
-        self.ppid = hello.ppid
+        why = P.hello_problem(hello)
+        if why:
+            self.conn.error(P.Result.E_INVAL, why, 0)
+            raise ProtocolError(f"HELLO: {why}")
+        kernel_ppid = self.proc.ppid()
+        self.ppid = hello.ppid if kernel_ppid is None else kernel_ppid
         self.exe = hello.exe.decode(errors="replace")
-        self.build_id = bytes(hello.build_id[: min(hello.build_id_len, P.BUILD_ID_MAX)]).hex()
+        self.build_id = bytes(hello.build_id[: hello.build_id_len]).hex()
         self.hello_flags = hello.flags
         self.thread_notices_on = not hello.flags & P.HELLO_QUIET_THREADS
-        with contextlib.suppress(OSError):   # another user's process, unless root
-            self.exe_key = program_key(os.stat(f"/proc/{self.pid}/exe"))
+        st = self.proc.exe_stat()     # None: another user's process, unless root
+        if st is not None:
+            self.exe_key = program_key(st)
         self._refresh_threads()
         # The memory map is read when the first sampling window opens (begin_window):
         # a client that ends before (min_client_age_s) never costs a parse of it.
 
     def _loop(self) -> None:
         sock_fd = self.conn.fileno()
+        poller = select.poll()   # not select: descriptors above FD_SETSIZE on a busy host
+        poller.register(sock_fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         while True:
             self._run_commands()  # also after stop(): a posted farewell (BYE) still runs
             if self._stop:
                 break
-            r, _, _ = select.select([sock_fd, self._wake_r], [], [], 1.0)
-            if self._wake_r in r:
+            now = time.monotonic()
+            if self._maps_due and now >= self._maps_due:
+                self._refresh_maps()
+            wait = 1.0 if not self._maps_due else max(0.0, self._maps_due - now)
+            ready = {fd for fd, _ in poller.poll(int(min(wait, ALIVE_CHECK_S) * 1000 + 0.999))}
+            if self._wake_r in ready:
                 try:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
-            if sock_fd in r:
+            if sock_fd in ready:
                 rec = self.conn.recv(0)
                 if rec is not None:
                     self._handle(rec)
+            elif self._process_gone(time.monotonic()):
+                self.close_reason = self.close_reason or "the process ended"
+                break
+
+    def _process_gone(self, now: float) -> bool:
+        """Whether the process that connected has ended while its socket, held by
+        another process, stays open (looked at every ALIVE_CHECK_S, when nothing is
+        to be read: an ended process's own socket reads EOF, its BYE first)."""
+        if not self.proc.opened or now - self._alive_look < ALIVE_CHECK_S:
+            return False
+        self._alive_look = now
+        return not self.proc.alive()
 
     def _run_commands(self) -> None:
         while True:
@@ -477,10 +637,15 @@ class ClientSession:
     def _finish(self) -> None:
         self.state = SessionState.CLOSED
         self.ended_at = time.time()
-        self._close_source()
+        try:
+            self._close_source()
+        except Exception:   # every descriptor below is closed all the same
+            log.exception("session %d (pid %d): closing its source failed",
+                          self.session_id, self.pid)
         self.conn.close()
         if self._perf_map is not None:
             self._perf_map.close()
+        self.proc.close()
         while True:  # fail whatever is still queued
             try:
                 _, fut = self._commands.get_nowait()
@@ -502,17 +667,30 @@ class ClientSession:
 
     def _handle(self, rec: Received) -> None:
         t = rec.type
+        # No message handled here keeps a descriptor (a late reply's is not used).
+        for fd in rec.fds:
+            os.close(fd)
+        rec.fds.clear()
         if t in (P.MsgType.THREAD_NEW, P.MsgType.THREAD_EXIT):
             self._thread_notice(t, rec.msg.body.tid)
         elif t is P.MsgType.MAP_CHANGED:
             body = rec.msg.body
+            lo, hi, req_id, kind = body.lo, min(body.hi, USER_TOP), body.req_id, int(body.kind)
+            if kind not in _MAP_KINDS or not lo < hi:
+                # nothing in user space, or no kind the agent sends: nothing done
+                with self.lock:
+                    self.map_changes_refused += 1
+                log.debug("pid %d: MAP_CHANGED kind %d [%#x, %#x) refused", self.pid, kind,
+                          body.lo, body.hi)
+                if req_id:
+                    self.conn.ack(req_id, P.Result.E_INVAL)
+                return
             if self.source is None and self.installer is None and not self.snapshots:
                 # Never sampled yet (a young client loading its libraries): the map is
                 # read when its first window opens; nothing here would use it before.
                 self.map_changes += 1
             else:
-                self._refresh_maps()
-            lo, hi, req_id, kind = body.lo, body.hi, body.req_id, int(body.kind)
+                self._refresh_maps(soon=True)
             if self.installer is not None and self.installer.affected_by(lo, hi):
                 # Unpatching needs requests of its own: never from inside another
                 # request's wait (its reply could be taken for ours), so it runs as the
@@ -533,19 +711,25 @@ class ClientSession:
             text = err.msg.decode(errors="replace")
             raise AgentError(f"agent error {err.code}: {text}")
         elif t in _LATE_REPLIES:
-            for fd in rec.fds:
-                os.close(fd)
             log.debug("pid %d: late %s dropped", self.pid, t.name)
         else:  # HELLO again, or a service-only type
-            for fd in rec.fds:
-                os.close(fd)
             raise ProtocolError(f"unexpected {t.name} from the agent")
 
     def _thread_notice(self, t: P.MsgType, tid: int) -> None:
+        # A tid the service acts on (an event opened, a timer armed) must be one of
+        # this process's threads; one that has ended counts as short-lived, as an event
+        # that could not be opened did.
+        check = self.proc.thread_check(tid) if t is P.MsgType.THREAD_NEW else ThreadCheck.OWN
         with self.lock:
             self.thread_notices_received += 1
+            if check == ThreadCheck.FOREIGN:
+                self.foreign_tids += 1
+                log.debug("pid %d: THREAD_NEW of tid %d, not a thread of it: refused",
+                          self.pid, tid)
+                return
             if t is P.MsgType.THREAD_NEW:
-                self.threads.add(tid)
+                if check == ThreadCheck.OWN:
+                    self.threads.add(tid)
                 src = self.source
                 if self._quiet_gen == self._notices_gen:
                     # Quiet already asked for in this window: the notices still
@@ -556,7 +740,7 @@ class ClientSession:
                 elif src is not None:
                     self._announced += 1
                     try:
-                        if src.add_thread(tid):
+                        if check == ThreadCheck.OWN and src.add_thread(tid):
                             self._announced_at[tid] = time.monotonic()
                         else:
                             self._short_lived += 1   # ended already
@@ -633,10 +817,7 @@ class ClientSession:
 
     def _task_tids(self) -> set[int] | None:
         """The client's threads in /proc/PID/task; None if unreadable."""
-        try:
-            return {int(t) for t in os.listdir(f"/proc/{self.pid}/task")}
-        except OSError:
-            return None
+        return self.proc.tids()
 
     def _refresh_threads(self) -> None:
         tids = self._task_tids()
@@ -659,13 +840,20 @@ class ClientSession:
         tids = self._task_tids() if self.alive else None
         return len(self.threads) if tids is None else len(tids)
 
-    def _refresh_maps(self) -> None:
-        try:
-            maps = read_maps(self.pid)
-        except MemoryViewError as exc:
-            self.errors.append(str(exc))
+    def _refresh_maps(self, soon: bool = False) -> None:
+        """Reread the client's map.  ``soon`` (a MAP_CHANGED): not more often than
+        MAPS_REREAD_S; a reread due later is done by the session loop (a client
+        announcing changes in a loop costs the service no more than that)."""
+        now = time.monotonic()
+        if soon and now - self._maps_read < MAPS_REREAD_S:
+            self._maps_due = self._maps_due or self._maps_read + MAPS_REREAD_S
             return
-        self.maps = maps
+        self._maps_due, self._maps_read = 0.0, now
+        text = self.proc.read(f"{self.proc.live_dir()}/maps", 256 << 20)
+        if text is None:
+            self.errors.append(f"cannot read maps of pid {self.pid}")
+            return
+        self.maps = parse_maps(text.decode(errors="replace"))
         self.map_changes += 1
 
     # ------------------------------------------------------------------ sampling
@@ -769,16 +957,20 @@ class ClientSession:
             self.timeline[step] = round(time.monotonic() - self.connected_mono, 4)
 
     def _read_original(self, addr: int, n: int) -> bytes:
-        with open(f"{proc_dir(self.pid)}/mem", "rb", buffering=0) as f:
-            f.seek(addr)
-            return f.read(n)
+        fd = self.proc.open_mem()
+        try:
+            return os.pread(fd, n, addr)
+        finally:
+            os.close(fd)
 
     def _get_installer(self) -> Installer:
         if self.installer is None:
             cfg = self.service.config
             variant = {"int3": P.Variant.INT3, "self-branch": P.Variant.SELF_BRANCH,
                        "single": P.Variant.SINGLE}[cfg.patch_variant]
-            self.installer = Installer(self.conn, self._read_original, variant=variant,
+            conn = CheckedConnection(self.conn, self.proc,
+                                     lambda why: self.stop(f"protocol error: {why}"))
+            self.installer = Installer(conn, self._read_original, variant=variant,
                                        transfer=cfg.transfer,
                                        evict=cfg.evict
                                        and bool(self.hello_flags & P.HELLO_EVICT))
@@ -1195,6 +1387,8 @@ class ClientSession:
                                 self.speed_checks[-1]["verdict"] if self.speed_checks
                                 else None),
                 "connected_at": self.connected_at, "ended_at": self.ended_at,
+                "foreign_tids": self.foreign_tids,
+                "map_changes_refused": self.map_changes_refused,
                 "close_reason": self.close_reason, "errors": list(self.errors)[-3:]}
 
     def threads_moved(self) -> dict[str, int]:

@@ -341,6 +341,18 @@ MSG_ARRAY: dict[MsgType, type[_S]] = {
     MsgType.TRANSFER: TransferPoint, MsgType.EVICT: TransferPoint,
 }
 
+# Most array entries a message of each variable-length type may carry.
+MSG_ARRAY_MAX: dict[MsgType, int] = {
+    MsgType.PATCH: MAX_SITES, MsgType.UNPATCH: MAX_SITES, MsgType.PATCH_RESULT: MAX_SITES,
+    MsgType.PC_CENSUS: MAX_CENSUS, MsgType.TRANSFER: MAX_TRANSFER,
+    MsgType.EVICT: MAX_TRANSFER,
+}
+
+#: Bounds of HELLO's informational fields (hello_problem).
+SIGNAL_MAX = 64          # SIGRTMAX on Linux
+THREADS_MAX = 1 << 22    # PID_MAX_LIMIT
+PAGE_SIZE_MAX = 1 << 30
+
 T = TypeVar("T", bound=_S)
 
 
@@ -378,6 +390,8 @@ def parse_hdr(data: bytes) -> MsgHdr:
     """Check magic, version, length and type; raise ProtocolError otherwise."""
     if len(data) < ctypes.sizeof(MsgHdr):
         raise ProtocolError(f"truncated message: {len(data)} bytes")
+    if len(data) > MSG_MAX:
+        raise ProtocolError(f"datagram of {len(data)} bytes > {MSG_MAX}")
     hdr = MsgHdr.from_bytes(data)
     if hdr.magic != PROTO_MAGIC:
         raise ProtocolError(f"bad magic {hdr.magic:#x}")
@@ -400,13 +414,35 @@ def unpack(data: bytes) -> Message:
     if item_cls is None:
         if len(data) != fixed:
             raise ProtocolError(f"{mtype.name}: {len(data)} bytes, expected {fixed}")
-        return Message(mtype, hdr.seq, cls.from_bytes(data), [], bytes(data))
+        body = cls.from_bytes(data)
+        if mtype is MsgType.REGION and body.n_exits > MAX_EXITS:
+            raise ProtocolError(f"REGION: n_exits={body.n_exits} > {MAX_EXITS}")
+        return Message(mtype, hdr.seq, body, [], bytes(data))
     if len(data) < fixed:
         raise ProtocolError(f"{mtype.name}: truncated fixed part")
     body = cls.from_bytes(data)
     isz = ctypes.sizeof(item_cls)
+    if body.n > MSG_ARRAY_MAX[mtype]:
+        raise ProtocolError(f"{mtype.name}: n={body.n} > {MSG_ARRAY_MAX[mtype]}")
     if len(data) != fixed + body.n * isz:
         raise ProtocolError(f"{mtype.name}: n={body.n} does not match {len(data)} bytes")
     items = [item_cls.from_bytes(data[fixed + k * isz: fixed + (k + 1) * isz])
              for k in range(body.n)]
     return Message(mtype, hdr.seq, body, items, bytes(data))
+
+
+def hello_problem(h: Hello) -> str | None:
+    """Why a HELLO's fields are out of bounds (a hostile or broken agent), None if
+    they are not.  The exe must be NUL-terminated within EXE_MAX."""
+    if h.build_id_len > BUILD_ID_MAX:
+        return f"build_id_len {h.build_id_len} > {BUILD_ID_MAX}"
+    if h.page_size & (h.page_size - 1) or not 4096 <= h.page_size <= PAGE_SIZE_MAX:
+        return f"page_size {h.page_size}"
+    if h.n_threads > THREADS_MAX:
+        return f"n_threads {h.n_threads} > {THREADS_MAX}"
+    for name in ("census_signal", "sampler_signal"):
+        if getattr(h, name) > SIGNAL_MAX:
+            return f"{name} {getattr(h, name)} > {SIGNAL_MAX}"
+    if b"\0" not in bytes(h)[Hello.exe.offset:Hello.exe.offset + EXE_MAX]:
+        return "exe is not NUL-terminated"
+    return None

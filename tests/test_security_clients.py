@@ -1,5 +1,6 @@
-"""What another local user can make the root service do through the perf map in /tmp:
-links planted there, removal at the client's end, stale maps of a killed service."""
+"""What a client (or another local user) can make the root service do: the perf map in
+/tmp (links planted there, removal at the end, stale maps of a killed service), and
+tids of other processes in THREAD_NEW."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
+import time
 
 import pytest
-from service_helpers import ServiceProc, agent_path, build_example, kill, spawn_client
+from service_helpers import FakeAgent, ServiceProc, agent_path, build_example, kill, spawn_client
 
+from dbr_service import protocol as P
 from dbr_service.clientfiles import (PERF_MAP_RECORDS, PerfMap, perf_map_path,
                                      remove_stale_perf_maps)
 
@@ -231,3 +235,71 @@ def test_perf_map_rewrites_in_place_and_removes_only_its_own_file(tmp_path):
         assert open(pm.path).read() == "other\n"
     finally:
         _unlink(pm.path)
+
+
+# --------------------------------------------------------------------------- THREAD_NEW
+def _perf_fds(pid: int) -> int:
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[perf_event]":
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+class Agent(FakeAgent):
+    """A fake agent that answers nothing and can wait for an ACK (a round trip)."""
+
+    def sync(self, req_id: int) -> None:
+        """MAP_CHANGED (kind MUNMAP, req_id) and wait for its ACK: every message sent
+        before it has been handled."""
+        self.send(P.MsgType.MAP_CHANGED, P.MapChanged(req_id=req_id, kind=P.MapKind.MUNMAP,
+                                                      lo=0x10000, hi=0x11000))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            m = self.recv_or_eof(5)
+            assert m is not None, "session closed"
+            if m.type is P.MsgType.ACK and m.body.req_id == req_id:
+                return
+        raise TimeoutError("no ACK")
+
+
+@needs_root
+def test_thread_new_of_another_process_opens_no_perf_event():
+    """A fake agent (this process) announces the tid of a `sleep` it does not own: the
+    root service opens no perf event on it (its perf descriptors do not change),
+    counts the refusal, and goes on serving the session; its own thread is taken."""
+    svc = ServiceProc("--aggressive", "patching=false",
+                      "continuous_sampling=true").wait_ready()
+    sleeper = subprocess.Popen(["sleep", "30"])
+    agent = Agent(svc.dir)
+    stop = threading.Event()
+    mine = threading.Thread(target=stop.wait, args=(30,))
+    mine.start()
+    try:
+        assert agent.hello(flags=0).type is P.MsgType.HELLO_ACK
+        me = os.getpid()
+        svc.wait_for(lambda: (_row(svc, me) or {}).get("snapshots", 0) >= 2, 10.0,
+                     "sampled")
+        svc_pid = svc.proc.pid
+        agent.sync(1)
+        before = _perf_fds(svc_pid)
+        assert before > 0     # its events on this process's threads
+        agent.send(P.MsgType.THREAD_NEW, P.Thread(tid=sleeper.pid))
+        agent.sync(2)
+        after = _perf_fds(svc_pid)
+        assert after == before, f"perf events {before} -> {after}: one on a foreign tid"
+        row = _row(svc, me)
+        assert row["foreign_tids"] == 1 and row["state"] == "connected"
+        agent.send(P.MsgType.THREAD_NEW, P.Thread(tid=mine.native_id))
+        agent.sync(3)
+        assert _row(svc, me)["foreign_tids"] == 1
+        assert _perf_fds(svc_pid) >= before
+    finally:
+        stop.set()
+        mine.join()
+        agent.close()
+        kill(sleeper)
+        svc.stop()
