@@ -1,6 +1,8 @@
 """What the service (often root) reads and writes on behalf of a client, done so that
 neither the client nor another user can redirect it.
 
+* :func:`safe_text`: text a client sends (its exe, an agent's error message) made
+  printable and bounded before it is logged or listed.
 * :class:`ProcHandle`: an open ``/proc/PID`` directory.  Lookups through it fail once
   the process that connected has ended, even if its pid is taken by another process;
   the client's threads, executable, memory and maps are read through it.
@@ -29,6 +31,8 @@ PERF_MAP_RECORDS = "perf-maps"
 USER_TOP = 1 << 47
 #: Largest pid/tid the kernel hands out (PID_MAX_LIMIT).
 TID_MAX = 1 << 22
+#: Longest text kept of a client's string (characters, after escaping).
+TEXT_MAX = 300
 #: Largest dbr map :func:`remove_stale_perf_maps` reads to check its format.
 _LEGACY_MAP_MAX = 16 << 20
 
@@ -37,6 +41,44 @@ _RECORD_RE = re.compile(r"([0-9]+)-([0-9a-f]+)-([0-9a-f]+)")
 _MAP_NAME_RE = re.compile(r"perf-([0-9]+)\.map")
 # A line install.py (Installer.perf_map_lines) writes: START SIZE dbr:REGION@0xORIG
 _MAP_LINE_RE = re.compile(rb"[0-9a-f]+ [0-9a-f]+ dbr:[A-Za-z0-9_.:-]+@0x[0-9a-f]+")
+
+
+# --------------------------------------------------------------------------- text
+def safe_text(value: str | bytes | bytearray, limit: int = TEXT_MAX) -> str:
+    """``value`` with every character that is not printable (control characters, ANSI
+    escapes, bidi overrides, bytes that are not UTF-8) and the backslash escaped as
+    ``\\xHH``/``\\uHHHH``, cut to ``limit`` characters ("..." marks a cut)."""
+    if isinstance(value, (bytes, bytearray)):
+        value = bytes(value).decode("utf-8", errors="surrogateescape")
+    pieces: list[str] = []
+    n = 0
+    for ch in value[:limit + 1]:       # each character gives at least one
+        c = ord(ch)
+        if ch.isprintable() and ch != "\\":
+            piece = ch
+        elif ch == "\\":
+            piece = "\\\\"
+        elif 0xDC80 <= c <= 0xDCFF:          # a byte that was not UTF-8
+            piece = f"\\x{c - 0xDC00:02x}"
+        elif c < 0x100:
+            piece = f"\\x{c:02x}"
+        elif c < 0x10000:
+            piece = f"\\u{c:04x}"
+        else:
+            piece = f"\\U{c:08x}"
+        pieces.append(piece)
+        n += len(piece)
+        if n > limit:
+            break
+    if n <= limit:
+        return "".join(pieces)
+    out, n = [], 0
+    for piece in pieces:             # cut between escapes, never inside one
+        if n + len(piece) > limit - 3:
+            break
+        out.append(piece)
+        n += len(piece)
+    return "".join(out) + "..."
 
 
 # --------------------------------------------------------------------------- /proc

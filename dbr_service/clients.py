@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, CodeBufferHandle, Received, result_name
 from dbr_service.clientfiles import (TID_MAX, USER_TOP, PerfMap, ProcHandle, ThreadCheck,
-                                     code_buffer_problem)
+                                     code_buffer_problem, safe_text)
 from dbr_service.errors import AgentError, MemoryViewError, ProtocolError, SamplingError
 from dbr_service.paths import program_key
 from dbr_service.procfs import proc_dir, started_boottime, started_monotonic
@@ -73,6 +73,8 @@ MAPS_REREAD_S = 0.02
 ALIVE_CHECK_S = 1.0
 #: Most census entries gathered from one census (PC_CENSUS ... CENSUS_MORE).
 CENSUS_ENTRIES_MAX = 1 << 16
+#: Longest text kept of an error or a close reason (after escaping).
+NOTE_MAX = 400
 
 
 # --------------------------------------------------------------------------- memory
@@ -223,6 +225,14 @@ class ShortThreadPrograms:
             return True
 
 
+class _Notes(collections.deque):
+    """A session's error notes: each made printable and bounded (agents' texts end
+    up here, and from here in the log and `dbr ctl clients`)."""
+
+    def append(self, x: Any) -> None:
+        super().append(safe_text(str(x), NOTE_MAX))
+
+
 class CheckedConnection:
     """The session's connection as the installer sees it.  The replies the service maps
     memory for or adds up (CODE_BUFFER, PC_CENSUS, TRANSFER_RESULT) are checked before
@@ -346,7 +356,11 @@ class ClientSession:
         self.build_id = ""
         self.hello_flags = 0
         self.state = SessionState.HANDSHAKE
-        self.close_reason = ""
+        self._close_reason = ""
+        #: The exe the agent claimed (escaped), and whether the kernel's differs; ``exe``
+        #: is the kernel's where /proc tells it.
+        self.exe_claimed = ""
+        self.exe_mismatch = False
         #: THREAD_NEW tids that are not threads of this process, and MAP_CHANGED ranges
         #: or kinds out of bounds: refused (nothing done for them), counted here.
         self.foreign_tids = 0
@@ -434,7 +448,7 @@ class ClientSession:
         self.last_window_mono = 0.0
         self.next_window_mono = 0.0
         self.sampling_interval_s = 0.0
-        self.errors: collections.deque[str] = collections.deque(maxlen=20)
+        self.errors: collections.deque[str] = _Notes(maxlen=20)
         self.source: SamplingSource | None = None
         self.source_name = ""
         #: Installation of replacement code (session thread only; created on first use).
@@ -471,6 +485,14 @@ class ClientSession:
         #: /proc/PID of the process that connected, held open (clientfiles.ProcHandle).
         self.proc = ProcHandle(self.pid)
         conn.on_unsolicited = self._on_unsolicited
+
+    @property
+    def close_reason(self) -> str:
+        return self._close_reason
+
+    @close_reason.setter
+    def close_reason(self, text: str) -> None:
+        self._close_reason = safe_text(text, NOTE_MAX)
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
@@ -520,7 +542,7 @@ class ClientSession:
             if not isinstance(exc, (AgentError, ProtocolError, OSError)):
                 log.exception("session %d (pid %d): handshake failed", self.session_id,
                               self.pid)
-            why = str(exc)
+            why = safe_text(str(exc), NOTE_MAX)
             self.close_reason = f"refused: {why}"
             self._finish()
             # A peer that hung up before the handshake ended exited or exec'd meanwhile
@@ -562,7 +584,7 @@ class ClientSession:
             raise ProtocolError(f"HELLO: {why}")
         kernel_ppid = self.proc.ppid()
         self.ppid = hello.ppid if kernel_ppid is None else kernel_ppid
-        self.exe = hello.exe.decode(errors="replace")
+        self._check_exe(bytes(hello.exe))
         self.build_id = bytes(hello.build_id[: hello.build_id_len]).hex()
         self.hello_flags = hello.flags
         self.thread_notices_on = not hello.flags & P.HELLO_QUIET_THREADS
@@ -572,6 +594,26 @@ class ClientSession:
         self._refresh_threads()
         # The memory map is read when the first sampling window opens (begin_window):
         # a client that ends before (min_client_age_s) never costs a parse of it.
+
+    def _check_exe(self, claimed: bytes) -> None:
+        """``exe`` is the kernel's path where /proc tells it, else the claimed one; both
+        escaped.  A claim that is not the kernel's path is flagged (a path longer than
+        the agent can send matches by its start; a deleted file's " (deleted)" too)."""
+        self.exe_claimed = safe_text(claimed)
+        kernel = self.proc.exe()
+        if kernel is None:
+            self.exe = self.exe_claimed
+            return
+        self.exe = safe_text(kernel)
+        real = os.fsencode(kernel)
+        same = claimed == real or (len(claimed) >= P.EXE_MAX - 1 and real.startswith(claimed)) \
+            or (real.endswith(b" (deleted)") and claimed == real[:-len(b" (deleted)")])
+        if not same:
+            self.exe_mismatch = True
+            self.errors.append(f"the agent claims exe {self.exe_claimed}, the kernel says "
+                               f"{self.exe}")
+            log.warning("pid %d claims exe %s; the kernel says %s", self.pid,
+                        self.exe_claimed, self.exe)
 
     def _loop(self) -> None:
         sock_fd = self.conn.fileno()
@@ -708,8 +750,7 @@ class ClientSession:
             self._stop = True
         elif t is P.MsgType.ERROR:
             err = rec.msg.body
-            text = err.msg.decode(errors="replace")
-            raise AgentError(f"agent error {err.code}: {text}")
+            raise AgentError(f"agent error {err.code}: {safe_text(err.msg, P.ERRMSG_MAX)}")
         elif t in _LATE_REPLIES:
             log.debug("pid %d: late %s dropped", self.pid, t.name)
         else:  # HELLO again, or a service-only type
@@ -1361,7 +1402,10 @@ class ClientSession:
     def summary(self) -> dict[str, Any]:
         """One row of `dbr ctl clients`."""
         return {"pid": self.pid, "ppid": self.ppid, "uid": self.uid,
-                "session": self.session_id, "exe": self.exe, "build_id": self.build_id,
+                "session": self.session_id, "build_id": self.build_id,
+                # the kernel's exe; a different claim beside it, where the table shows it
+                "exe": (f"{self.exe} (claims {self.exe_claimed})" if self.exe_mismatch
+                        else self.exe),
                 "state": self.state.value, "threads": self.thread_count(),
                 "agent_thread": ("hidden" if self.hello_flags & P.HELLO_HIDDEN_THREAD
                                  else "pthread"),
@@ -1387,6 +1431,7 @@ class ClientSession:
                                 self.speed_checks[-1]["verdict"] if self.speed_checks
                                 else None),
                 "connected_at": self.connected_at, "ended_at": self.ended_at,
+                "exe_claimed": self.exe_claimed, "exe_mismatch": self.exe_mismatch,
                 "foreign_tids": self.foreign_tids,
                 "map_changes_refused": self.map_changes_refused,
                 "close_reason": self.close_reason, "errors": list(self.errors)[-3:]}

@@ -1,6 +1,6 @@
 """What a client (or another local user) can make the root service do: the perf map in
-/tmp (links planted there, removal at the end, stale maps of a killed service), and
-tids of other processes in THREAD_NEW."""
+/tmp (links planted there, removal at the end, stale maps of a killed service), tids
+of other processes in THREAD_NEW, and hostile text in HELLO and ERROR."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -17,12 +18,17 @@ from service_helpers import FakeAgent, ServiceProc, agent_path, build_example, k
 
 from dbr_service import protocol as P
 from dbr_service.clientfiles import (PERF_MAP_RECORDS, PerfMap, perf_map_path,
-                                     remove_stale_perf_maps)
+                                     remove_stale_perf_maps, safe_text)
 
 needs_agent = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the service must run as root")
 
 VICTIM_TEXT = "root's own file\n"
+
+
+def _dbr(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dbr_service.cli", *argv], env=env,
+                          capture_output=True, text=True, timeout=20)
 
 
 def _row(svc: ServiceProc, pid: int, all_: bool = False) -> dict | None:
@@ -303,3 +309,90 @@ def test_thread_new_of_another_process_opens_no_perf_event():
         agent.close()
         kill(sleeper)
         svc.stop()
+
+
+# --------------------------------------------------------------------------- text
+HOSTILE = b"/x/\x1b[2J\x1b]0;owned\x07\x9b31m\xff\xfe\xe2\x80\xae" + b"B" * 200
+
+
+def _no_escapes(text: str) -> None:
+    assert "\x1b" not in text and "\x07" not in text and "\x9b" not in text \
+        and "\u202e" not in text, repr(text[:500])
+
+
+def test_safe_text_is_printable_and_bounded():
+    s = safe_text(HOSTILE + b"\n" * 4096)
+    _no_escapes(s)
+    assert s.isprintable() and len(s) <= 300 and s.endswith("...")
+    assert safe_text(b"/usr/bin/python3") == "/usr/bin/python3"
+    assert safe_text("a\\b") == "a\\\\b"
+
+
+def test_hostile_exe_and_error_text_are_escaped():
+    """A HELLO claiming an exe full of terminal escapes and bytes that are not UTF-8: the
+    session lists the kernel's exe, keeps the claim escaped and bounded, flags the
+    mismatch; `dbr ctl clients` and the service log carry no escape character.  A
+    HELLO whose exe is not NUL-terminated, or of 4 KiB, is refused.  An ERROR from
+    the agent ends the session with its text escaped."""
+    svc = ServiceProc("patching=false").wait_ready()
+    agent = Agent(svc.dir)
+    try:
+        me = os.getpid()
+        h = P.Hello(pid=me, ppid=os.getppid(), uid=os.getuid(), n_threads=1,
+                    page_size=4096, exe=HOSTILE)
+        agent.send(P.MsgType.HELLO, h)
+        assert agent.recv().type is P.MsgType.HELLO_ACK
+        svc.wait_for(lambda: _row(svc, me), 5.0, "listed")
+        row = _row(svc, me)
+        assert row["exe"].startswith(os.readlink("/proc/self/exe") + " (claims /x/\\x1b[2J")
+        assert row["exe_mismatch"] is True
+        _no_escapes(row["exe_claimed"])
+        assert row["exe_claimed"].startswith("/x/\\x1b[2J") and len(row["exe_claimed"]) <= 300
+        r = _dbr("ctl", "clients", env=svc.env)
+        assert r.returncode == 0, r.stderr
+        _no_escapes(r.stdout)
+        agent.send(P.MsgType.ERROR, P.Error(code=-12, msg=b"\x1b[31mbad\x1b[0m\x07"))
+        svc.wait_for(lambda: _row(svc, me) is None, 5.0, "session ended")
+        ended = _row(svc, me, all_=True)
+        assert "\\x1b[31mbad" in ended["close_reason"]
+        _no_escapes(ended["close_reason"])
+
+        # exe without its NUL, and a 4 KiB HELLO: refused
+        bad = Agent(svc.dir)
+        raw = bytearray(P.pack(P.Hello(pid=me, page_size=4096), P.MsgType.HELLO, 1))
+        off = P.Hello.exe.offset
+        raw[off:off + P.EXE_MAX] = b"\x1b" * P.EXE_MAX
+        bad.sock.send(bytes(raw))
+        assert bad.recv_or_eof().type is P.MsgType.HELLO_ACK
+        assert bad.recv_or_eof().type is P.MsgType.ERROR
+        assert bad.recv_or_eof() is None
+        bad.close()
+        big = Agent(svc.dir)
+        hdr = P.make_hdr(P.MsgType.HELLO, 4096, 1)
+        big.sock.send(bytes(hdr) + b"\x1b" * (4096 - len(bytes(hdr))))
+        assert big.recv_or_eof() is None
+        big.close()
+        time.sleep(0.3)
+        _no_escapes(svc.output())
+    finally:
+        agent.close()
+        svc.stop()
+
+
+@needs_agent
+def test_an_executable_named_with_escapes_is_listed_escaped(patching_service, tmp_path):
+    """Any user can name a program with terminal escapes and run it under the agent;
+    the root operator's `dbr ctl clients` and the service log show it escaped."""
+    svc = patching_service
+    exe = tmp_path / "\x1b]0;owned\x07\x1b[2Jprog"
+    shutil.copy(build_example("hotloop"), exe)
+    c = spawn_client(svc.dir, [str(exe), "3000"])
+    try:
+        svc.wait_for(lambda: _row(svc, c.pid), 10.0, "listed")
+        row = _row(svc, c.pid)
+        assert "\\x1b]0;owned\\x07" in row["exe"] and not row["exe_mismatch"]
+        r = _dbr("ctl", "clients", env=svc.env)
+        _no_escapes(r.stdout)
+        _no_escapes(svc.output())
+    finally:
+        kill(c)
