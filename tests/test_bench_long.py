@@ -160,3 +160,20 @@ def test_bolt_without_tools_is_unavailable(tmp_path, monkeypatch):
     target.write_bytes(b"\x7fELF")
     r = bolt.optimise(str(target), tmp_path / "out", lambda p: None)
     assert r.path is None and "bolt-19" in r.reason
+
+
+def test_python_m_bench_long_passes_its_options_through(monkeypatch):
+    import bench.__main__ as bm
+
+    seen = []
+    monkeypatch.setattr(long_main, "main", lambda argv: seen.append(argv) or 0)
+    assert bm.main(["long", "--quick", "--only", "lua", "--pairs", "2"]) == 0
+    assert bm.main(["--quick", "long", "--setup"]) == 0
+    assert seen == [["--quick", "--only", "lua", "--pairs", "2"], ["--quick", "--setup"]]
+    assert "long" in bm.NAMED_ONLY  # not part of a plain `make bench`
+
+
+def test_unknown_workload_is_a_usage_error():
+    with pytest.raises(SystemExit) as e:
+        long_main.main(["--only", "nosuch"])
+    assert e.value.code == 2
