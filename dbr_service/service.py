@@ -44,6 +44,7 @@ from dbr_service.errors import ConfigError, DbrError, SamplingError
 from dbr_service.notify import Notifier
 from dbr_service.paths import (AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET, QUIET_FILE,
                                UnsafeDirError, open_safe_dir, quiet_hint_ms, write_ms_file)
+from dbr_service.clientfiles import remove_stale_perf_maps
 from dbr_service.procfs import process_lives
 from dbr_service.reuse import ReusedThreads
 from dbr_service.sampling.aggregate import SampleAggregator
@@ -257,6 +258,9 @@ class Service:
             self._listen = agentconn.listen(self.path(AGENT_SOCKET), mode=mode)
         self._listen.setblocking(False)
         self.short_runs.remove_stale()   # only now: the runtime dir is this service's
+        if not self.embedded:            # a killed service's perf maps, still in /tmp
+            for path in remove_stale_perf_maps(self.runtime_dir):
+                log.info("removed the stale perf map %s", path)
         self.write_quiet_hint()
         self._ctx = zmq.Context()
         self._control = ControlServer(self, self._ctx, self.path(CONTROL_SOCKET))

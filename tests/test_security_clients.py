@@ -396,3 +396,22 @@ def test_an_executable_named_with_escapes_is_listed_escaped(patching_service, tm
         _no_escapes(svc.output())
     finally:
         kill(c)
+
+
+@needs_root
+def test_a_service_removes_a_killed_services_perf_maps_at_start(tmp_path):
+    """The service calls remove_stale_perf_maps when it starts on its runtime dir."""
+    rdir = tmp_path / "run"
+    rdir.mkdir()
+    pid = _dead_pids(1)[0]
+    pm = PerfMap(pid, rdir)
+    assert pm.write(["7f0000001000 40 dbr:r1@0x401000"]) is None
+    os.close(pm.fd)                  # a killed service: no close()
+    svc = ServiceProc(runtime_dir=str(rdir))
+    try:
+        svc.wait_ready()
+        assert not os.path.lexists(perf_map_path(pid))
+        assert f"removed the stale perf map {perf_map_path(pid)}" in svc.output()
+    finally:
+        svc.stop()
+        _unlink(perf_map_path(pid))
