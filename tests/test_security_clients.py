@@ -4,6 +4,7 @@ of other processes in THREAD_NEW, and hostile text in HELLO and ERROR."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import signal
@@ -17,7 +18,8 @@ import pytest
 from service_helpers import FakeAgent, ServiceProc, agent_path, build_example, kill, spawn_client
 
 from dbr_service import protocol as P
-from dbr_service.clientfiles import (PERF_MAP_RECORDS, PerfMap, perf_map_path,
+from dbr_service.clientfiles import (PERF_MAP_RECORDS, PerfMap, ProcHandle,
+                                     code_buffer_problem, perf_map_path,
                                      remove_stale_perf_maps, safe_text)
 
 needs_agent = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
@@ -415,3 +417,33 @@ def test_a_service_removes_a_killed_services_perf_maps_at_start(tmp_path):
     finally:
         svc.stop()
         _unlink(perf_map_path(pid))
+
+
+# --------------------------------------------------------------------------- code buffers
+def test_a_code_buffer_must_be_the_clients_own_mapping_of_the_fd_it_sent():
+    """code_buffer_problem, with this process as the client: its own memfd mapped at the
+    base passes; a size other than the request's, another file at the base, an fd of
+    another size, an unmapped or kernel address do not."""
+    size = 1 << 16
+    fd = os.memfd_create("dbr-code-test", os.MFD_CLOEXEC)
+    other = os.memfd_create("other", os.MFD_CLOEXEC)
+    proc = ProcHandle(os.getpid())
+    try:
+        os.ftruncate(fd, size)
+        os.ftruncate(other, size)
+        mem = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        base = next(m.lo for m in proc.maps() if m.path.startswith("/memfd:dbr-code-test"))
+        assert code_buffer_problem(proc, fd, base, size, size - 100) is None
+        assert "size" in code_buffer_problem(proc, fd, base, size, size * 4)
+        assert "size" in code_buffer_problem(proc, fd, base, 1 << 40, size)
+        assert "another file" in code_buffer_problem(proc, other, base, size, size)
+        assert "not mapped" in code_buffer_problem(proc, fd, 0x10000, size, size)
+        assert "user memory" in code_buffer_problem(proc, fd, 0xFFFFFFFF81000000, size, size)
+        os.ftruncate(fd, size * 2)
+        assert "not a file of" in code_buffer_problem(proc, fd, base, size, size)
+        mem.close()
+    finally:
+        proc.close()
+        os.close(fd)
+        os.close(other)
+
