@@ -231,10 +231,8 @@ def test_1500_connections_at_once_are_refused_at_the_limits_and_leave_nothing_be
         live = [c for c in svc.call("clients") if c["state"] != "closed"]
         assert len(live) <= 40
         assert svc.proc.poll() is None
-    finally:
         for s in socks:
             s.close()
-    try:
         svc.wait_for(lambda: not [c for c in svc.call("clients") if c["state"] != "closed"],
                      timeout=15, what="every flood session to end")
         n = settle(svc.proc.pid, base_fds)
@@ -243,6 +241,8 @@ def test_1500_connections_at_once_are_refused_at_the_limits_and_leave_nothing_be
         assert st["clients"] == 0 and st["handshakes"] == 0 and st["refused_at_limit"] > 0
         assert "Traceback" not in svc.output() and "out of range" not in svc.output()
     finally:
+        for s in socks:
+            s.close()
         svc.stop()
 
 
