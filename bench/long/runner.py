@@ -115,10 +115,14 @@ class Service:
         out = summarize_report(rep)
         out["regions_went_live"] = rep["totals"].get("regions_went_live")
         out["regions_by_state"] = {}
+        out["removed_why"] = {}
         for c in clients:
             for r in c.get("regions") or []:
                 st = r.get("state", "?")
                 out["regions_by_state"][st] = out["regions_by_state"].get(st, 0) + 1
+                why = str((r.get("info") or {}).get("removed_why") or "")[:60]
+                if why:
+                    out["removed_why"][why] = out["removed_why"].get(why, 0) + 1
         out["speed_checks"] = [
             {"verdict": s.get("verdict"), "ratio": s.get("ratio")}
             for c in clients for s in (c.get("speed_checks") or [])][:16]
@@ -142,7 +146,7 @@ class Service:
             return []
         keep = ("patch-installed", "patch-removed", "speed-check", "job-done")
         return [{k: e.get(k) for k in ("time", "event", "region", "sites", "code_bytes",
-                                       "verdict", "ratio")}
+                                       "verdict", "ratio", "why")}
                 for e in evs if e.get("pid") == pid and e.get("event") in keep]
 
     def stop(self) -> None:
