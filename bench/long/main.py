@@ -81,7 +81,8 @@ def publish(directory: Path) -> int:
     m = data.get("machine") or {}
     block = (f"{BEGIN}\n_{kind}; dbr at commit {(data.get('code') or {}).get('commit', '?')};"
              f" {m.get('cores', '?')} cores, {m.get('pmu_note', '')}_\n\n"
-             + report.table(data) + END)
+             + report.table(data) + "\nThe program's own CPU time (user + sys; redis: per request "
+             "served) over native's, median [min–max] over the same pairs:\n\n" + report.cpu_table(data) + END)
     DOC.write_text(head + block + tail)
     log(f"publish: table -> {DOC}, plots -> {', '.join(str(img / p.name) for p in plots)}")
     return 0

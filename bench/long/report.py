@@ -19,6 +19,10 @@ def _med(xs) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _requests(run: dict) -> float:
+    return sum(s.get("requests") or 0 for s in run.get("slices") or [])
+
+
 def summarize_workload(w: dict) -> dict:
     """Per configuration: paired ratios to native (time; for servers native's
     throughput over the configuration's in the window from its first patch), their
@@ -60,7 +64,12 @@ def summarize_workload(w: dict) -> dict:
                 else:
                     ratios.extend(stats.paired_ratios([r["wall_s"]], [n["wall_s"]]))
                 if r.get("cpu_s") and n.get("cpu_s"):
-                    cpu_ratios.append(r["cpu_s"] / n["cpu_s"])
+                    if w.get("kind") == "server":  # CPU per request served
+                        rq, nq = _requests(r), _requests(n)
+                        if rq and nq:
+                            cpu_ratios.append((r["cpu_s"] / rq) / (n["cpu_s"] / nq))
+                    else:
+                        cpu_ratios.append(r["cpu_s"] / n["cpu_s"])
             cs["ratio"] = stats.summarize(ratios)
             cs["cpu_ratio"] = stats.summarize(cpu_ratios)
             if windows:
@@ -192,6 +201,23 @@ def table(data: dict, summary: dict | None = None) -> str:
     return out
 
 
+def cpu_table(data: dict, summary: dict | None = None) -> str:
+    """The program's own CPU time (user + sys, wait4) over native's, per pair (for a
+    server: CPU time per request served): what the program itself did, without the
+    waits that other load (and on 2 cores the service's CPU) add to its wall time."""
+    summary = summary or summarize(data)
+    lines = ["| workload | " + " | ".join(LABEL[c] for c in RATIO_CONFIGS) + " |",
+             "|" + "---|" * (len(RATIO_CONFIGS) + 1)]
+    for name, s in summary["workloads"].items():
+        cells = []
+        for c in RATIO_CONFIGS:
+            r = (s["configs"].get(c) or {}).get("cpu_ratio") or {}
+            cells.append(f"x{r['median']:.3f} [{r['min']:.2f}–{r['max']:.2f}]" if r.get("n")
+                         else "–")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def details(data: dict, summary: dict | None = None) -> str:
     summary = summary or summarize(data)
     out = ["| workload | config | pairs | median | min–max | interval of the median | "
@@ -240,7 +266,9 @@ def markdown(data: dict) -> str:
              "pairs and [min–max].  For the server: native's throughput over the "
              "configuration's, in the window from the configuration's first patch to the "
              "end of the run (the whole run when nothing was installed).",
-             "", table(data, summary), "", "## Per configuration", "",
+             "", table(data, summary), "",
+             "Program CPU time over native's (median [min–max] over pairs):", "",
+             cpu_table(data, summary), "", "## Per configuration", "",
              details(data, summary), "", "## Workloads", ""]
     for name, w in (data.get("workloads") or {}).items():
         lines.append(f"* **{name}** ({w.get('status')}): {w.get('what') or w.get('reason', '')}")
