@@ -79,8 +79,13 @@ def publish(directory: Path) -> int:
     _, tail = rest.split(END, 1)
     kind = "quick run (--quick)" if data.get("quick") else f"full run ({data.get('pairs')} pairs)"
     m = data.get("machine") or {}
-    block = (f"{BEGIN}\n_{kind}; dbr at commit {(data.get('code') or {}).get('commit', '?')};"
-             f" {m.get('cores', '?')} cores, {m.get('pmu_note', '')}_\n\n"
+    code = data.get("code") or {}
+    dirty = (f" with {code['uncommitted_files']} uncommitted file(s) under dbr_service/, "
+             "dbr_agent/, shared/" if code.get("uncommitted_files") else "")
+    block = (f"{BEGIN}\n_{kind}; dbr at commit {code.get('commit', '?')}{dirty};"
+             f" {m.get('cores', '?')} cores, {m.get('pmu_note', '')}; load average "
+             f"{m.get('loadavg_start', '?')} at the start, {m.get('loadavg_end', '?')} at the "
+             "end_\n\n"
              + report.table(data) + "\nThe program's own CPU time (user + sys; redis: per request "
              "served) over native's, median [min–max] over the same pairs:\n\n" + report.cpu_table(data) + END)
     DOC.write_text(head + block + tail)
