@@ -182,7 +182,7 @@ def _open_fds(kinds: list[str], conn: socket.socket) -> list[int]:
 def _run(agent_sock: str, p: dict) -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
-        s.settimeout(1.0)
+        s.settimeout(5.0)     # the service accepts (or refuses) every connection at once
         s.connect(agent_sock)
         for raw, kinds in p["steps"]:
             fds = _open_fds(kinds, s)
@@ -291,6 +291,7 @@ def test_agent_socket_fuzz(target):
 
 
 @pytest.mark.long
+@pytest.mark.timeout(3600)
 @LEAK_IN_AGENTCONN
 def test_agent_socket_fuzz_long(target):
     _fuzz(target, EXAMPLES_LONG)
