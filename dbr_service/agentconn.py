@@ -44,6 +44,11 @@ _REPLY_OF: dict[P.MsgType, tuple[P.MsgType, str]] = {
 }
 
 
+#: The only messages whose descriptors the service keeps (a code buffer's memfd, the
+#: sampler's ring); any other message's are closed as it is received.
+_CARRIES_FD = frozenset({P.MsgType.CODE_BUFFER, P.MsgType.SAMPLER_RING})
+
+
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the peer process, from SO_PEERCRED."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -163,11 +168,16 @@ class AgentConnection:
             try:
                 if flags & socket.MSG_TRUNC or len(data) > P.MSG_MAX:
                     raise ProtocolError(f"oversized datagram from pid {self.peer_pid}")
-                return Received(P.unpack(data), list(fds))
+                msg = P.unpack(data)
             except ProtocolError:
                 for fd in fds:
                     os.close(fd)
                 raise
+            if msg.type not in _CARRIES_FD:   # descriptors nobody asked for: closed here
+                for fd in fds:
+                    os.close(fd)
+                fds = array.array("i")
+            return Received(msg, list(fds))
 
     def _unsolicited(self, rec: Received) -> None:
         self.inbox.append(rec)
@@ -181,6 +191,9 @@ class AgentConnection:
         rec = self.recv(timeout)
         if rec is None:
             raise AgentError(f"no HELLO from pid {self.peer_pid} within {timeout}s")
+        for fd in rec.fds:   # a first message carries none the service would use
+            os.close(fd)
+        rec.fds.clear()
         if rec.type is not P.MsgType.HELLO:
             self.error(P.Result.E_PROTO, f"expected HELLO, got {rec.type.name}", rec.msg.seq)
             raise ProtocolError(f"first message was {rec.type.name}, not HELLO")
@@ -238,6 +251,12 @@ class AgentConnection:
                            P.CodeBufferReq(req_id=self.next_id(), near=near, size=size),
                            timeout=timeout)
         cb: P.CodeBuffer = rec.msg.body  # type: ignore[assignment]
+        # the agent rounds up to its 2 MiB granule at most (clientfiles.code_buffer_problem)
+        most = (size + (2 << 20) - 1) & ~((2 << 20) - 1)
+        if cb.result == P.Result.OK and not size <= cb.size <= most:
+            for fd in rec.fds:
+                os.close(fd)
+            raise ProtocolError(f"CODE_BUFFER of {cb.size:#x} bytes for a request of {size:#x}")
         if cb.result != P.Result.OK:
             for fd in rec.fds:
                 os.close(fd)

@@ -32,15 +32,6 @@ class DescriptorLeak(AssertionError):
     """The service kept descriptors of ended connections."""
 
 
-#: Until agentconn.py closes them: descriptors sent along with the first message of a
-#: connection (AgentConnection.handshake drops its Received), and along with a reply
-#: that request() matches but that carries none (ACK, PATCH_RESULT, ...), are kept.
-LEAK_IN_AGENTCONN = pytest.mark.xfail(
-    raises=DescriptorLeak, strict=True,
-    reason="agentconn.py: AgentConnection.handshake never closes the descriptors sent with "
-           "a connection's first message, and replies request() returns (ACK, ...) keep "
-           "theirs")
-
 EXAMPLES = int(os.environ.get("DBR_FUZZ_EXAMPLES", "2000"))
 EXAMPLES_LONG = 30000
 
@@ -279,19 +270,17 @@ def _fuzz(target: Target, examples: int) -> None:
     # hostile input is refused, never a bug's traceback (an internal error)
     log = svc.output()
     assert "Traceback" not in log, log[max(0, log.index("Traceback") - 2000):][:6000]
-    if n != baseline:   # last: the only failure expected until agentconn.py is fixed
+    if n != baseline:
         fds = sorted(os.readlink(f"/proc/{svc.proc.pid}/fd/{f}")
                      for f in os.listdir(f"/proc/{svc.proc.pid}/fd"))
         raise DescriptorLeak(f"descriptors {baseline} -> {n}: {fds}")
 
 
-@LEAK_IN_AGENTCONN
 def test_agent_socket_fuzz(target):
     _fuzz(target, EXAMPLES)
 
 
 @pytest.mark.long
 @pytest.mark.timeout(3600)
-@LEAK_IN_AGENTCONN
 def test_agent_socket_fuzz_long(target):
     _fuzz(target, EXAMPLES_LONG)
