@@ -96,6 +96,9 @@ class Config:
     inline_budget: float = field(default=1.0, metadata=_doc(
         "inlining growth per super-region as a ratio of its body bytes (1.0 = double)",
         min=0.0, max=64.0))
+    real_calls: bool = field(default=False, metadata=_doc(
+        "keep direct calls that are not inlined as real calls in replacement code (to "
+        "the original callee); off until copies get unwind info registered"))
     max_workers: int = field(default=0, metadata=_doc(
         "worker processes (0 = from CPU count and load)", min=0, max=256))
     worker_nice: int = field(default=19, metadata=_doc(

@@ -213,7 +213,7 @@ def region_config(cfg: Any, total_samples: int) -> Any:
                         hot_threshold=max(1.0, cfg.hot_threshold * total_samples),
                         min_loop_trip_count=cfg.min_loop_trip_count,
                         min_region_size=cfg.min_region_size, inline_budget=cfg.inline_budget,
-                        transfer_only=cfg.transfer)
+                        transfer_only=cfg.transfer, real_calls=cfg.real_calls)
 
 
 def select_client_regions(job: ClientJob, cfg: Any

@@ -13,10 +13,15 @@ else exits with ``jmp rel32`` to the original address:
   taken side is laid out next the condition is inverted.  ``loop``-family: the relocator's
   expansion, then the fall-through side as for fall-through.
 * ``call``: the pseudo-instruction (push original return address), then the inlined
-  callee (a clone, falls in when next) or the original callee (an exit).
+  callee (a clone, falls in when next) or the original callee (an exit).  A call region
+  selection kept as a *real call* (its site's ``decision`` is "call", region/inline.py)
+  is ``call rel32`` to the original callee (its far-exit stub when out of reach), then
+  the continuation (falls in when next, else a jump to its copy or an exit to it).
+  The return address, the instruction after the ``call``, is mapped to the original
+  continuation in the address map and the eviction map (``returns``).
 * ``ret`` in a clone: ``lea rsp,[rsp+8+imm]`` then the continuation (the RETURN edge's
   block, or an exit to the original continuation).  ``ret`` elsewhere is copied: it
-  returns to an original address (a dynamic exit).
+  returns to its caller (a dynamic exit).
 * indirect ``jmp``/``call``: compare cascade over in-region targets, then the original
   indirect jmp as a dynamic exit.  A PC-relative jump-table dispatch (``add R, B; jmp
   R`` with a known table base) is translated instead: checked table look-ups, no
@@ -33,8 +38,9 @@ to).  The table is data: :func:`check_generated` stops decoding at ``data_start`
 Two passes: sizes depend only on region membership (every branch is rel32), so pass one
 measures blocks and collects the exit targets, addresses (with loop-head alignment and
 the far-exit stubs) are fixed, and pass two encodes.
-The output is decoded in full to check invariant 1 (no ``call``) and that the address map
-covers every instruction; every rel32 is range-checked when encoded (invariant 4).
+The output is decoded in full to check invariant 1 (no ``call`` but the real calls, each
+exactly where it was recorded) and that the address map covers every instruction; every
+rel32 is range-checked when encoded (invariant 4).
 """
 
 from __future__ import annotations
@@ -54,11 +60,13 @@ from dbr_service.codegen.dispatch import (
 )
 from dbr_service.codegen.layout import ALIGN, Layout, compute_layout
 from dbr_service.codegen.relocate import (
+    CALL_LEN,
     CannotRelocate,
     Fixup,
     Kind,
     Relocated,
     Relocator,
+    call_rel32,
     jcc_condition,
     jcc_rel32,
     jmp_rel32,
@@ -109,7 +117,8 @@ class GeneratedCode:
     entries: dict[int, int]
     #: (replacement start, replacement end, original instruction address), in address order.
     addr_map: list[tuple[int, int, int]]
-    #: (replacement address of the exit branch, original target) for every static exit.
+    #: (replacement address of the exit branch, original target) for every static exit
+    #: (a real call included: its callee is original code the region depends on).
     exits: list[tuple[int, int]]
     #: Replacement addresses of exits with run-time targets (indirect jmp, plain ret).
     dynamic_exits: list[int] = field(default_factory=list)
@@ -139,6 +148,13 @@ class GeneratedCode:
     #: address, so the stack is the original's).  The agent's EVICT moves threads out
     #: of a removed or suspended region by this map.
     evictions: dict[int, int] = field(default_factory=dict)
+    #: Real calls: replacement address of each ``call`` -> original call instruction.
+    #: :func:`check_generated` allows a ``call`` at these addresses only.
+    calls: dict[int, int] = field(default_factory=dict)
+    #: Return addresses of the real calls (in the buffer) -> the original continuation
+    #: (the original call's return address): where a thread returning there, or
+    #: stopped there, continues in original code (also in ``evictions``).
+    returns: dict[int, int] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -163,6 +179,8 @@ class _Piece:
     #: The piece is the whole translation of the instruction at ``orig`` and starts
     #: with the state the original has before it (a transfer point, unless in a clone).
     whole: bool = False
+    #: A real ``call``: the original return address it stands for.
+    call_ret: int | None = None
 
 
 class _Dispatches:
@@ -206,8 +224,11 @@ class _BlockEmitter:
                  exit_to: Callable[[int], int] = lambda t: t,
                  tables: dict[NodeKey, int] | None = None,
                  plans: _Dispatches | None = None,
-                 ret_slot: Callable[[int], int | None] = lambda _r: None) -> None:
+                 ret_slot: Callable[[int], int | None] = lambda _r: None,
+                 real_calls: frozenset[NodeKey] = frozenset()) -> None:
         self.sr, self.reloc, self.addr_of, self.exit_to = sr, reloc, addr_of, exit_to
+        #: Call blocks kept as real calls (:func:`real_call_sites`).
+        self.real_calls = real_calls
         #: Data slot holding a call's original return address (push qword [rip+slot]).
         self.ret_slot = ret_slot
         #: Data address of each translated dispatch's tables (None: sizing pass).
@@ -253,6 +274,8 @@ class _BlockEmitter:
                 self._reloc(bb, last_addr, last_size, flow)
         elif term is TermKind.JCC:
             self._jcc(bb, last_addr, last_size, flow, nxt)
+        elif term is TermKind.CALL and key in self.real_calls:
+            self._real_call(bb, last_addr, last_size, flow, nxt)
         elif term is TermKind.CALL:
             self._call(bb, key, last_addr, last_size, nxt)
         elif term is TermKind.ICALL:
@@ -384,6 +407,16 @@ class _BlockEmitter:
                          push_return_fixups(a + n, slot), whole=True))
         self._goto(callee, calls, nxt, a)
 
+    def _real_call(self, bb, a: int, n: int, flow, nxt) -> None:
+        """``call rel32`` to the original callee, then on at the continuation (the
+        jump there, if any, stands for the continuation in the maps)."""
+        callee = self._insn(bb, a).operands[0].imm
+        dst = self.exit_to(callee)
+        code = self._encode(lambda: call_rel32(self._at, dst))
+        self._add(_Piece(code, a, [Fixup(0, 1, dst, callee, True)], whole=True,
+                         call_ret=a + n))
+        self._goto(a + n, flow, nxt, a + n)
+
     def _ret(self, bb, key, a: int, n: int, nxt) -> None:
         if not isinstance(key, CloneKey) or not key.path:
             self._reloc(bb, a, n, {})                       # returns into original code
@@ -424,6 +457,14 @@ def far_exit_bound(n_targets: int) -> int:
     return n_targets * (FAR_STUB + FAR_SLOT) + FAR_SLOT if n_targets else 0
 
 
+def real_call_sites(sr: SuperRegion) -> frozenset[NodeKey]:
+    """Direct call blocks region selection kept as real calls (``decision`` "call" in
+    ``sr.info["inline"]["sites"]``)."""
+    sites = sr.info.get("inline", {}).get("sites", {})
+    return frozenset(k for k, s in sites.items() if s.get("decision") == "call"
+                     and k in sr.g and sr.block(k).term is TermKind.CALL)
+
+
 def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = None,
                 layout: Layout | None = None, far_exits: bool = True) -> GeneratedCode:
     """Replacement code for ``sr`` placed at ``base`` (see the module docstring).
@@ -435,9 +476,10 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
     nxt = lay.next_of()
     # pass 1: sizes (independent of addresses) and the static exit targets
     plans = _Dispatches(sr)
-    rets = _return_addresses(sr)
+    calls = real_call_sites(sr)
+    rets = _return_addresses(sr, calls)
     sizing = _BlockEmitter(sr, reloc, lambda _k: base, lambda _t: base, plans=plans,
-                           ret_slot=lambda r: base if r in rets else None)
+                           ret_slot=lambda r: base if r in rets else None, real_calls=calls)
     sizes, targets = {}, set()
     for k in lay.order:
         pieces = sizing.emit(k, base, nxt[k])
@@ -466,7 +508,7 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
     slots = {r: data_at + 8 * i for i, r in enumerate(rets)}
     # pass 2: encode
     em = _BlockEmitter(sr, reloc, block_addr.__getitem__, lambda t: stub.get(t, t), tables,
-                       plans, slots.get)
+                       plans, slots.get, calls)
     out = bytearray()
     gen = GeneratedCode(b"", base, {}, [], [], block_addr=block_addr, layout=list(lay.order),
                         layout_kind=lay.kind)
@@ -491,11 +533,17 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
             gen.exits += [(at + f.insn_off, f.orig_target) for f in p.fixups if f.exit]
             gen.data_refs += [f.target for f in p.fixups if f.data]
             gen.dynamic_exits += [at + o for o in p.dynamic]
+            if p.call_ret is not None:
+                gen.calls[at] = p.orig
+                gen.returns[at + CALL_LEN] = p.call_ret
             out += p.code
         if base + len(out) != block_addr[k] + sizes[k]:
             raise CodegenError(f"{sr.id}: block {fmt_node(k)} changed size between passes")
     for a in ambiguous:                 # copied twice: no one place to continue at
         del gen.transfers[a]
+    # A thread at a return address has the original's state at its continuation,
+    # whatever comes next in the buffer (a jump, padding, the continuation's copy).
+    gen.evictions.update(gen.returns)
     if far:
         _far_stubs(gen, out, far, stub)
     if tables:
@@ -550,12 +598,14 @@ def _dispatch_tables(gen: GeneratedCode, out: bytearray,
         gen.data_refs.append(plan.base)        # the table jump's disp32 is from the base
 
 
-def _return_addresses(sr: SuperRegion) -> list[int]:
+def _return_addresses(sr: SuperRegion, real_calls: frozenset[NodeKey] = frozenset()
+                       ) -> list[int]:
     """Original return addresses of the region's calls that ``push imm32`` cannot push
-    (>= 2**31): each gets an 8-byte slot in the data (see relocate.push_return)."""
+    (>= 2**31): each gets an 8-byte slot in the data (see relocate.push_return).  Real
+    calls push nothing of ours."""
     rets = set()
-    for _, bb in sr.blocks():
-        if bb.term in (TermKind.CALL, TermKind.ICALL):
+    for k, bb in sr.blocks():
+        if bb.term in (TermKind.CALL, TermKind.ICALL) and k not in real_calls:
             a, n = bb.last_insn
             if a + n >= 1 << 31:
                 rets.add(a + n)
@@ -572,16 +622,23 @@ def _return_slots(gen: GeneratedCode, out: bytearray, slots: dict[int, int]) -> 
 
 
 def check_generated(gen: GeneratedCode, reloc: Relocator | None = None) -> None:
-    """Decode all of ``gen.code``: no ``call`` (invariant 1), no undecodable bytes, every
-    instruction inside one address-map range."""
+    """Decode all of ``gen.code``: no ``call`` (invariant 1) but a ``call rel32`` at each
+    recorded real call (``gen.calls``), no undecodable bytes, every instruction inside
+    one address-map range."""
     md = (reloc or Relocator()).md
     ranges = iter(gen.addr_map)
     cur = next(ranges, None)
     pos = 0
     code = gen.code if gen.data_start is None else gen.code[:gen.data_start]
+    callee = {a: t for a, t in gen.exits if a in gen.calls}
+    seen_calls = 0
     for insn in md.disasm(code, gen.base):
         if insn.id in (capstone.x86_const.X86_INS_CALL, capstone.x86_const.X86_INS_LCALL):
-            raise CodegenError(f"call in replacement code at {insn.address:#x}")
+            t = callee.get(insn.address)
+            if t is None or insn.bytes[0] != 0xE8 or insn.size != CALL_LEN or \
+                    insn.operands[0].imm not in (t, gen.far_exits.get(t)):
+                raise CodegenError(f"call in replacement code at {insn.address:#x}")
+            seen_calls += 1
         while cur is not None and cur[1] <= insn.address:
             cur = next(ranges, None)
         if cur is None or not cur[0] <= insn.address < insn.address + insn.size <= cur[1]:
@@ -589,6 +646,8 @@ def check_generated(gen: GeneratedCode, reloc: Relocator | None = None) -> None:
         pos += insn.size
     if pos != len(code):
         raise CodegenError(f"replacement code does not decode at {gen.base + pos:#x}")
+    if seen_calls != len(gen.calls):
+        raise CodegenError(f"{len(gen.calls)} real calls recorded, {seen_calls} decoded")
 
 
 def perf_map_lines(gen: GeneratedCode, name: str) -> list[str]:

@@ -16,10 +16,13 @@ Classes and what they become (``Kind``):
   (the original short branch only hops over a 2-byte ``jmp``; no flag is touched).
 * ``CALL``    direct call, as the inlined pseudo-instruction: push the *original* return
   address (flags preserved) then ``jmp rel32`` to the callee (an in-buffer clone, or the
-  original callee, which then returns into original code).  Never a ``call``.
+  original callee, which then returns into original code).  The relocator never emits a
+  ``call``; the emitter does, with :func:`call_rel32`, for a call region selection kept
+  as a real call (the callee returns into the buffer).
 * ``ICALL``   indirect call: the same push, then the ``IJMP`` treatment of its operand.
 * ``RET``     inside an inlined callee: ``lea rsp,[rsp+8+imm16]; jmp rel32 continuation``;
-  elsewhere copied (it returns to an original address, invariant 1: a dynamic exit).
+  elsewhere copied (a dynamic exit: it returns to its caller's return address, an
+  original one unless the caller is a real call in replacement code).
 * ``IJMP``    indirect jmp: without in-buffer targets it stays the same indirect jmp (a
   RIP-relative operand is re-displaced); with in-buffer targets it becomes a compare
   cascade that preserves every register, the flags and the red zone (see
@@ -132,6 +135,16 @@ def rel32(src_end: int, dst: int) -> bytes:
 def jmp_rel32(at: int, dst: int) -> bytes:
     """``jmp rel32`` (E9) placed at ``at``."""
     return b"\xe9" + rel32(at + 5, dst)
+
+
+#: Length of ``call rel32``; its rel32 field starts at byte 1.
+CALL_LEN = 5
+
+
+def call_rel32(at: int, dst: int) -> bytes:
+    """``call rel32`` (E8) placed at ``at``: a real call, whose return address is
+    ``at + CALL_LEN`` in the buffer."""
+    return b"\xe8" + rel32(at + CALL_LEN, dst)
 
 
 def jcc_rel32(cc: int, at: int, dst: int) -> bytes:

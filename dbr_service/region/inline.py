@@ -1,9 +1,9 @@
 """INLINE-HOT-CALLS (seed 001, fig. 6): clone hot callees into their call sites.
 
-Replacement code never executes ``call`` (DESIGN invariant 1): a call is either
-inlined, its call instruction becoming a pseudo-instruction that pushes the
-*original* return address and falls into a private clone of the callee, or the
-call block is removed and its predecessors exit to original code at the call.
+A call is inlined, its call instruction becoming a pseudo-instruction that pushes
+the *original* return address and falls into a private clone of the callee; or
+it is kept as a *real call* (opt-in, ``real_calls``, see below); or the call
+block is removed and its predecessors exit to original code at the call.
 
 A call site (block ending in ``call``/indirect call, in any SR) is inlined when:
 
@@ -42,16 +42,38 @@ Decisions go to ``sr.info["inline"]``: ``{"budget": bytes, "growth": bytes,
 ``return_address`` (what the pseudo-instruction pushes), ``continuation``,
 ``fallback_exit`` (cascade miss target or None) and ``bytes``; a site not
 inlined records ``decision`` "exit" and ``reason``.
+
+Real calls (``real_calls=True``): a call block that is not inlined stays in its
+SR, to be emitted as ``call rel32`` to the original callee whose ``ret`` comes
+back into the buffer, when :func:`real_call_refusal` finds nothing against it:
+
+* a direct call (an indirect call exits as before);
+* with one known callee and a fall-through (a call that never returns exits);
+* not a call to the next instruction (``call 1f; 1: pop``: reads its own address);
+* the callee lies in the same module as the call (memory view's module of both
+  known and equal), because code of other modules may judge its caller by the
+  return address (``dlsym(RTLD_NEXT)``, ``dlopen``, ``dladdr``);
+* the callee's first instruction, after an ``endbr64``, is no ``[bnd] jmp
+  [rip+d]`` (a PLT stub: an external function reached through the GOT) and no
+  direct ``jmp`` into another module.
+
+The kept block keeps its fall-through edge to the continuation (so a loop
+calling a function stays whole; the continuation needs no entry) and its exit
+edge to the callee, marked ``call=callee``; if the continuation is not in the
+SR it gets an exit edge to it.  Its site records ``decision`` "call",
+``callee``, ``return_address``, ``continuation`` and ``reason`` (why it was not
+inlined); a site refused records ``real_call`` = the refusal as well.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 import networkx as nx
 
+from dbr_service.errors import MemoryViewError
 from dbr_service.region.loops import body_bytes, sorted_nodes
 from dbr_service.region.model import (END, START, BasicBlock, CloneKey, EdgeKind, NodeKey,
                                       SuperRegion, TermKind)
@@ -310,17 +332,91 @@ class _Inliner:
                 d["exits"][tgt] = max(0.0, d["exits"][tgt] * (1.0 - f))
 
 
+ENDBR64 = bytes.fromhex("f30f1efa")
+
+
+def real_call_refusal(bb: BasicBlock, mem: Any,
+                      patched: Callable[[int], bool] | None = None) -> str | None:
+    """None when call block ``bb`` may stay a real call (module docstring), else why
+    not.  ``mem`` is the client's memory view (None: nothing can be checked);
+    ``patched(addr)`` tells whether a byte belongs to an installed patch."""
+    if bb.term != TermKind.CALL:
+        return "indirect"
+    if bb.fallthrough is None:
+        return "never-returns"
+    if len(bb.targets) != 1 or bb.unknown_target:
+        return "unknown-target"
+    callee = bb.targets[0]
+    if callee == bb.fallthrough:
+        return "reads-return-address"
+    if mem is None:
+        return "no-memory-view"
+    here = bb.module or mem.module_of(bb.last_insn[0])
+    there = mem.module_of(callee)
+    if here is None or there is None:
+        return "unknown-module"
+    if here != there:
+        return "other-module"
+    try:
+        head = mem.read(callee, mem.readable_extent(callee, 16))
+    except (MemoryViewError, OSError):
+        head = b""
+    if not head:
+        return "callee-unreadable"
+    if any(mem.is_excluded(a) or (patched is not None and patched(a))
+           for a in range(callee, callee + min(len(head), 5))):
+        return None         # another region's patch site: loop code, never a PLT stub
+    if head.startswith(ENDBR64):
+        head, callee = head[4:], callee + 4
+    if head.startswith(b"\xf2"):                     # bnd (MPX-era PLTs)
+        head, callee = head[1:], callee + 1
+    if head[:2] == b"\xff\x25":
+        return "plt-stub"
+    dst = None
+    if head[:1] == b"\xe9" and len(head) >= 5:
+        dst = callee + 5 + int.from_bytes(head[1:5], "little", signed=True)
+    elif head[:1] == b"\xeb" and len(head) >= 2:
+        dst = callee + 2 + int.from_bytes(head[1:2], "little", signed=True)
+    if dst is not None and mem.module_of(dst) != here:
+        return "other-module"                      # a thunk into another module
+    return None
+
+
+def _keep_real_call(sr: SuperRegion, c: NodeKey, bb: BasicBlock, sites: dict,
+                    counters: Counter) -> None:
+    """Keep call block ``c`` as a real call (module docstring)."""
+    callee = bb.targets[0]
+    if not (sr.g.has_edge(c, END) and callee in sr.g.edges[c, END]["exits"]):
+        sr.add_edge(c, END, EdgeKind.EXIT, bb.count, target=callee)
+    sr.g.edges[c, END]["call"] = callee
+    cont = _Inliner._continuation(sr, c, bb)
+    if cont is None:
+        sr.add_edge(c, END, EdgeKind.EXIT, bb.count, target=bb.fallthrough)
+    prev = sites.get(c, {})
+    sites[c] = {"call_insn": bb.last_insn[0], "decision": "call", "callee": callee,
+                "return_address": bb.fallthrough, "continuation": cont,
+                "reason": prev.get("reason", "cold"), "targets": [callee]}
+    counters["real-calls-kept"] += 1
+
+
 def remove_call_blocks(sr: SuperRegion, inlined: set[NodeKey],
-                       counters: Counter | None = None) -> None:
+                       counters: Counter | None = None, *, real_calls: bool = False,
+                       mem: Any = None, patched: Callable[[int], bool] | None = None) -> None:
     """Remove every call block not in ``inlined``: its predecessors exit to the call
     instruction's block in original code; CONNECT-TERMINALS then enters at the
-    continuation (or wherever the SR lost its way in)."""
+    continuation (or wherever the SR lost its way in).  With ``real_calls``, a call
+    block :func:`real_call_refusal` accepts (``mem``: the client's memory view,
+    ``patched``: installed patch bytes) stays instead, as a real call."""
     counters = counters if counters is not None else Counter()
     conts: Counter = Counter()
     sites = sr.info.setdefault("inline", {"budget": 0, "growth": 0, "sites": {}})["sites"]
     for c in sorted_nodes(sr.body_nodes()):
         bb = sr.block(c)
         if not is_call_block(bb) or c in inlined:
+            continue
+        refused = real_call_refusal(bb, mem, patched) if real_calls else None
+        if real_calls and refused is None:
+            _keep_real_call(sr, c, bb, sites, counters)
             continue
         for p in list(sr.g.predecessors(c)):
             if p != START:
@@ -329,9 +425,12 @@ def remove_call_blocks(sr: SuperRegion, inlined: set[NodeKey],
             if v != END:
                 conts[v] += sr.g.edges[c, v]["count"]
         sr.g.remove_node(c)
-        sites.setdefault(c, {"call_insn": bb.last_insn[0], "decision": "exit",
-                             "reason": "never-returns" if bb.never_returns else "cold",
-                             "targets": list(bb.targets)})
+        site = sites.setdefault(c, {"call_insn": bb.last_insn[0], "decision": "exit",
+                                    "reason": "never-returns" if bb.never_returns else "cold",
+                                    "targets": list(bb.targets)})
+        if refused is not None:
+            site["real_call"] = refused
+            counters[f"real-call-refused-{refused}"] += 1
         counters["call-blocks-removed"] += 1
     connect_terminals(sr, prefer=conts, counters=counters)
     # Original code now runs each removed call and comes back at its continuation.
@@ -342,10 +441,12 @@ def remove_call_blocks(sr: SuperRegion, inlined: set[NodeKey],
 
 def inline_hot_calls(regions: list[SuperRegion], *, hot_threshold: float, inline_budget: float,
                      inline_min_budget_bytes: int = 256, counters: Counter | None = None,
-                     on_error: OnError | None = None) -> None:
+                     on_error: OnError | None = None, real_calls: bool = False,
+                     mem: Any = None, patched: Callable[[int], bool] | None = None) -> None:
     """INLINE-HOT-CALLS over all SRs (callees may live in other SRs), then remove
-    the call blocks left un-inlined.  ``on_error(sr, exc)`` is told of a failure
-    at one call site; the default re-raises."""
+    the call blocks left un-inlined (with ``real_calls``: keep those that may stay
+    real calls, see :func:`remove_call_blocks`).  ``on_error(sr, exc)`` is told of a
+    failure at one call site; the default re-raises."""
     counters = counters if counters is not None else Counter()
 
     def _raise(sr: SuperRegion, exc: BaseException) -> None:
@@ -356,6 +457,7 @@ def inline_hot_calls(regions: list[SuperRegion], *, hot_threshold: float, inline
     for sr in regions:
         done = {k for (sid, k), st in inl.status.items() if sid == sr.id and st == "inlined"}
         try:
-            remove_call_blocks(sr, done, counters)
+            remove_call_blocks(sr, done, counters, real_calls=real_calls, mem=mem,
+                               patched=patched)
         except Exception as exc:
             (on_error or _raise)(sr, exc)

@@ -54,9 +54,12 @@ class RegionConfig:
     #: Keep an SR that has no patchable block as *transfer-only*: no patch points,
     #: entered only by moving threads found in its original code (agent TRANSFER).
     transfer_only: bool = False
-    #: Run INLINE-HOT-CALLS (if False, call blocks are still removed: no call
-    #: may run in replacement code).
+    #: Run INLINE-HOT-CALLS (if False, call blocks not kept as real calls are still
+    #: removed).
     inline: bool = True
+    #: Keep direct calls that are not inlined as real calls to the original callee
+    #: (same module, no PLT stub: region/inline.py); else they exit to original code.
+    real_calls: bool = False
     #: Counts were measured (LBR, instrumentation): skip COMPUTE-FALL-THROUGH-ONLY.
     measured_counts: bool = False
     #: Verify every SR after every pass.
@@ -93,13 +96,16 @@ class PipelineResult:
 
 
 class PassContext:
-    """What a pass gets besides the SRs: the config, the client memory, and
-    ``fail(sr, exc)`` to report that one SR failed (the manager drops it)."""
+    """What a pass gets besides the SRs: the config, the client memory, the bytes of
+    installed patches (``patched(addr)``, or None), and ``fail(sr, exc)`` to report
+    that one SR failed (the manager drops it)."""
 
-    def __init__(self, config: RegionConfig, mem: Any, fail: Callable) -> None:
+    def __init__(self, config: RegionConfig, mem: Any, fail: Callable,
+                 patched: Callable[[int], bool] | None = None) -> None:
         self.config = config
         self.mem = mem
         self.fail = fail
+        self.patched = patched
 
 
 class Pass:
@@ -196,15 +202,16 @@ class InlineHotCallsPass(Pass):
 
     def run(self, regions, ctx):
         c = ctx.config
+        real = {"real_calls": c.real_calls, "mem": ctx.mem, "patched": ctx.patched}
         if c.inline:
             inline.inline_hot_calls(regions, hot_threshold=c.hot_threshold,
                                     inline_budget=c.inline_budget,
                                     inline_min_budget_bytes=c.inline_min_budget_bytes,
-                                    counters=self.counters, on_error=ctx.fail)
+                                    counters=self.counters, on_error=ctx.fail, **real)
         else:
             for sr in regions:
                 try:
-                    inline.remove_call_blocks(sr, set(), self.counters)
+                    inline.remove_call_blocks(sr, set(), self.counters, **real)
                 except Exception as exc:
                     ctx.fail(sr, exc)
         return regions
@@ -246,8 +253,10 @@ PASSES: list[type[Pass]] = [
 ]
 
 
-def run_pipeline(first_sr: SuperRegion, mem: Any, config: RegionConfig) -> PipelineResult:
-    """Run every applicable registered pass on the SR from hot-code discovery."""
+def run_pipeline(first_sr: SuperRegion, mem: Any, config: RegionConfig, *,
+                 patched: Callable[[int], bool] | None = None) -> PipelineResult:
+    """Run every applicable registered pass on the SR from hot-code discovery
+    (``patched(addr)``: whether a byte belongs to an installed patch)."""
     if first_sr.state != RegionState.DISCOVERED:
         raise RegionError(f"{first_sr.id}: region selection needs a discovered SR, "
                           f"not a {first_sr.state.value} one")
@@ -260,7 +269,7 @@ def run_pipeline(first_sr: SuperRegion, mem: Any, config: RegionConfig) -> Pipel
             continue
         n_in = len(regions)
         t0 = time.perf_counter()
-        regions = _run_one(p, regions, mem, config, res)
+        regions = _run_one(p, regions, mem, config, res, patched)
         t1 = time.perf_counter()
         res.timings[p.name] = t1 - t0
         if config.verify:
@@ -287,7 +296,7 @@ def select_regions(samples: Any, mem: Any, config: RegionConfig, *, branch_sampl
                                seed_min=config.seed_min_samples,
                                max_blocks=config.max_discovery_blocks)
     took = time.perf_counter() - t0
-    res = run_pipeline(first, mem, config)
+    res = run_pipeline(first, mem, config, patched=patched)
     res.timings = {"hot-code-discovery": took, **res.timings}
     return res
 
@@ -303,11 +312,12 @@ def _failer(pass_name: str, config: RegionConfig, res: PipelineResult, failed: s
 
 
 def _run_one(p: Pass, regions: list[SuperRegion], mem: Any, config: RegionConfig,
-             res: PipelineResult) -> list[SuperRegion]:
+             res: PipelineResult, patched: Callable[[int], bool] | None = None
+             ) -> list[SuperRegion]:
     failed: set[str] = set()
     fail = _failer(p.name, config, res, failed)
     try:
-        out = p.run(regions, PassContext(config, mem, fail))
+        out = p.run(regions, PassContext(config, mem, fail, patched))
     except Exception as exc:  # the pass as a whole broke: every SR fails
         if config.fail_fast:
             raise
