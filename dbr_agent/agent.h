@@ -170,6 +170,8 @@ struct dbr_buffer {
 };
 extern struct dbr_buffer g_buffers[DBR_BUFFER_TABLE_MAX];
 extern unsigned g_n_buffers;  /* live buffers (atomic read outside the lock) */
+/* a memfd sized and sealed against shrinking and growing (buffers.c) */
+int dbr_memfd_size_sealed(int fd, uint64_t size);
 /* all with g_agent_mu held */
 int dbr_buffer_alloc(uint64_t near, uint64_t size, uint32_t *id, uint64_t *base,
                      uint64_t *rsize, int *fd);

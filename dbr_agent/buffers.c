@@ -4,6 +4,7 @@
  * writes through its own RW mapping of the memfd.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -65,11 +66,22 @@ static uint64_t place_in_gap(uint64_t glo, uint64_t ghi, uint64_t wlo, uint64_t 
 
 static int make_memfd(void)
 {
-    int fd = (int)syscall(SYS_memfd_create, "dbr-code", MFD_CLOEXEC | MFD_EXEC);
+    int fd = (int)syscall(SYS_memfd_create, "dbr-code",
+                          MFD_CLOEXEC | MFD_EXEC | MFD_ALLOW_SEALING);
 
     if (fd < 0 && errno == EINVAL)
-        fd = (int)syscall(SYS_memfd_create, "dbr-code", MFD_CLOEXEC);
+        fd = (int)syscall(SYS_memfd_create, "dbr-code", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     return fd;
+}
+
+/* Size a memfd and seal its size: the service maps it too, and a file shrunk under
+ * that mapping would kill the service (SIGBUS) on its next write; the service
+ * refuses a buffer without F_SEAL_SHRINK.  0, or -1 with errno. */
+int dbr_memfd_size_sealed(int fd, uint64_t size)
+{
+    if (ftruncate(fd, (off_t)size) < 0)
+        return -1;
+    return fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
 }
 
 int dbr_buffer_alloc(uint64_t near, uint64_t size, uint32_t *id, uint64_t *base,
@@ -131,7 +143,7 @@ int dbr_buffer_alloc(uint64_t near, uint64_t size, uint32_t *id, uint64_t *base,
     dbr_sort(cands, (size_t)nc, sizeof cands[0], cand_cmp);
 
     fd = make_memfd();
-    if (fd < 0 || ftruncate(fd, (off_t)size) < 0) {
+    if (fd < 0 || dbr_memfd_size_sealed(fd, size) < 0) {
         rc = DBR_E_NOMEM;
         goto out;
     }

@@ -205,8 +205,8 @@ int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, uint32_t flags,
     }
     bytes = sizeof(struct dbr_ring_header) + (uint64_t)ring_entries * sizeof(struct dbr_ring_entry);
     bytes = (bytes + pg - 1) & ~(pg - 1);
-    fd = (int)syscall(SYS_memfd_create, "dbr-ring", MFD_CLOEXEC);
-    if (fd < 0 || ftruncate(fd, (off_t)bytes) < 0) {
+    fd = (int)syscall(SYS_memfd_create, "dbr-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0 || dbr_memfd_size_sealed(fd, bytes) < 0) {
         rc = DBR_E_NOMEM;
         goto out;
     }

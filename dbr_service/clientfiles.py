@@ -16,6 +16,7 @@ neither the client nor another user can redirect it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import stat
@@ -287,6 +288,8 @@ def code_buffer_problem(proc: ProcHandle, fd: int, base: int, size: int,
         return f"fd: {exc}"
     if not stat.S_ISREG(st.st_mode) or st.st_size != size:
         return f"fd is not a file of {size:#x} bytes"
+    if not size_sealed(fd):
+        return "fd is not sealed against shrinking (the service's mapping could fault)"
     maps = proc.maps()
     if maps is None:
         return "the client's maps are unreadable"
@@ -301,6 +304,17 @@ def code_buffer_problem(proc: ProcHandle, fd: int, base: int, size: int,
         if at >= base + size:
             return None
     return f"[{base:#x}, {base + size:#x}) is not mapped in the client"
+
+
+def size_sealed(fd: int) -> bool:
+    """Whether ``fd`` (a memfd a client sent) can neither shrink nor grow: a file shrunk
+    under the service's mapping would kill the service with SIGBUS at its next access."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False
+    return seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) == \
+        (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
 
 
 # --------------------------------------------------------------------------- perf maps

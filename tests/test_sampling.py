@@ -6,6 +6,7 @@ import ctypes
 import io
 import json
 import mmap
+import fcntl
 import os
 import struct
 import subprocess
@@ -755,9 +756,17 @@ def test_agent_ring_concurrent_consumer(bins, spawn):
 
 
 def test_agent_ring_rejects_bad_rings():
-    fd = os.memfd_create("bad-ring")
+    unsealed = os.memfd_create("unsealed-ring")
+    try:
+        os.ftruncate(unsealed, 64 + 16 * 8)
+        with pytest.raises(SamplingError, match="not sealed"):   # could shrink under us
+            AgentTimerRing(unsealed)
+    finally:
+        os.close(unsealed)
+    fd = os.memfd_create("bad-ring", os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, 64 + 16 * 8)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         with pytest.raises(SamplingError, match="magic"):
             AgentTimerRing(fd)
         hdr = protocol.RingHeader(magic=protocol.RING_MAGIC, version=protocol.PROTO_VERSION,

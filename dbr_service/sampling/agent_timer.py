@@ -17,12 +17,14 @@ still being read.  Each access below is one aligned machine load or store.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import time
 from typing import Callable, Sequence
 
 from dbr_service import protocol
+from dbr_service.clientfiles import size_sealed
 from dbr_service.errors import SamplingError
 from dbr_service.sampling.base import Sample, SamplingSource
 
@@ -54,9 +56,10 @@ def create_ring_memfd(capacity: int, name: str = "dbr-sampler-ring") -> int:
     """
     if capacity < 1 or capacity & (capacity - 1):
         raise SamplingError(f"ring capacity must be a power of two: {capacity}")
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     size = ring_bytes(capacity)
     os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
         hdr = protocol.RingHeader(magic=protocol.RING_MAGIC, version=protocol.PROTO_VERSION,
                                   capacity=capacity, entry_size=ENTRY_SIZE)
@@ -77,6 +80,9 @@ class AgentTimerRing:
         if isinstance(source, mmap.mmap):
             self.mm, self._own = source, False
         else:
+            if not size_sealed(source):   # shrunk under the mapping, it would kill us
+                raise SamplingError(f"sampler ring fd {source} is not sealed against "
+                                    f"shrinking")
             try:
                 size = os.fstat(source).st_size
                 self.mm = mmap.mmap(source, size, mmap.MAP_SHARED,
