@@ -61,7 +61,11 @@ def can_fall_into(sr: SuperRegion, u: NodeKey, v: NodeKey) -> bool:
     if bb.term not in _CHAINABLE or kind in (EdgeKind.ENTRY, EdgeKind.EXIT):
         return False
     if bb.term is TermKind.CALL:
-        return kind is EdgeKind.CALL
+        if kind is EdgeKind.CALL:
+            return True
+        # a real call (kept, not inlined): it returns into its continuation
+        return kind is EdgeKind.FALLTHROUGH and not any(
+            e.get("kind") is EdgeKind.CALL for _, _, e in sr.g.out_edges(u, data=True))
     if bb.term is TermKind.RET:
         return kind is EdgeKind.RETURN and isinstance(u, CloneKey)
     if kind in (EdgeKind.CALL, EdgeKind.RETURN):
