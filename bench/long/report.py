@@ -99,10 +99,13 @@ def summarize_workload(w: dict) -> dict:
             }
         out["configs"][cfg] = cs
     bolt = (out["configs"].get("bolt") or {}).get("ratio", {}).get("median")
+    bolt_cpu = (out["configs"].get("bolt") or {}).get("cpu_ratio", {}).get("median")
     for cfg in ("dbr-default", "dbr-aggressive"):
         c = out["configs"].get(cfg)
         if c and "ratio" in c:
             c["share_of_bolt_gain"] = stats.share_of_gain(c["ratio"].get("median"), bolt)
+            c["share_of_bolt_gain_cpu"] = stats.share_of_gain(
+                (c.get("cpu_ratio") or {}).get("median"), bolt_cpu)
     return out
 
 
@@ -222,7 +225,7 @@ def details(data: dict, summary: dict | None = None) -> str:
     summary = summary or summarize(data)
     out = ["| workload | config | pairs | median | min–max | interval of the median | "
            "failed runs | CPU ratio | regions installed | code bytes | in replacement "
-           "after 1st patch | patched runs | share of BOLT's gain |", "|" + "---|" * 13]
+           "after 1st patch | patched runs | share of BOLT's gain (wall; CPU) |", "|" + "---|" * 13]
     for name, s in summary["workloads"].items():
         for cfg, c in s["configs"].items():
             if cfg == "native":
@@ -236,7 +239,7 @@ def details(data: dict, summary: dict | None = None) -> str:
             d = c.get("dbr") or {}
             fails = ", ".join(f"{n} {k}" for k, n in (c.get("failures") or {}).items()) or "0"
             cpu = (c.get("cpu_ratio") or {}).get("median")
-            sh = c.get("share_of_bolt_gain")
+            sh = [c.get("share_of_bolt_gain"), c.get("share_of_bolt_gain_cpu")]
             out.append(
                 f"| {name} | {cfg} | {r.get('n', 0)} | {_num(r.get('median'), '{:.3f}')} | "
                 f"{_num(r.get('min'), '{:.3f}')}–{_num(r.get('max'), '{:.3f}')} | {ci_s} | "
@@ -244,7 +247,7 @@ def details(data: dict, summary: dict | None = None) -> str:
                 f" | {_num(d.get('code_bytes_installed'), '{:.0f}')} | "
                 f"{_pct(d.get('share_after_first_patch'))} | "
                 f"{d.get('runs_patched', '–') if d else '–'} | "
-                f"{'–' if sh is None else f'{sh * 100:.0f} %'} |")
+                f"{'; '.join('–' if x is None else f'{x * 100:.0f} %' for x in sh)} |")
     return "\n".join(out) + "\n"
 
 
