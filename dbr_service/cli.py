@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # name -> (module, one-line help).  Order is the order shown in --help.
@@ -20,11 +22,15 @@ COMMANDS: list[tuple[str, str, str]] = [
 
 
 def _base_parser() -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(
+    import dbr_service
+
+    p = argparse.ArgumentParser(
         prog="dbr", description="dbr — sampling-driven dynamic binary rewriter for x86-64 Linux",
         epilog="examples:\n  dbr run --aggressive -- ./prog arg\n  dbr ctl status\n"
                "  dbr analyze ./prog --samples samples.txt",
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"dbr {dbr_service.__version__}")
+    return p
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -55,7 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except BrokenPipeError:
+        # the reader went away (`dbr ctl --json clients | head`): what it did not read
+        # goes nowhere, quietly, and the status says a pipe broke, as for other tools
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

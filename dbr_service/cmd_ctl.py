@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -112,6 +113,19 @@ def request_of(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return "config_set", {"key": args.key, "value": args.value}
 
 
+def _output_problem(path: str) -> str | None:
+    """Why a file could not be written at ``path``, asked before the request is sent."""
+    p = os.path.abspath(path)
+    parent = os.path.dirname(p)
+    if os.path.isdir(p):
+        return "it is a directory"
+    if not os.path.isdir(parent):
+        return f"no directory {parent}"
+    if not os.access(p if os.path.exists(p) else parent, os.W_OK):
+        return "permission denied"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     rdir = resolve_runtime_dir()
     why = untrusted_dir(rdir)
@@ -120,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     client = ControlClient(rdir, timeout=args.timeout)
     verb, vargs = request_of(args)
+    out = (args.dot or args.svg) if args.verb == "region" else None
+    why = _output_problem(out) if out else None
+    if why:
+        print(f"dbr ctl: cannot write {out}: {why}", file=sys.stderr)
+        return 2
     try:
         reply = client.call(verb, vargs)
     except (OSError, TimeoutError) as exc:
@@ -135,8 +154,12 @@ def run(args: argparse.Namespace) -> int:
     result = reply["result"]
     if args.verb == "region" and (args.dot or args.svg):
         path = args.dot or args.svg
-        with open(path, "w") as fh:
-            fh.write(result["dot" if args.dot else "svg"])
+        try:
+            with open(path, "w") as fh:
+                fh.write(result["dot" if args.dot else "svg"])
+        except OSError as exc:
+            print(f"dbr ctl: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         if not args.json:
             print(f"wrote {path}")
     if args.json:

@@ -48,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="always start a private service for this run")
     parser.add_argument("--aggressive", action="store_true",
                         help="preset for tests and demos: short snapshot interval, low thresholds")
-    parser.add_argument("--report", metavar="FILE", help="write the dbr.run/1 JSON report here")
+    parser.add_argument("--report", metavar="FILE",
+                        help="write the dbr.run/1 JSON report here ('-': standard output); "
+                             "checked before PROG starts")
     parser.add_argument("-c", "--config", metavar="FILE",
                         help="configuration file of the embedded service")
     parser.add_argument("-o", dest="overrides", metavar="KEY=VALUE", action="append",
@@ -162,6 +164,10 @@ def run(args: argparse.Namespace) -> int:
         prog = prog[1:]
     if not prog:
         print("dbr run: no program given (dbr run [OPTIONS] -- PROG ARGS)", file=sys.stderr)
+        return 2
+    why = report_path_problem(args.report) if args.report else None
+    if why:
+        print(f"dbr run: --report {args.report}: {why}", file=sys.stderr)
         return 2
     import dbr_agent
 
@@ -357,7 +363,39 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
     if not args.quiet:
         print(format_report(rep), file=sys.stderr)
     if args.report:
-        with open(args.report, "w") as fh:
-            json.dump(rep, fh, indent=2)
-            fh.write("\n")
+        _write_report(args.report, rep)
     return exit_code
+
+
+def report_path_problem(path: str) -> str | None:
+    """Why the report could not be written at ``path`` ('-' is standard output), so
+    that `dbr run` says so before PROG runs rather than after; None if it can."""
+    if path == "-":
+        return None
+    p = os.path.abspath(path)
+    if os.path.isdir(p):
+        return f"{path} is a directory"
+    parent = os.path.dirname(p)
+    if not os.path.isdir(parent):
+        return f"no directory {parent}"
+    if os.path.exists(p) and not os.access(p, os.W_OK):
+        return f"{path} is not writable"
+    if not os.path.exists(p) and not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create files in {parent}"
+    return None
+
+
+def _write_report(path: str, rep: dict[str, Any]) -> None:
+    """The JSON report to ``path`` or standard output; a failure is said, and PROG's exit
+    status stays dbr run's."""
+    text = json.dumps(rep, indent=2) + "\n"
+    try:
+        if path == "-":
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        else:
+            with open(path, "w") as fh:
+                fh.write(text)
+    except OSError as exc:
+        print(f"dbr run: cannot write the report to {path}: {exc.strerror or exc}",
+              file=sys.stderr)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 from typing import TYPE_CHECKING, Any
 
 from dbr_service.speedcheck import verdict_text
@@ -61,10 +63,21 @@ def run_report(program: list[str], exit_code: int, wall_s: float,
             "wall_s": round(wall_s, 3), "clients": clients, "totals": totals, **extra}
 
 
+def how_it_ended(exit_code: int) -> str:
+    """``exited N``, or ``killed by SIGNAME`` for a status of 128 + a signal's number
+    (what `dbr run` returns for a program a signal ended)."""
+    if 128 < exit_code < 128 + 65:
+        try:
+            return f"killed by {signal.Signals(exit_code - 128).name}"
+        except ValueError:
+            return f"killed by signal {exit_code - 128}"
+    return f"exited {exit_code}"
+
+
 def format_report(rep: dict[str, Any]) -> str:
     """A few lines for stderr at the end of `dbr run`."""
     t = rep["totals"]
-    lines = [(f"dbr: {' '.join(rep['program'])} exited {rep['exit_code']} after "
+    lines = [(f"dbr: {' '.join(rep['program'])} {how_it_ended(rep['exit_code'])} after "
               f"{rep['wall_s']:.2f} s; {len(rep['clients'])} client(s), {t['samples']} samples, "
               f"{t['patches_installed']} patches, {t['regions_installed']} regions installed")]
     if rep.get("service"):

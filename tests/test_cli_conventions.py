@@ -1,0 +1,86 @@
+"""The `dbr` command's conventions: --version, output paths checked before anything
+runs, `--report -` on standard output, a reader that goes away, signals named."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from service_helpers import ServiceProc
+
+DBR = [sys.executable, "-m", "dbr_service.cli"]
+
+
+def _dbr(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*DBR, *args], capture_output=True, text=True, timeout=120,
+                          env=env or dict(os.environ), **kw)
+
+
+def test_version():
+    import dbr_service
+
+    r = _dbr("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"dbr {dbr_service.__version__}"
+
+
+def test_a_report_path_that_cannot_be_written_is_refused_before_the_program_runs(tmp_path):
+    marker = tmp_path / "ran"
+    r = _dbr("run", "--embedded", "--report", "/nonexistent/r.json", "--",
+             "sh", "-c", f"touch {marker}")
+    assert r.returncode == 2 and "no directory /nonexistent" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not marker.exists()
+    r = _dbr("run", "--embedded", "--report", str(tmp_path), "--", "true")
+    assert r.returncode == 2 and "is a directory" in r.stderr
+
+
+def test_report_dash_is_standard_output_and_the_exit_code_is_the_programs(tmp_path):
+    r = _dbr("run", "--embedded", "--quiet", "--report", "-", "--", "sh", "-c", "exit 7",
+             cwd=tmp_path)
+    assert r.returncode == 7, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["schema"] == "dbr.run/1" and rep["exit_code"] == 7
+    assert not (tmp_path / "-").exists()
+
+
+def test_a_program_killed_by_a_signal_is_said_so():
+    r = _dbr("run", "--embedded", "--", "sh", "-c", "kill -SEGV $$")
+    assert r.returncode == 128 + signal.SIGSEGV
+    assert "killed by SIGSEGV" in r.stderr and "exited 139" not in r.stderr, r.stderr
+
+
+def test_a_reader_that_goes_away_is_no_traceback():
+    svc = ServiceProc().wait_ready()
+    try:
+        env = dict(os.environ, DBR_RUNTIME_DIR=svc.dir)
+        # `dbr ctl --json status | true`: the reader is gone before dbr writes (it
+        # starts in ~0.1 s)
+        p = subprocess.Popen([*DBR, "ctl", "--json", "status"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p.stdout.close()
+        err = p.stderr.read().decode()
+        rc = p.wait(timeout=30)
+        assert "Traceback" not in err and "BrokenPipe" not in err, err
+        assert rc in (0, 128 + signal.SIGPIPE)
+    finally:
+        svc.stop()
+
+
+def test_a_dot_path_that_cannot_be_written_is_refused_before_asking():
+    r = _dbr("ctl", "region", "1", "r1", "--dot", "/nonexistent/x.dot",
+             env=dict(os.environ, DBR_RUNTIME_DIR="/nonexistent-dbr"))
+    assert r.returncode == 2 and "cannot write /nonexistent/x.dot" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("code,text", [(0, "exited 0"), (3, "exited 3"),
+                                       (128 + 9, "killed by SIGKILL"),
+                                       (128 + 64, "killed by SIGRTMAX"),
+                                       (128 + 65, "exited 193")])
+def test_how_it_ended(code, text):
+    from dbr_service.report import how_it_ended
+
+    assert how_it_ended(code) == text
