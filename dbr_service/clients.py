@@ -459,6 +459,10 @@ class ClientSession:
         self.recent: collections.deque[collections.Counter[int]] = collections.deque(maxlen=4)
         #: Region ids never to install again (judged not effective).
         self.blocked_regions: set[str] = set()
+        #: What the operator unpatched (`dbr ctl unpatch`): these regions, or with
+        #: operator_hold_all every region, are not installed until `dbr ctl resume`.
+        self.operator_held: set[str] = set()
+        self.operator_hold_all = False
         #: The speed check under way (dbr_service/speedcheck.py), its finished ones,
         #: and original code a region was found slower than: (module, lo, hi).
         self.speed_check: SpeedCheck | None = None
@@ -1047,12 +1051,14 @@ class ClientSession:
         the others go on."""
         if self.speed_check is not None:
             return 0   # not while one is measured: selected again at the next snapshot
+        if self.operator_hold_all:
+            return 0   # the operator unpatched this client: until `dbr ctl resume`
         inst = self._get_installer()
         todo = []
         for rid, sr in zip(ids, srs):
             rec = self.regions.get(rid)
-            if rid in self.blocked_regions or (rec is not None and
-                                               rec.state is RegionState.INSTALLED):
+            if rid in self.blocked_regions or rid in self.operator_held or (
+                    rec is not None and rec.state is RegionState.INSTALLED):
                 continue
             if rec is not None and self.covered(rid, rec.module, rec.entries):
                 rec.info["not_installed"] = "its entries are in code an installed region replaces"
@@ -1420,6 +1426,8 @@ class ClientSession:
                 "gated_timer_samples": self.gated_timer_samples,
                 "samples": self.samples_total, "snapshots": self.snapshots,
                 "paused": self.paused, "source": self.sampling_source_name,
+                "operator_hold": ("all" if self.operator_hold_all
+                                  else sorted(self.operator_held) or None),
                 "map_changes": self.map_changes, "jobs_done": self.jobs_done,
                 "hotspots_found": len(self.hotspots),
                 "regions": len(self.regions), "patches_installed": self.patches_installed,

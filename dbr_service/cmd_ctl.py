@@ -239,6 +239,13 @@ def render(verb: str, result: Any) -> str:
                          f"{e['event']:<18} " + " ".join(f"{k}={v}" for k, v in e.items()
                                                           if k not in ("seq", "time", "event"))
                          for e in result) or "no events"
+    if verb == "unpatch":
+        held = "every region" if result["held"] == "all" else f"region {result['held']}"
+        return (f"pid {result['pid']}: {result['regions_removed']} region(s) removed; "
+                f"{held} stays out until `{result['until']}`")
+    if verb == "resume" and result.get("released"):
+        return (f"pid {result['pid']}: resumed; patching allowed again for "
+                + ", ".join("every region" if r == "all" else r for r in result["released"]))
     if isinstance(result, dict):
         return "\n".join(f"{k}: {v}" for k, v in result.items())
     return json.dumps(result, indent=2)

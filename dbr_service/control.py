@@ -285,7 +285,9 @@ def verb_unpatch(service: Service, args: dict[str, Any]) -> dict[str, Any]:
         removed = service.unpatch(s, args["id"])
     except (AgentError, ProtocolError, TimeoutError) as exc:
         raise Fault(Code.AGENT, f"unpatch in pid {s.pid} failed: {exc}") from None
-    return {"pid": s.pid, "regions_removed": removed}
+    return {"pid": s.pid, "regions_removed": removed,
+            "held": args["id"] if args["id"] is not None else "all",
+            "until": f"dbr ctl resume {s.pid}"}
 
 
 @verb("pause", pid=Arg((int,)))
@@ -306,7 +308,13 @@ def _set_paused(service: Service, pid: int | None, paused: bool) -> dict[str, An
         return {"service": True, "paused": paused}
     s = _client(service, _int_arg(pid, "pid"))
     s.paused = paused
-    return {"pid": s.pid, "paused": paused}
+    released: list[str] = []
+    if not paused:   # resume also lifts what `unpatch` held back
+        with s.lock:
+            released = sorted(s.operator_held) + (["all"] if s.operator_hold_all else [])
+            s.operator_held.clear()
+            s.operator_hold_all = False
+    return {"pid": s.pid, "paused": paused, "released": released}
 
 
 @verb("config_get", key=Arg((str,)))

@@ -877,7 +877,14 @@ class Service:
 
     # ------------------------------------------------------------------ operations
     def unpatch(self, s: ClientSession, region_id: str | None) -> int:
-        """Remove the patches of one installed region (or all); regions removed."""
+        """Remove the patches of one installed region (or all); regions removed.  What
+        the operator took out stays out (that region, or every region of the client)
+        until `dbr ctl resume PID` (ClientSession.operator_hold)."""
+        with s.lock:
+            if region_id is None:
+                s.operator_hold_all = True
+            else:
+                s.operator_held.add(region_id)
         targets = [r.id for r in s.regions.values()
                    if r.state is RegionState.INSTALLED and (region_id in (None, r.id))]
         removed = 0

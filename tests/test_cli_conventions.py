@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from service_helpers import ServiceProc
@@ -84,3 +85,37 @@ def test_how_it_ended(code, text):
     from dbr_service.report import how_it_ended
 
     assert how_it_ended(code) == text
+
+
+def _installed(svc, pid: int) -> list[str]:
+    return [r["id"] for r in svc.call("regions", {"pid": pid})["regions"]
+            if r["state"] == "installed"]
+
+
+def test_an_operators_unpatch_sticks_until_resume():
+    """`dbr ctl unpatch PID` used to be followed by the same region's install within a
+    second; now nothing is installed in that client until `dbr ctl resume PID`."""
+    from service_helpers import build_example, kill, spawn_client
+
+    prog = build_example("hotloop")
+    svc = ServiceProc("--aggressive").wait_ready()
+    client = None
+    try:
+        client = spawn_client(svc.dir, [prog, "20000"])
+        svc.wait_for(lambda: _installed(svc, client.pid), timeout=20, what="a region")
+        env = dict(os.environ, DBR_RUNTIME_DIR=svc.dir)
+        r = _dbr("ctl", "unpatch", str(client.pid), env=env)
+        assert r.returncode == 0 and "stays out until `dbr ctl resume" in r.stdout, r.stdout
+        t_end = time.monotonic() + 3.0          # several aggressive snapshots and jobs
+        while time.monotonic() < t_end:
+            assert not _installed(svc, client.pid)
+            time.sleep(0.1)
+        row = next(c for c in svc.call("clients") if c["pid"] == client.pid)
+        assert row["operator_hold"] == "all"
+        r = _dbr("ctl", "resume", str(client.pid), env=env)
+        assert r.returncode == 0 and "patching allowed again" in r.stdout, r.stdout
+        svc.wait_for(lambda: _installed(svc, client.pid), timeout=20,
+                     what="a region after resume")
+    finally:
+        kill(client)
+        svc.stop()
