@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from collections import Counter
 
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,17 @@ def how_it_ended(exit_code: int) -> str:
     return f"exited {exit_code}"
 
 
+def regions_text(client: dict[str, Any]) -> str:
+    """A client's regions by their current state ("1 installed, 2 removed"), from the
+    region records themselves, so the line cannot contradict the patch counts."""
+    states = Counter(r.get("state", "?") for r in client.get("regions", []))
+    if not states:
+        return "none selected"
+    order = ["installed", "selected", "removed", "failed"]
+    keys = [k for k in order if k in states] + sorted(k for k in states if k not in order)
+    return ", ".join(f"{states[k]} {k}" for k in keys)
+
+
 def format_report(rep: dict[str, Any]) -> str:
     """A few lines for stderr at the end of `dbr run`."""
     t = rep["totals"]
@@ -87,7 +99,12 @@ def format_report(rep: dict[str, Any]) -> str:
     for c in rep["clients"]:
         lines.append(f"dbr:   pid {c['pid']} {c['exe']}: {c['samples']} samples "
                      f"via {c.get('sampling_source') or 'none'}, "
-                     f"{c['patches_installed']} patches; regions: {c.get('region_status', '')}")
+                     f"{c['patches_installed']} patches; regions: {regions_text(c)}")
+        if c.get("time_to_first_patch_s") is not None:
+            after = c.get("samples_after_first_patch") or 0
+            share = c.get("samples_in_replacement", 0) / after if after else 0.0
+            lines.append(f"dbr:     first patch after {c['time_to_first_patch_s']:.2f} s; "
+                         f"{share:.0%} of the {after} samples since then in replacement code")
         for sc in c.get("speed_checks", []):
             lines.append(f"dbr:     speed check of {', '.join(sc['regions'])}: "
                          f"{verdict_text(sc['verdict'], sc.get('ratio'))}")

@@ -119,3 +119,19 @@ def test_an_operators_unpatch_sticks_until_resume():
     finally:
         kill(client)
         svc.stop()
+
+
+def test_the_run_summary_counts_regions_by_their_state():
+    """The summary used to print '1 patches, 1 regions installed' beside 'regions: 0
+    region(s) selected' (the last job's status): it now counts the region records."""
+    from dbr_service.report import format_report, run_report
+
+    client = {"pid": 5, "exe": "/bin/x", "samples": 100, "samples_in_replacement": 45,
+              "samples_after_first_patch": 50, "time_to_first_patch_s": 0.3,
+              "patches_installed": 1, "sampling_source": "perf", "hotspots": [],
+              "region_status": "0 region(s) selected",
+              "regions": [{"id": "r1", "state": "installed"}, {"id": "r2", "state": "removed"},
+                          {"id": "r3", "state": "removed"}]}
+    text = format_report(run_report(["x"], 0, 1.0, [client]))
+    assert "regions: 1 installed, 2 removed" in text and "0 region(s)" not in text
+    assert "first patch after 0.30 s; 90% of the 50 samples since then in replacement" in text
