@@ -453,6 +453,17 @@ static int validate(size_t n, int state)
         }
         return DBR_OK;
     }
+    if (h->type == DBR_MSG_PC_CENSUS_REQ) {
+        /* fixed part, then n ranges */
+        uint32_t count = ((const struct dbr_census_req *)g_rx)->n;
+
+        if (n < fixed || count > DBR_MAX_CENSUS_RANGES ||
+            n != fixed + (size_t)count * sizeof(struct dbr_range)) {
+            send_error(DBR_E_PROTO, h->seq, "bad PC_CENSUS_REQ length");
+            return DBR_E_PROTO;
+        }
+        return DBR_OK;
+    }
     if (n != fixed) {
         send_error(DBR_E_PROTO, h->seq, "bad message length for its type");
         return DBR_E_PROTO;
@@ -551,13 +562,7 @@ static int handle(size_t n)
     }
     case DBR_MSG_PC_CENSUS_REQ: {
         const struct dbr_census_req *r = (const void *)g_rx;
-        rc = dbr_census_run(r->req_id, r->timeout_ms);
-        if (rc == DBR_E_NOMEM) {
-            struct dbr_census c;
-            memset(&c, 0, sizeof c);
-            c.req_id = r->req_id;
-            rc = dbr_send(&c, DBR_MSG_PC_CENSUS, sizeof c, -1, 0);
-        }
+        rc = dbr_census_run(r->req_id, r->timeout_ms, r->ranges, r->n);
         break;
     }
     case DBR_MSG_TRANSFER:

@@ -46,7 +46,7 @@
 #include "dbr_protocol.h"
 
 #define DBR_EXPORT __attribute__((visibility("default")))
-#define DBR_AGENT_VERSION 1u
+#define DBR_AGENT_VERSION 2u
 
 /* ---- limits ---- */
 #define DBR_SITE_TABLE_MAX   8192u  /* sites ever patched (installed + historical) */
@@ -215,8 +215,10 @@ void dbr_regions_clear(void);
 
 /* ---- census.c ---- */
 void dbr_census_init(void);
-/* run one census; sends its PC_CENSUS replies */
-int dbr_census_run(uint32_t req_id, uint32_t timeout_ms);
+/* run one census (ranges: the request's, unchecked); sends its PC_CENSUS replies,
+ * a failure too; returns the send's result */
+int dbr_census_run(uint32_t req_id, uint32_t timeout_ms, const struct dbr_range *ranges,
+                   uint32_t n_ranges);
 /* TRANSFER (g_agent_mu held): checks, signals every thread, fills res->threads,
  * moved, no_reply; returns the result code */
 int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,

@@ -1,5 +1,6 @@
 /*
- * census.c — PC census: every thread reports its interrupted PC; TRANSFER:
+ * census.c — PC census: every thread reports its interrupted PC and the words of
+ * its registers and stack that lie in ranges the service names; TRANSFER:
  * threads stopped at a listed original PC continue in replacement code; and
  * EVICT, the other way: threads stopped at a listed replacement PC continue in
  * original code.
@@ -8,13 +9,33 @@
  * rt_tgsigqueueinfo (the tgkill of a signal with a payload): si_code SI_QUEUE,
  * si_pid our pid and a cookie in si_value mark it as the agent's, so the
  * handler can chain any other delivery of that signal to the program.  The
- * handler writes the PC into the slot keyed by its tid with atomic stores only.
+ * handler writes its answer into the slot keyed by its tid with atomic stores
+ * only; it never allocates, locks or makes a system call beyond getpid/gettid.
+ *
+ * Stack scan (a census with ranges).  Replacement code may make real calls, so a
+ * return address into code space the service wants to reuse can sit in any frame
+ * of any thread.  Before signalling, the agent thread reads /proc/self/maps into
+ * a table of candidate stacks: the private writable anonymous mappings (thread
+ * stacks, [stack], the heap), adjacent ones joined.  Each handler finds the span
+ * holding its interrupted stack pointer (binary search) and reads every aligned
+ * word from there to the span's end; a glibc thread's stack ends below its
+ * thread control block, which glibc puts at the top of the thread's stack block,
+ * so the scan stops at the thread pointer when that lies above the stack pointer
+ * in the same span (its first word points to itself, as the x86-64 ABI says).
+ * The thread's own stack cannot be unmapped while the thread runs the handler;
+ * what lies past it in a span (a stack that is not a glibc thread's: a coroutine
+ * in the heap) is memory the snapshot showed mapped: the risk that it is unmapped
+ * meanwhile is accepted.  An interrupted context on the thread's sigaltstack
+ * (bounds from the signal frame) has that stack scanned and is UNKNOWN: its
+ * normal stack cannot be found.  A stack pointer in no span gets a second round
+ * with maps read again, then UNKNOWN.  A scan stops at SCAN_CAP (UNKNOWN).
  */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <ucontext.h>
 #include <unistd.h>
 
@@ -27,17 +48,18 @@
 /* bound on waiting for the threads' answers (census and transfer alike) */
 #define CENSUS_WAIT_MAX_MS 1000u
 #define CENSUS_WAIT_DEFAULT_MS 200u
+/* after a census closes: bound on waiting for handlers still scanning, before its
+ * stack table is freed (else it is left allocated: a late handler may read it) */
+#define CENSUS_SETTLE_MS 200u
+#define SCAN_CAP ((uint64_t)8 << 20)   /* bytes of one stack scanned at most */
 #define WAITING 0xffu   /* state of a signalled thread whose answer is awaited */
 
+/* a TRANSFER's or an EVICT's answer slot (the census has its own, struct cslot) */
 struct slot {
     int32_t  tid;
-    uint32_t done_gen;  /* == g_gen when pc is valid for this census */
+    uint32_t done_gen;  /* == the generation pc answers */
     uint64_t pc;
 };
-
-static struct slot g_slots[DBR_CENSUS_SLOTS];
-static unsigned g_nslots;
-static uint32_t g_gen;
 
 /* Signal handler: the calling thread's answer `value` for generation `gen`. */
 static void slot_answer(struct slot *slots, unsigned n, uint32_t gen, uint64_t value)
@@ -67,9 +89,10 @@ static void slots_reset(struct slot *slots, const pid_t *tids, int n)
 }
 
 /* Agent thread: wait (bounded: 0 means the default, capped) until every slot whose
- * state is WAITING has answered generation `gen`. */
-static void wait_answers(const struct slot *slots, const uint8_t *state, int n, uint32_t gen,
-                         uint32_t timeout_ms)
+ * state is WAITING has answered generation `gen`.  `stride`: bytes between slots,
+ * `gen_off`: offset of done_gen in a slot (the census and transfers have their own). */
+static void wait_answers_at(const void *slots, size_t stride, size_t gen_off, const uint8_t *state,
+                            int n, uint32_t gen, uint32_t timeout_ms)
 {
     uint64_t deadline;
     int i, pending;
@@ -81,13 +104,225 @@ static void wait_answers(const struct slot *slots, const uint8_t *state, int n, 
     deadline = dbr_now_ms() + timeout_ms;
     for (;;) {
         pending = 0;
-        for (i = 0; i < n; i++)
-            if (state[i] == WAITING && __atomic_load_n(&slots[i].done_gen, __ATOMIC_ACQUIRE) != gen)
+        for (i = 0; i < n; i++) {
+            const uint32_t *g = (const uint32_t *)((const char *)slots + (size_t)i * stride + gen_off);
+            if (state[i] == WAITING && __atomic_load_n(g, __ATOMIC_ACQUIRE) != gen)
                 pending++;
+        }
         if (pending == 0 || dbr_now_ms() >= deadline)
             return;
         dbr_sleep_ms(1);
     }
+}
+
+static void wait_answers(const struct slot *slots, const uint8_t *state, int n, uint32_t gen,
+                         uint32_t timeout_ms)
+{
+    wait_answers_at(slots, sizeof *slots, offsetof(struct slot, done_gen), state, n, gen,
+                    timeout_ms);
+}
+
+/* ---- census state ----
+ * Written by the agent thread only while no handler reads it: g_cs_gen is 0 (no
+ * census open) and g_cs_active is 0 (no handler between its generation check and
+ * its last read).  A handler that finds no census open answers nothing.  The stack
+ * table is allocated per census and freed once the census is closed and no handler
+ * is inside; if one still is after CENSUS_SETTLE_MS, the table is left allocated. */
+struct cslot {
+    int32_t  tid;
+    uint32_t done_gen;  /* == the generation the answer is for */
+    uint64_t pc;
+    uint64_t first;     /* first word found in a range */
+    uint32_t refs;      /* words found in ranges (saturating) */
+    uint32_t flags;     /* DBR_CENSUS_F_* */
+};
+
+struct span {
+    uint64_t lo, hi;
+};
+
+/* Candidate stacks, ascending; a handler loads the pointer once, so it sees one
+ * whole table (or none) however late it runs. */
+struct stack_table {
+    size_t n;
+    struct span e[];
+};
+
+static struct cslot g_cslots[DBR_CENSUS_SLOTS];
+static unsigned g_ncslots;
+static uint32_t g_cs_gen;          /* generation of the open census, 0: none */
+static uint32_t g_cs_counter;      /* last generation used */
+static int g_cs_active;            /* handlers inside the critical part */
+static struct dbr_range g_cs_ranges[DBR_MAX_CENSUS_RANGES];
+static uint32_t g_cs_nranges;
+static uint32_t g_cs_refs[DBR_MAX_CENSUS_RANGES];  /* words found per range (atomic) */
+static uint64_t g_cs_words;        /* words read by this census's handlers (atomic) */
+static struct stack_table *g_cs_table;  /* this census's candidate stacks, or NULL */
+
+/* Handler: add one, saturating at UINT32_MAX. */
+static void sat_inc(uint32_t *p)
+{
+    uint32_t v = __atomic_load_n(p, __ATOMIC_RELAXED);
+
+    while (v != UINT32_MAX &&
+           !__atomic_compare_exchange_n(p, &v, v + 1, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+        ;
+}
+
+struct scan {
+    const struct dbr_range *r;
+    uint32_t n;
+    uint64_t lo, span;     /* r[0].lo, r[n-1].hi - r[0].lo: one compare rejects most words */
+    uint64_t first;
+    uint32_t refs;
+};
+
+/* Handler: count `v` if it lies in a range; 1 if it does. */
+static int scan_word(struct scan *s, uint64_t v)
+{
+    uint32_t lo = 0, hi = s->n;
+
+    if (v - s->lo >= s->span)
+        return 0;
+    while (lo < hi) {              /* binary search: ranges ascending, disjoint */
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (v < s->r[mid].lo)
+            hi = mid;
+        else if (v >= s->r[mid].hi)
+            lo = mid + 1;
+        else {
+            if (s->refs == 0)
+                s->first = v;
+            if (s->refs != UINT32_MAX)
+                s->refs++;
+            sat_inc(&g_cs_refs[mid]);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Handler: every aligned word of [lo, hi). */
+static void scan_words(struct scan *s, uint64_t lo, uint64_t hi)
+{
+    const uint64_t *p = (const uint64_t *)(uintptr_t)lo, *end = (const uint64_t *)(uintptr_t)hi;
+
+    for (; p < end; p++) {
+        uint64_t v = *(const volatile uint64_t *)p;
+        if (v - s->lo < s->span)
+            scan_word(s, v);
+    }
+    __atomic_add_fetch(&g_cs_words, (hi - lo) / 8, __ATOMIC_RELAXED);
+}
+
+/* Handler: the span of the stack table holding `a`, or NULL. */
+static const struct span *span_of(const struct stack_table *t, uint64_t a)
+{
+    size_t lo = 0, hi = t ? t->n : 0;
+
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (a < t->e[mid].lo)
+            hi = mid;
+        else if (a >= t->e[mid].hi)
+            lo = mid + 1;
+        else
+            return &t->e[mid];
+    }
+    return NULL;
+}
+
+/* Handler: the thread pointer, %fs:0 (the x86-64 ABI keeps it there). */
+static uint64_t thread_pointer(void)
+{
+    uint64_t tp;
+
+    __asm__ volatile("movq %%fs:0, %0" : "=r"(tp));
+    return tp;
+}
+
+/* Handler: scan the interrupted registers and stack of the calling thread for words
+ * in the first `nr` ranges. */
+static void census_scan(const ucontext_t *uc, uint32_t nr, struct cslot *out)
+{
+    static const int regs[] = { REG_RAX, REG_RBX, REG_RCX, REG_RDX, REG_RSI, REG_RDI, REG_RBP,
+                                REG_R8, REG_R9, REG_R10, REG_R11, REG_R12, REG_R13, REG_R14,
+                                REG_R15 };
+    struct scan s;
+    uint64_t sp = (uint64_t)uc->uc_mcontext.gregs[REG_RSP] & ~(uint64_t)7, end;
+    uint64_t alt_lo = (uint64_t)(uintptr_t)uc->uc_stack.ss_sp;
+    uint64_t alt_hi = alt_lo + (uint64_t)uc->uc_stack.ss_size;
+    const struct span *m;
+    unsigned i;
+
+    if (uc->uc_stack.ss_size && !(uc->uc_stack.ss_flags & SS_DISABLE) &&
+        sp >= alt_lo && sp < alt_hi) {
+        /* on the alternate signal stack: the kernel's bounds, not the snapshot's */
+        end = alt_hi;
+        out->flags |= DBR_CENSUS_F_ALTSTACK;
+    } else if ((m = span_of(__atomic_load_n(&g_cs_table, __ATOMIC_ACQUIRE), sp)) != NULL) {
+        uint64_t tp = thread_pointer();
+
+        end = m->hi;
+        if (tp > sp && tp < end && (tp & 7) == 0 && *(const volatile uint64_t *)(uintptr_t)tp == tp)
+            end = tp;
+    } else {
+        /* nothing counted: the agent asks again with maps read again */
+        out->flags |= DBR_CENSUS_F_NOSTACK;
+        return;
+    }
+    if (end - sp > SCAN_CAP) {
+        end = sp + SCAN_CAP;
+        out->flags |= DBR_CENSUS_F_CAPPED;
+    }
+    s.r = g_cs_ranges;
+    s.n = nr;
+    s.lo = s.r[0].lo;
+    s.span = s.r[s.n - 1].hi - s.r[0].lo;
+    s.first = 0;
+    s.refs = 0;
+    for (i = 0; i < sizeof regs / sizeof regs[0]; i++)
+        if (scan_word(&s, (uint64_t)uc->uc_mcontext.gregs[regs[i]]))
+            out->flags |= DBR_CENSUS_F_REG;
+    scan_words(&s, sp, end);
+    out->first = s.first;
+    out->refs = s.refs;
+}
+
+/* Handler: the census answer of the calling thread, if a census is open. */
+static void census_answer(const ucontext_t *uc)
+{
+    pid_t tid;
+    uint32_t gen, nr;
+    unsigned i, n;
+
+    __atomic_add_fetch(&g_cs_active, 1, __ATOMIC_SEQ_CST);
+    gen = __atomic_load_n(&g_cs_gen, __ATOMIC_SEQ_CST);
+    if (gen != 0) {
+        tid = dbr_gettid();
+        n = __atomic_load_n(&g_ncslots, __ATOMIC_ACQUIRE);
+        for (i = 0; i < n; i++) {
+            struct cslot *c = &g_cslots[i];
+            struct cslot a;
+
+            if (c->tid != tid)
+                continue;
+            a.pc = (uint64_t)uc->uc_mcontext.gregs[REG_RIP];
+            a.first = 0;
+            a.refs = 0;
+            a.flags = 0;
+            nr = __atomic_load_n(&g_cs_nranges, __ATOMIC_RELAXED);
+            if (nr > 0 && nr <= DBR_MAX_CENSUS_RANGES)
+                census_scan(uc, nr, &a);
+            __atomic_store_n(&c->pc, a.pc, __ATOMIC_RELAXED);
+            __atomic_store_n(&c->first, a.first, __ATOMIC_RELAXED);
+            __atomic_store_n(&c->refs, a.refs, __ATOMIC_RELAXED);
+            __atomic_store_n(&c->flags, a.flags, __ATOMIC_RELAXED);
+            __atomic_store_n(&c->done_gen, gen, __ATOMIC_RELEASE);
+            break;
+        }
+    }
+    __atomic_sub_fetch(&g_cs_active, 1, __ATOMIC_SEQ_CST);
 }
 
 /* ---- TRANSFER and EVICT state ----
@@ -160,8 +395,7 @@ static void census_handler(int sig, siginfo_t *si, void *ucv)
         transfer_handler(uc, (uint32_t)cookie);
         return;
     }
-    slot_answer(g_slots, __atomic_load_n(&g_nslots, __ATOMIC_ACQUIRE),
-                __atomic_load_n(&g_gen, __ATOMIC_ACQUIRE), (uint64_t)uc->uc_mcontext.gregs[REG_RIP]);
+    census_answer(uc);
 }
 
 void dbr_census_init(void)
@@ -187,49 +421,198 @@ static int queue_signal(pid_t tid)
     return queue_signal_value(tid, CENSUS_COOKIE);
 }
 
-int dbr_census_run(uint32_t req_id, uint32_t timeout_ms)
+static uint64_t now_us(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+/* Agent thread: wait (bounded) until no handler counts itself in *active. */
+static int wait_idle(int *active, unsigned ms)
+{
+    uint64_t deadline = dbr_now_ms() + ms;
+
+    while (__atomic_load_n(active, __ATOMIC_SEQ_CST) != 0) {
+        if (dbr_now_ms() >= deadline)
+            return DBR_E_BUSY;
+        dbr_sleep_ms(1);
+    }
+    return DBR_OK;
+}
+
+/* Agent thread: the candidate stacks of /proc/self/maps (private, readable and
+ * writable, anonymous: thread stacks, [stack], the heap; adjacent ones joined, so
+ * that a stack split in two mappings is one span).  NULL if out of memory. */
+static struct stack_table *stacks_read(void)
+{
+    struct dbr_maps maps;
+    struct stack_table *t;
+    size_t i, n = 0;
+
+    if (dbr_maps_read(&maps) != DBR_OK)
+        return NULL;
+    t = dbr_alloc(sizeof *t + (maps.n ? maps.n : 1) * sizeof t->e[0]);
+    for (i = 0; t && i < maps.n; i++) {
+        const struct dbr_map_ent *e = &maps.e[i];
+
+        if ((e->prot & (PROT_READ | PROT_WRITE)) != (PROT_READ | PROT_WRITE) || e->shared ||
+            e->ino != 0 || e->special)
+            continue;
+        if (n > 0 && t->e[n - 1].hi == e->lo) {
+            t->e[n - 1].hi = e->hi;
+        } else {
+            t->e[n].lo = e->lo;
+            t->e[n].hi = e->hi;
+            n++;
+        }
+    }
+    if (t)
+        t->n = n;
+    dbr_maps_free(&maps);
+    return t;
+}
+
+/* Agent thread: close the open census round; its stack table is freed once no
+ * handler reads it (else left allocated).  Returns whether handlers are idle. */
+static int census_close(void)
+{
+    struct stack_table *t = g_cs_table;
+    int idle;
+
+    __atomic_store_n(&g_cs_gen, 0, __ATOMIC_SEQ_CST);
+    idle = wait_idle(&g_cs_active, CENSUS_SETTLE_MS) == DBR_OK;
+    __atomic_store_n(&g_cs_table, NULL, __ATOMIC_RELEASE);
+    if (idle)
+        dbr_free(t);
+    else
+        dbr_log("census: a handler is still scanning after %u ms: its stack table is left "
+                "allocated", CENSUS_SETTLE_MS);
+    return idle;
+}
+
+#define ANSWERED 0xfeu  /* state of a thread whose answer is copied out */
+
+/* Agent thread: one round: open a generation, signal the threads whose state is
+ * WAITING, wait for their answers, close, copy the answers into ans[]. */
+static void census_round(const pid_t *tids, uint8_t *state, struct cslot *ans, int n,
+                         uint32_t timeout_ms, struct stack_table *table)
+{
+    uint32_t gen;
+    int i;
+
+    gen = ++g_cs_counter;
+    if (gen == 0)
+        gen = ++g_cs_counter;
+    __atomic_store_n(&g_cs_table, table, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_cs_gen, gen, __ATOMIC_SEQ_CST);    /* open: handlers answer */
+    for (i = 0; i < n; i++)
+        if (state[i] == WAITING && queue_signal(tids[i]) < 0)
+            state[i] = errno == ESRCH ? DBR_CENSUS_GONE : DBR_CENSUS_NO_REPLY;
+    wait_answers_at(g_cslots, sizeof g_cslots[0], offsetof(struct cslot, done_gen), state, n, gen,
+                    timeout_ms);
+    census_close();
+    for (i = 0; i < n; i++) {
+        if (state[i] != WAITING ||
+            __atomic_load_n(&g_cslots[i].done_gen, __ATOMIC_ACQUIRE) != gen)
+            continue;
+        ans[i].pc = __atomic_load_n(&g_cslots[i].pc, __ATOMIC_RELAXED);
+        ans[i].first = __atomic_load_n(&g_cslots[i].first, __ATOMIC_RELAXED);
+        ans[i].refs = __atomic_load_n(&g_cslots[i].refs, __ATOMIC_RELAXED);
+        ans[i].flags = __atomic_load_n(&g_cslots[i].flags, __ATOMIC_RELAXED);
+        state[i] = ANSWERED;
+    }
+}
+
+/* Agent thread: a census that found nothing out (bad ranges, no memory). */
+static int census_fail(uint32_t req_id, uint32_t n_ranges, int result)
+{
+    struct dbr_census c;
+
+    memset(&c, 0, sizeof c);
+    c.req_id = req_id;
+    c.result = result;
+    c.n_ranges = n_ranges;
+    return dbr_send(&c, DBR_MSG_PC_CENSUS, sizeof c, -1, 0);
+}
+
+int dbr_census_run(uint32_t req_id, uint32_t timeout_ms, const struct dbr_range *ranges,
+                   uint32_t n_ranges)
 {
     pid_t *tids = NULL;
     uint8_t *state = NULL;
+    struct cslot *ans = NULL;
     struct dbr_census *msg = NULL;
-    int n, i, rc = DBR_OK;
-    unsigned nslots;
-    uint32_t gen, k, sent;
+    struct stack_table *table = NULL;
+    int n, i, rc = DBR_OK, again = 0, unknown = 0;
+    uint32_t k, sent;
+    uint64_t t0 = now_us(), t1, t2;
 
+    for (k = 0; k < n_ranges; k++)
+        if (ranges[k].lo >= ranges[k].hi || (k > 0 && ranges[k].lo < ranges[k - 1].hi))
+            return census_fail(req_id, n_ranges, DBR_E_INVAL);
     tids = dbr_alloc(DBR_CENSUS_SLOTS * sizeof *tids);
     state = dbr_alloc(DBR_CENSUS_SLOTS);
+    ans = dbr_alloc(DBR_CENSUS_SLOTS * sizeof *ans);
     msg = dbr_alloc(sizeof *msg + DBR_MAX_CENSUS * sizeof msg->entries[0]);
-    if (!tids || !state || !msg) {
-        rc = DBR_E_NOMEM;
+    if (n_ranges > 0)
+        table = stacks_read();
+    if (!tids || !state || !ans || !msg || (n_ranges > 0 && !table)) {
+        rc = census_fail(req_id, n_ranges, DBR_E_NOMEM);
+        dbr_free(table);
         goto out;
     }
+    t1 = now_us();
     n = dbr_list_threads(tids, DBR_CENSUS_SLOTS);
     if (n > (int)DBR_CENSUS_SLOTS)
         n = DBR_CENSUS_SLOTS;   /* the rest cannot be reported */
-    nslots = (unsigned)n;
-    __atomic_store_n(&g_nslots, 0, __ATOMIC_RELEASE);
-    slots_reset(g_slots, tids, n);
-    gen = __atomic_add_fetch(&g_gen, 1, __ATOMIC_RELEASE);
-    if (gen == 0)
-        gen = __atomic_add_fetch(&g_gen, 1, __ATOMIC_RELEASE);
-    __atomic_store_n(&g_nslots, nslots, __ATOMIC_RELEASE);
 
+    /* The census is closed (the last one closed before it answered): a late handler
+     * of an earlier one answers nothing, and at worst counts words in the totals. */
+    __atomic_store_n(&g_ncslots, 0, __ATOMIC_RELEASE);
     for (i = 0; i < n; i++) {
-        if (tids[i] == g_agent_tid || tids[i] == dbr_gettid())
-            state[i] = DBR_CENSUS_AGENT;
-        else if (queue_signal(tids[i]) < 0)
-            state[i] = errno == ESRCH ? DBR_CENSUS_GONE : DBR_CENSUS_NO_REPLY;
-        else
-            state[i] = WAITING;
+        g_cslots[i].tid = tids[i];
+        __atomic_store_n(&g_cslots[i].done_gen, 0, __ATOMIC_RELAXED);
+        state[i] = tids[i] == g_agent_tid || tids[i] == dbr_gettid() ? DBR_CENSUS_AGENT : WAITING;
     }
-    wait_answers(g_slots, state, n, gen, timeout_ms);
+    memcpy(g_cs_ranges, ranges, n_ranges * sizeof ranges[0]);
+    __atomic_store_n(&g_cs_nranges, n_ranges, __ATOMIC_RELAXED);
+    for (k = 0; k < DBR_MAX_CENSUS_RANGES; k++)
+        __atomic_store_n(&g_cs_refs[k], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&g_cs_words, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&g_ncslots, (unsigned)n, __ATOMIC_RELEASE);
+
+    census_round(tids, state, ans, n, timeout_ms, table);
+    /* A stack pointer in no mapping the table knows: a stack mapped since maps was
+     * read.  Once more for those threads, with maps read again. */
+    for (i = 0; i < n; i++)
+        if (state[i] == ANSWERED && (ans[i].flags & DBR_CENSUS_F_NOSTACK)) {
+            state[i] = WAITING;
+            again++;
+        }
+    if (again > 0) {
+        table = stacks_read();
+        if (table) {
+            census_round(tids, state, ans, n, timeout_ms, table);
+        } else {
+            for (i = 0; i < n; i++)
+                if (state[i] == WAITING)
+                    state[i] = ANSWERED;   /* the first answer stands: NOSTACK, UNKNOWN */
+        }
+    }
+    t2 = now_us();
 
     /* reply: ceil(n / DBR_MAX_CENSUS) messages (one with n = 0 if no thread) */
+    msg->req_id = req_id;
+    msg->result = DBR_OK;
+    msg->n_ranges = n_ranges;
+    for (k = 0; k < DBR_MAX_CENSUS_RANGES; k++)
+        msg->range_refs[k] = k < n_ranges ? __atomic_load_n(&g_cs_refs[k], __ATOMIC_RELAXED) : 0;
     sent = 0;
     do {
         uint32_t m = (uint32_t)n - sent > DBR_MAX_CENSUS ? DBR_MAX_CENSUS : (uint32_t)n - sent;
 
-        msg->req_id = req_id;
         msg->n = m;
         msg->n_total = (uint32_t)n;
         msg->flags = sent + m < (uint32_t)n ? DBR_CENSUS_MORE : 0;
@@ -237,13 +620,18 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms)
             struct dbr_census_entry *e = &msg->entries[k];
             unsigned s = sent + k;
 
+            memset(e, 0, sizeof *e);
             e->tid = (uint32_t)tids[s];
-            e->pc = 0;
-            if (state[s] != WAITING) {
+            if (state[s] == ANSWERED) {
+                e->pc = ans[s].pc;
+                e->first_ref = ans[s].first;
+                e->refs = ans[s].refs;
+                e->flags = ans[s].flags;
+                e->state = ans[s].flags & (DBR_CENSUS_F_ALTSTACK | DBR_CENSUS_F_CAPPED |
+                                           DBR_CENSUS_F_NOSTACK) ? DBR_CENSUS_UNKNOWN : DBR_CENSUS_OK;
+                unknown += e->state == DBR_CENSUS_UNKNOWN;
+            } else if (state[s] != WAITING) {
                 e->state = state[s];
-            } else if (__atomic_load_n(&g_slots[s].done_gen, __ATOMIC_ACQUIRE) == gen) {
-                e->state = DBR_CENSUS_OK;
-                e->pc = __atomic_load_n(&g_slots[s].pc, __ATOMIC_RELAXED);
             } else if (syscall(SYS_tgkill, getpid(), tids[s], 0) < 0 && errno == ESRCH) {
                 e->state = DBR_CENSUS_GONE;     /* exited before answering */
             } else {
@@ -253,9 +641,15 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms)
         rc = dbr_send(msg, DBR_MSG_PC_CENSUS, (uint32_t)(sizeof *msg + m * sizeof msg->entries[0]), -1, 0);
         sent += m;
     } while (rc == DBR_OK && sent < (uint32_t)n);
+    if (n_ranges > 0)
+        dbr_log("census: %d threads, %u ranges, %llu words read, %d unknown, %d again; "
+                "maps %llu us, signals to answers %llu us", n, n_ranges,
+                (unsigned long long)__atomic_load_n(&g_cs_words, __ATOMIC_RELAXED), unknown, again,
+                (unsigned long long)(t1 - t0), (unsigned long long)(t2 - t1));
 out:
     dbr_free(tids);
     dbr_free(state);
+    dbr_free(ans);
     dbr_free(msg);
     return rc;
 }
@@ -267,18 +661,17 @@ void dbr_transfer_fork_child(void)
     __atomic_store_n(&g_tp_gen, 0, __ATOMIC_SEQ_CST);
     __atomic_store_n(&g_tp_active, 0, __ATOMIC_SEQ_CST);
     g_tn = 0;
+    /* the same for a census the parent's agent thread had open; its table is the
+     * parent's (a copy here, left as it is: no thread here frees it) */
+    __atomic_store_n(&g_cs_gen, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&g_cs_active, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&g_cs_table, NULL, __ATOMIC_SEQ_CST);
+    g_ncslots = 0;
 }
 
 static int wait_handlers_idle(unsigned ms)
 {
-    uint64_t deadline = dbr_now_ms() + ms;
-
-    while (__atomic_load_n(&g_tp_active, __ATOMIC_SEQ_CST) != 0) {
-        if (dbr_now_ms() >= deadline)
-            return DBR_E_BUSY;
-        dbr_sleep_ms(1);
-    }
-    return DBR_OK;
+    return wait_idle(&g_tp_active, ms);
 }
 
 /* The checks of a TRANSFER or an EVICT (see dbr_protocol.h); g_agent_mu held.

@@ -21,7 +21,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from dbr_service import protocol as P
 from dbr_service.errors import AgentError, ProtocolError
@@ -82,6 +82,65 @@ class CodeBufferHandle:
     def close(self) -> None:
         if not self.mem.closed:
             self.mem.close()
+
+
+class CensusResult(list):
+    """A census: its entries (``P.CensusEntry``, one per thread: a list) and what it
+    found in the ranges it asked about: ``range_refs[i]`` stack and register words
+    inside ``ranges[i]`` over every thread.  ``result`` other than OK: the agent
+    found nothing out (bad ranges, no memory), and there are no entries."""
+
+    def __init__(self, entries: Iterable[P.CensusEntry] = (),
+                 ranges: Sequence[tuple[int, int]] = (), range_refs: Sequence[int] = (),
+                 result: int = P.Result.OK) -> None:
+        super().__init__(entries)
+        self.ranges = [(int(lo), int(hi)) for lo, hi in ranges]
+        self.range_refs = list(range_refs) or [0] * len(self.ranges)
+        self.result = int(result)
+
+
+def check_census_ranges(ranges: Sequence[tuple[int, int]]) -> None:
+    """Raise AgentError unless ``ranges`` is what a PC_CENSUS_REQ may carry."""
+    if len(ranges) > P.MAX_CENSUS_RANGES:
+        raise AgentError(f"a census asks about at most {P.MAX_CENSUS_RANGES} ranges, "
+                         f"not {len(ranges)}")
+    for k, (lo, hi) in enumerate(ranges):
+        if not 0 <= lo < hi < 1 << 64 or (k and lo < ranges[k - 1][1]):
+            raise AgentError(f"census ranges must ascend without overlap: {ranges!r}")
+
+
+def gather_census(conn: "AgentConnection", timeout_ms: int, ranges: Sequence[tuple[int, int]],
+                  on_message: Callable[[Received, int], None] | None = None) -> CensusResult:
+    """Send PC_CENSUS_REQ for ``ranges`` and gather its reply, several messages if the
+    agent says CENSUS_MORE (bounded); ``on_message(rec, entries so far)`` sees each
+    one first (a caller's checks).  The range totals and result are those of the
+    last message."""
+    ranges = [(int(lo), int(hi)) for lo, hi in ranges]
+    check_census_ranges(ranges)
+    req_id = conn.next_id()
+    rec = conn.request(P.MsgType.PC_CENSUS_REQ, P.CensusReq(req_id=req_id, timeout_ms=timeout_ms),
+                       items=[P.Range(lo=lo, hi=hi) for lo, hi in ranges],
+                       timeout=timeout_ms / 1000 + 2.0)
+    entries = list(rec.msg.items)
+    deadline = time.monotonic() + 2.0
+    while True:
+        if on_message is not None:
+            on_message(rec, len(entries))
+        body: P.Census = rec.msg.body  # type: ignore[assignment]
+        if body.n_ranges != len(ranges):
+            raise ProtocolError(f"PC_CENSUS: {body.n_ranges} ranges, asked about {len(ranges)}")
+        if not body.flags & P.CENSUS_MORE:
+            return CensusResult(entries, ranges, list(body.range_refs)[:len(ranges)], body.result)
+        while True:
+            left = deadline - time.monotonic()
+            nxt = conn.recv(left) if left > 0 else None
+            if nxt is None:
+                raise AgentError("census reply incomplete")
+            if nxt.type is P.MsgType.PC_CENSUS and nxt.msg.body.req_id == req_id:
+                break
+            conn._unsolicited(nxt)
+        rec = nxt
+        entries.extend(rec.msg.items)
 
 
 @dataclass
@@ -315,24 +374,12 @@ class AgentConnection:
     def unpatch(self, sites: list[P.PatchSite], timeout: float = 5.0) -> list[int]:
         return self._batch(P.MsgType.UNPATCH, sites, timeout)
 
-    def census(self, timeout_ms: int = 200) -> list[P.CensusEntry]:
-        """Every thread's PC (a multi-message reply is gathered here)."""
-        req_id = self.next_id()
-        rec = self.request(P.MsgType.PC_CENSUS_REQ,
-                           P.CensusReq(req_id=req_id, timeout_ms=timeout_ms),
-                           timeout=timeout_ms / 1000 + 2.0)
-        entries = list(rec.msg.items)
-        deadline = time.monotonic() + 2.0
-        while rec.msg.body.flags & P.CENSUS_MORE:
-            nxt = self.recv(max(0.0, deadline - time.monotonic()))
-            if nxt is None:
-                raise AgentError("census reply incomplete")
-            if nxt.type is not P.MsgType.PC_CENSUS or nxt.msg.body.req_id != req_id:
-                self._unsolicited(nxt)
-                continue
-            rec = nxt
-            entries.extend(rec.msg.items)
-        return entries
+    def census(self, timeout_ms: int = 200,
+               ranges: Sequence[tuple[int, int]] = ()) -> CensusResult:
+        """Every thread's PC and, for ``ranges`` (ascending, disjoint, at most
+        MAX_CENSUS_RANGES), the words of its registers and stack inside them (a
+        multi-message reply is gathered here)."""
+        return gather_census(self, timeout_ms, ranges)
 
     def transfer(self, region_id: int, points: dict[int, int] | list[tuple[int, int]],
                  timeout_ms: int = 100) -> P.TransferResult:

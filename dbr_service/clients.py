@@ -19,13 +19,14 @@ import queue
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dbr_service import protocol as P
-from dbr_service.agentconn import AgentConnection, CodeBufferHandle, Received, result_name
+from dbr_service.agentconn import (AgentConnection, CensusResult, CodeBufferHandle, Received,
+                                   gather_census, result_name)
 from dbr_service.clientfiles import (TID_MAX, USER_TOP, PerfMap, ProcHandle, ThreadCheck,
                                      code_buffer_problem, safe_text)
 from dbr_service.errors import AgentError, MemoryViewError, ProtocolError, SamplingError
@@ -280,32 +281,22 @@ class CheckedConnection:
         conn.buffers[cb.buffer_id] = handle
         return handle
 
-    def census(self, timeout_ms: int = 200) -> list[P.CensusEntry]:
-        """Every thread's PC; a reply of more than CENSUS_ENTRIES_MAX entries, or one
-        not complete within its bound, is refused."""
-        conn = self._conn
-        req_id = conn.next_id()
-        rec = conn.request(P.MsgType.PC_CENSUS_REQ,
-                           P.CensusReq(req_id=req_id, timeout_ms=timeout_ms),
-                           timeout=timeout_ms / 1000 + 2.0)
-        entries = list(rec.msg.items)
-        deadline = time.monotonic() + 2.0
-        while True:
+    def census(self, timeout_ms: int = 200,
+               ranges: Sequence[tuple[int, int]] = ()) -> CensusResult:
+        """Every thread's PC and its stack words in ``ranges``; a reply of more than
+        CENSUS_ENTRIES_MAX entries, one about other ranges, or one not complete within
+        its bound, is refused."""
+        def check(rec: Received, n: int) -> None:
             for fd in rec.fds:
                 os.close(fd)
-            if len(entries) > CENSUS_ENTRIES_MAX:
+            rec.fds = []
+            if n > CENSUS_ENTRIES_MAX:
                 self._violation(f"PC_CENSUS: more than {CENSUS_ENTRIES_MAX} entries")
-            if not rec.msg.body.flags & P.CENSUS_MORE:
-                return entries
-            left = deadline - time.monotonic()
-            nxt = conn.recv(left) if left > 0 else None
-            if nxt is None:
-                raise AgentError("census reply incomplete")
-            if nxt.type is not P.MsgType.PC_CENSUS or nxt.msg.body.req_id != req_id:
-                conn._unsolicited(nxt)
-                continue
-            rec = nxt
-            entries.extend(rec.msg.items)
+            if rec.msg.body.n_ranges != len(ranges):
+                self._violation(f"PC_CENSUS: {rec.msg.body.n_ranges} ranges, asked about "
+                                f"{len(ranges)}")
+
+        return gather_census(self._conn, timeout_ms, ranges, check)
 
     def transfer(self, region_id: int, points: dict[int, int] | list[tuple[int, int]],
                  timeout_ms: int = 100) -> P.TransferResult:

@@ -186,6 +186,20 @@ def _speed(region: dict[str, Any]) -> str:
     return f"abandoned x{n}, again" if n else ""     # to be checked again
 
 
+def _state(region: dict[str, Any]) -> str:
+    """A region's state for the regions table; a removed region whose code is still
+    kept says what keeps it."""
+    held = region.get("retained")
+    if not held:
+        return region["state"]
+    why = [f"{held['stack_refs']} stack refs"] if held["stack_refs"] else []
+    if held["threads_inside"]:
+        why.append(f"{held['threads_inside']} threads inside")
+    if held["threads_unknown"]:
+        why.append(f"{held['threads_unknown']} threads unknown")
+    return f"{region['state']} (retained: {', '.join(why) or 'quarantine'})"
+
+
 def render(verb: str, result: Any) -> str:
     """Human-readable form of a result."""
     if verb == "status":
@@ -229,7 +243,7 @@ def render(verb: str, result: Any) -> str:
         return head + "\n" + table(rows, ["SHARE", "SAMPLES", "IP", "MODULE", "OFFSET"])
     if verb == "regions":
         head = f"pid {result['pid']}: {result['status']}"
-        rows = [[r["id"], r["state"], r["blocks"], r["code_bytes"], _speed(r),
+        rows = [[r["id"], _state(r), r["blocks"], r["code_bytes"], _speed(r),
                  " ".join(f"{e:#x}" for e in r["entries"]), r["module"]]
                 for r in result["regions"]]
         return head + ("\n" + table(rows, ["ID", "STATE", "BLOCKS", "BYTES", "SPEED", "ENTRIES",

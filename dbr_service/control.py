@@ -240,8 +240,17 @@ def verb_hotspots(service: Service, args: dict[str, Any]) -> dict[str, Any]:
 def verb_regions(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Regions selected/installed for one client and the state of region selection."""
     s = _client(service, _int_arg(args["pid"], "pid"))
-    return {"pid": s.pid, "status": s.region_status,
-            "regions": [r.to_json() for r in s.regions.values()]}
+    inst = s.installer
+    kept = inst.retained() if inst is not None else {}
+    regions = []
+    for r in list(s.regions.values()):
+        j = r.to_json()
+        # a removed region's code stays until censuses find nothing of it in any thread
+        held = kept.get(r.info.get("install_id")) if r.state.value == "removed" else None
+        if held is not None:
+            j["retained"] = held
+        regions.append(j)
+    return {"pid": s.pid, "status": s.region_status, "regions": regions}
 
 
 @verb("region", pid=Arg((int,), required=True), id=Arg((str,), required=True),

@@ -6,8 +6,12 @@ steps 6-8); ``codegen/`` is the pure half.  Per client:
 * :class:`CodeSpace` hands out space in code buffers that lie within +-2 GiB of
   the module a region patches (invariant 4), asks the agent for a new buffer
   when none fits, and reuses freed space only after a quarantine period *and*
-  two clean PC censuses (a thread may sit in replacement code, or hold such a PC
-  in a signal frame).
+  two censuses in a row that find neither a thread's PC nor a word of its
+  registers or stack inside it (invariant 1: a thread may sit in replacement
+  code, hold such a PC in a signal frame, or, once replacement code makes real
+  calls, a return address into it in any frame).  Unpatching takes a region's
+  entries away at once; its code stays mapped and executable until then, and a
+  thread that never returns keeps it for good.
 * :class:`Installer` writes a region's bytes through the service's RW mapping,
   describes the region to the agent (REGION: code range and exit ranges, for
   its dlclose/munmap/mprotect hooks), patches its entry sites in one batch,
@@ -21,7 +25,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, CodeBufferHandle, make_site, result_name
@@ -114,6 +118,20 @@ class _Quarantined:
     chunk: Chunk
     since: float
     clean_censuses: int = 0
+    #: What held the chunk at the last census: words of threads' stacks and registers
+    #: inside it, threads whose PC is inside it, threads whose whereabouts are unknown
+    #: (no answer, a stack not scanned whole), and whether that census left it out.
+    stack_refs: int = 0
+    pcs: int = 0
+    unknown: int = 0
+    uncovered: bool = False
+    censuses: int = 0
+
+    def retention(self, now: float) -> dict[str, Any]:
+        """What `dbr ctl regions` shows of a removed region whose code is still kept."""
+        return {"stack_refs": self.stack_refs, "threads_inside": self.pcs,
+                "threads_unknown": self.unknown, "clean_censuses": self.clean_censuses,
+                "censuses": self.censuses, "quarantined_s": round(max(0.0, now - self.since), 3)}
 
 
 class CodeSpace:
@@ -167,16 +185,63 @@ class CodeSpace:
         """Code no longer entered: quarantine it until censuses prove nobody is inside."""
         self.quarantine.append(_Quarantined(chunk, self.clock()))
 
-    def census_done(self, pcs: Sequence[P.CensusEntry]) -> int:
-        """Feed one PC census; returns how many chunks became reusable."""
+    def census_ranges(self) -> list[tuple[int, int]]:
+        """The ranges the next census asks about: the quarantined chunks, ascending,
+        adjacent ones joined.  Beyond MAX_CENSUS_RANGES the smallest gaps between them
+        are closed: a word in a covering range holds every chunk in it (live code or
+        anything else in the gaps included: conservative, and least so this way)."""
+        spans: list[tuple[int, int]] = []
+        for lo, hi in sorted((q.chunk.addr, q.chunk.addr + q.chunk.size) for q in self.quarantine):
+            if spans and lo <= spans[-1][1]:
+                spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
+            else:
+                spans.append((lo, hi))
+        excess = len(spans) - P.MAX_CENSUS_RANGES
+        if excess <= 0:
+            return spans
+        gaps = sorted(range(len(spans) - 1), key=lambda k: (spans[k + 1][0] - spans[k][1], k))
+        closed = set(gaps[:excess])        # the gap after spans[k] is closed
+        out = [spans[0]]
+        for k in range(1, len(spans)):
+            if k - 1 in closed:
+                out[-1] = (out[-1][0], spans[k][1])
+            else:
+                out.append(spans[k])
+        return out
+
+    def census_done(self, census: Sequence[P.CensusEntry]) -> int:
+        """Feed one census; returns how many chunks became reusable.
+
+        A chunk is held while any thread's PC is inside it, any words of threads'
+        stacks or registers are (the census's range totals), or any thread's
+        whereabouts are unknown (NO_REPLY, UNKNOWN: every chunk), and when the census
+        did not ask about it.  ``census`` is what AgentConnection.census returns (a
+        CensusResult); a plain list of entries (recorded by hand) has no range totals:
+        an entry with refs holds the chunk of its first_ref, and every chunk if it has
+        more than one."""
         freed = 0
         now = self.clock()
-        unknown = any(e.state == P.CENSUS_NO_REPLY for e in pcs)
+        ranges = getattr(census, "ranges", None)
+        range_refs = getattr(census, "range_refs", None) or []
+        failed = getattr(census, "result", P.Result.OK) != P.Result.OK
+        unknown = sum(1 for e in census if e.state in (P.CENSUS_NO_REPLY, P.CENSUS_UNKNOWN))
+        scattered = ranges is None and any(e.refs > 1 for e in census)
         keep = []
         for q in self.quarantine:
             lo, hi = q.chunk.addr, q.chunk.addr + q.chunk.size
-            inside = unknown or any(e.state == P.CENSUS_OK and lo <= e.pc < hi for e in pcs)
-            q.clean_censuses = 0 if inside else q.clean_censuses + 1
+            q.pcs = sum(1 for e in census if e.state in (P.CENSUS_OK, P.CENSUS_UNKNOWN)
+                        and lo <= e.pc < hi)
+            if ranges is None:
+                q.uncovered = False
+                q.stack_refs = sum(e.refs for e in census if e.refs and lo <= e.first_ref < hi)
+            else:
+                q.uncovered = not any(rlo <= lo and hi <= rhi for rlo, rhi in ranges)
+                q.stack_refs = sum(n for (rlo, rhi), n in zip(ranges, range_refs)
+                                   if rlo < hi and lo < rhi)
+            q.unknown = unknown
+            q.censuses += 1
+            held = failed or unknown or scattered or q.uncovered or q.pcs or q.stack_refs
+            q.clean_censuses = 0 if held else q.clean_censuses + 1
             if q.clean_censuses >= 2 and now - q.since >= self.quarantine_s:
                 q.chunk.buffer.write(q.chunk.addr, b"\xcc" * q.chunk.size)  # int3 fill
                 self.free.append(q.chunk)
@@ -185,6 +250,15 @@ class CodeSpace:
                 keep.append(q)
         self.quarantine = keep
         return freed
+
+    def retained(self, chunk: Chunk) -> dict[str, Any] | None:
+        """What holds a released chunk (:meth:`_Quarantined.retention`), or None once it
+        is free again (or was never released).  Safe from any thread."""
+        now = self.clock()
+        for q in list(self.quarantine):
+            if q.chunk is chunk:
+                return q.retention(now)
+        return None
 
 
 class Installer:
@@ -460,10 +534,23 @@ class Installer:
         return hit
 
     def reclaim(self, census_timeout_ms: int = 100) -> int:
-        """One PC census; returns how many quarantined chunks became reusable."""
+        """One census of PCs and stacks for the quarantined code; returns how many
+        chunks became reusable."""
         if not self.space.quarantine:
             return 0
-        return self.space.census_done(self.conn.census(census_timeout_ms))
+        ranges = self.space.census_ranges()
+        return self.space.census_done(self.conn.census(census_timeout_ms, ranges=ranges))
+
+    def retained(self) -> dict[int, dict[str, Any]]:
+        """Removed regions whose code is still kept (quarantined), by region id: what
+        holds it (CodeSpace.retained).  Safe from any thread."""
+        out = {}
+        for rid, reg in list(self.regions.items()):
+            if reg.state in (InstallState.REMOVED, InstallState.FAILED):
+                r = self.space.retained(reg.chunk)
+                if r is not None:
+                    out[rid] = r
+        return out
 
     # ---- attribution -------------------------------------------------------
     def attribute(self, pc: int) -> tuple[int, InstalledRegion | None]:

@@ -2,8 +2,8 @@
 
 Every struct of the header appears here as a ``ctypes.LittleEndianStructure`` with
 the same field names, in the same order.  Variable-length messages (PATCH,
-UNPATCH, PATCH_RESULT, PC_CENSUS, TRANSFER, EVICT) are their fixed part followed by ``n`` array
-entries; :func:`pack_array_msg` and :func:`unpack_array_msg` handle them.
+UNPATCH, PATCH_RESULT, PC_CENSUS_REQ, PC_CENSUS, TRANSFER, EVICT) are their fixed part
+followed by ``n`` array entries; :func:`pack_array_msg` and :func:`unpack` handle them.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from dbr_service.errors import ProtocolError
 __all__ = ["ProtocolError"]
 
 PROTO_MAGIC = 0x31524244
-PROTO_VERSION = 1
+PROTO_VERSION = 2
 
 MSG_MAX = 65536
 MAX_SITES = 512
 MAX_CENSUS = 1024
+MAX_CENSUS_RANGES = 64
 MAX_EXITS = 32
 MAX_TRANSFER = 2048
 EXE_MAX = 256
@@ -122,6 +123,11 @@ CENSUS_OK = 0
 CENSUS_NO_REPLY = 1
 CENSUS_AGENT = 2
 CENSUS_GONE = 3
+CENSUS_UNKNOWN = 4
+CENSUS_F_ALTSTACK = 0x1
+CENSUS_F_CAPPED = 0x2
+CENSUS_F_NOSTACK = 0x4
+CENSUS_F_REG = 0x8
 CENSUS_MORE = 0x1
 
 RING_MAGIC = 0x474E5252
@@ -221,15 +227,18 @@ class PatchResult(_S):
 
 
 class CensusReq(_S):
-    _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("timeout_ms", u32)]
+    _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("timeout_ms", u32), ("n", u32),
+                ("flags", u32)]
 
 
 class CensusEntry(_S):
-    _fields_ = [("tid", u32), ("state", u32), ("pc", u64)]
+    _fields_ = [("tid", u32), ("state", u32), ("pc", u64), ("first_ref", u64), ("refs", u32),
+                ("flags", u32)]
 
 
 class Census(_S):
-    _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("n", u32), ("flags", u32), ("n_total", u32)]
+    _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("n", u32), ("flags", u32), ("n_total", u32),
+                ("result", i32), ("n_ranges", u32), ("range_refs", u32 * MAX_CENSUS_RANGES)]
 
 
 class TransferPoint(_S):
@@ -299,6 +308,7 @@ C_STRUCTS: dict[str, type[_S]] = {
 C_CONSTANTS: dict[str, int] = {
     "DBR_PROTO_MAGIC": PROTO_MAGIC, "DBR_PROTO_VERSION": PROTO_VERSION,
     "DBR_MSG_MAX": MSG_MAX, "DBR_MAX_SITES": MAX_SITES, "DBR_MAX_CENSUS": MAX_CENSUS,
+    "DBR_MAX_CENSUS_RANGES": MAX_CENSUS_RANGES,
     "DBR_MAX_EXITS": MAX_EXITS, "DBR_MAX_TRANSFER": MAX_TRANSFER, "DBR_EXE_MAX": EXE_MAX,
     "DBR_BUILD_ID_MAX": BUILD_ID_MAX,
     "DBR_ERRMSG_MAX": ERRMSG_MAX, "DBR_PATCH_LEN": PATCH_LEN, "DBR_MSG_TYPE_MAX": MSG_TYPE_MAX,
@@ -311,6 +321,9 @@ C_CONSTANTS: dict[str, int] = {
     "DBR_DISCONNECT_REVERT": DISCONNECT_REVERT, "DBR_BYE_REVERT": BYE_REVERT,
     "DBR_CENSUS_OK": CENSUS_OK, "DBR_CENSUS_NO_REPLY": CENSUS_NO_REPLY,
     "DBR_CENSUS_AGENT": CENSUS_AGENT, "DBR_CENSUS_GONE": CENSUS_GONE,
+    "DBR_CENSUS_UNKNOWN": CENSUS_UNKNOWN, "DBR_CENSUS_F_ALTSTACK": CENSUS_F_ALTSTACK,
+    "DBR_CENSUS_F_CAPPED": CENSUS_F_CAPPED, "DBR_CENSUS_F_NOSTACK": CENSUS_F_NOSTACK,
+    "DBR_CENSUS_F_REG": CENSUS_F_REG,
     "DBR_CENSUS_MORE": CENSUS_MORE, "DBR_RING_MAGIC": RING_MAGIC,
     "DBR_QUIET_DEFAULT_MS": paths.QUIET_DEFAULT_MS, "DBR_QUIET_MAX_MS": paths.QUIET_MAX_MS,
     **{f"DBR_MSG_{m.name}": m.value for m in MsgType},
@@ -338,13 +351,15 @@ MSG_CLASS: dict[MsgType, type[_S]] = {
 MSG_ARRAY: dict[MsgType, type[_S]] = {
     MsgType.PATCH: PatchSite, MsgType.UNPATCH: PatchSite,
     MsgType.PATCH_RESULT: SiteResult, MsgType.PC_CENSUS: CensusEntry,
-    MsgType.TRANSFER: TransferPoint, MsgType.EVICT: TransferPoint,
+    MsgType.PC_CENSUS_REQ: Range, MsgType.TRANSFER: TransferPoint,
+    MsgType.EVICT: TransferPoint,
 }
 
 # Most array entries a message of each variable-length type may carry.
 MSG_ARRAY_MAX: dict[MsgType, int] = {
     MsgType.PATCH: MAX_SITES, MsgType.UNPATCH: MAX_SITES, MsgType.PATCH_RESULT: MAX_SITES,
-    MsgType.PC_CENSUS: MAX_CENSUS, MsgType.TRANSFER: MAX_TRANSFER,
+    MsgType.PC_CENSUS: MAX_CENSUS, MsgType.PC_CENSUS_REQ: MAX_CENSUS_RANGES,
+    MsgType.TRANSFER: MAX_TRANSFER,
     MsgType.EVICT: MAX_TRANSFER,
 }
 

@@ -28,11 +28,13 @@
 #include <stdint.h>
 
 #define DBR_PROTO_MAGIC   0x31524244u /* "DBR1" as little-endian bytes */
-#define DBR_PROTO_VERSION 1u
+#define DBR_PROTO_VERSION 2u /* 2: PC_CENSUS_REQ carries ranges; census entries report
+                              * stack words found in them */
 
 #define DBR_MSG_MAX        65536u /* largest datagram either side accepts */
 #define DBR_MAX_SITES      512u   /* sites in one PATCH/UNPATCH batch */
 #define DBR_MAX_CENSUS     1024u  /* thread entries in one PC_CENSUS message */
+#define DBR_MAX_CENSUS_RANGES 64u /* address ranges one PC_CENSUS_REQ asks about */
 #define DBR_MAX_EXITS      32u    /* exit ranges in one REGION message */
 #define DBR_MAX_TRANSFER   2048u  /* points in one TRANSFER message */
 #define DBR_EXE_MAX        256u   /* bytes of exe path in HELLO (NUL padded) */
@@ -56,7 +58,8 @@ enum dbr_msg_type {
     DBR_MSG_PATCH            = 12, /* S: batch of sites to patch */
     DBR_MSG_UNPATCH          = 13, /* S: batch of sites to restore */
     DBR_MSG_PATCH_RESULT     = 14, /* A: one result per site of a PATCH/UNPATCH */
-    DBR_MSG_PC_CENSUS_REQ    = 15, /* S: collect every thread's PC */
+    DBR_MSG_PC_CENSUS_REQ    = 15, /* S: collect every thread's PC and its stack words
+                                    * inside listed ranges */
     DBR_MSG_PC_CENSUS        = 16, /* A: census entries (may span several messages) */
     DBR_MSG_SAMPLER_START    = 17, /* S: start the agent-timer sampler */
     DBR_MSG_SAMPLER_RING     = 18, /* A: the sampler ring (fd in SCM_RIGHTS) or failure */
@@ -154,10 +157,21 @@ enum dbr_map_kind {
 #define DBR_QUIET_PROGRAM    DBR_QUIET_FILE ".%lx-%lx-%llx"
 
 /* PC_CENSUS entry.state */
-#define DBR_CENSUS_OK       0u /* pc is the thread's interrupted user PC */
+#define DBR_CENSUS_OK       0u /* pc is the thread's interrupted user PC; its registers and
+                                * its whole stack were scanned (refs, first_ref) */
 #define DBR_CENSUS_NO_REPLY 1u /* thread did not answer within the bound: assume anywhere */
 #define DBR_CENSUS_AGENT    2u /* the agent's own thread (never in replacement code) */
 #define DBR_CENSUS_GONE     3u /* thread exited during the census */
+#define DBR_CENSUS_UNKNOWN  4u /* pc is valid, but its stack was not scanned whole (entry
+                                * flags say why): assume it holds every range */
+
+/* PC_CENSUS entry.flags: why a stack scan is incomplete, and what was found where */
+#define DBR_CENSUS_F_ALTSTACK 0x1u /* interrupted on its sigaltstack: that scanned, the
+                                    * thread's normal stack not (UNKNOWN) */
+#define DBR_CENSUS_F_CAPPED   0x2u /* stack longer than the scan cap (UNKNOWN) */
+#define DBR_CENSUS_F_NOSTACK  0x4u /* stack pointer in no private writable anonymous
+                                    * mapping, even after maps was read again (UNKNOWN) */
+#define DBR_CENSUS_F_REG      0x8u /* an interrupted register holds a word in a range */
 
 /* PC_CENSUS.flags */
 #define DBR_CENSUS_MORE 0x1u /* more messages of this census follow */
@@ -300,24 +314,49 @@ struct dbr_patch_result {
     struct dbr_site_result results[]; /* n entries, in request order */
 };
 
+/*
+ * PC census.  Every thread but the agent's is signalled; its handler reports the
+ * interrupted PC and, when the request lists ranges, scans the interrupted general
+ * registers and the thread's stack, every aligned 8-byte word from the interrupted
+ * stack pointer to the end of its mapping (at most 8 MiB), for values inside any
+ * range.  The service lists the code space it wants to reuse: a return address
+ * into it (a real `call` made from replacement code) or a pointer to it holds it.
+ * Ranges: at most DBR_MAX_CENSUS_RANGES, each lo < hi, ascending and disjoint
+ * (ranges[i].hi <= ranges[i+1].lo); else the reply says DBR_E_INVAL and lists no
+ * thread.  n = 0: PCs only (refs 0, nothing scanned).
+ */
 struct dbr_census_req {
     struct dbr_msg_hdr hdr;
     uint32_t req_id;
     uint32_t timeout_ms;  /* bound on waiting for threads to answer */
+    uint32_t n;           /* ranges that follow */
+    uint32_t flags;       /* reserved, 0 */
+    struct dbr_range ranges[]; /* n entries, ascending and disjoint */
 };
 
 struct dbr_census_entry {
     uint32_t tid;
-    uint32_t state;   /* DBR_CENSUS_* */
+    uint32_t state;     /* DBR_CENSUS_* */
     uint64_t pc;
+    uint64_t first_ref; /* the first word found in a range (lowest address scanned:
+                         * registers first, then the stack upwards), 0 if none */
+    uint32_t refs;      /* words found in any range (registers and stack, saturating) */
+    uint32_t flags;     /* DBR_CENSUS_F_* */
 };
 
+/* A census answers in ceil(threads / DBR_MAX_CENSUS) messages (one if none, or on
+ * failure); every message carries the same result and totals. */
 struct dbr_census {
     struct dbr_msg_hdr hdr;
     uint32_t req_id;
     uint32_t n;          /* entries in this message */
     uint32_t flags;      /* DBR_CENSUS_MORE */
     uint32_t n_total;    /* threads in the whole census */
+    int32_t  result;     /* DBR_OK, DBR_E_INVAL (bad ranges), DBR_E_NOMEM: on failure
+                          * n_total is 0 and nothing is known */
+    uint32_t n_ranges;   /* ranges of the request */
+    uint32_t range_refs[DBR_MAX_CENSUS_RANGES]; /* words found in each range, over every
+                          * thread of the census (saturating) */
     struct dbr_census_entry entries[]; /* n entries */
 };
 

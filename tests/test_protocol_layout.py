@@ -71,10 +71,40 @@ def test_roundtrip_array_message():
     assert [s.site for s in msg.items] == [0x401000, 0x401008, 0x401010]
 
 
+def test_census_request_carries_ranges_and_entries_report_stack_words():
+    """PC_CENSUS_REQ is an array message of ranges (at most MAX_CENSUS_RANGES); a census
+    entry reports the words found in them, and a message of MAX_CENSUS entries with its
+    per-range totals fits in a datagram."""
+    ranges = [protocol.Range(lo=0x7F0000000000 + 0x1000 * k, hi=0x7F0000000800 + 0x1000 * k)
+              for k in range(protocol.MAX_CENSUS_RANGES)]
+    raw = protocol.pack_array_msg(protocol.CensusReq(req_id=3, timeout_ms=100),
+                                  protocol.MsgType.PC_CENSUS_REQ, ranges, seq=1)
+    assert len(raw) == 32 + 16 * protocol.MAX_CENSUS_RANGES
+    msg = protocol.unpack(raw)
+    assert msg.body.n == protocol.MAX_CENSUS_RANGES and msg.body.timeout_ms == 100
+    assert [(r.lo, r.hi) for r in msg.items] == [(r.lo, r.hi) for r in ranges]
+    too_many = protocol.pack_array_msg(protocol.CensusReq(req_id=3), protocol.MsgType.PC_CENSUS_REQ,
+                                       ranges + ranges[:1], seq=2)
+    with pytest.raises(protocol.ProtocolError):
+        protocol.unpack(too_many)
+    assert ctypes.sizeof(protocol.CensusEntry) == 32
+    body = protocol.Census(req_id=3, n_total=protocol.MAX_CENSUS, n_ranges=2)
+    body.range_refs[1] = 5
+    entries = [protocol.CensusEntry(tid=k + 1, state=protocol.CENSUS_OK, pc=0x401000,
+                                    first_ref=0x7F0000001010, refs=1)
+               for k in range(protocol.MAX_CENSUS)]
+    raw = protocol.pack_array_msg(body, protocol.MsgType.PC_CENSUS, entries, seq=4)
+    assert len(raw) <= protocol.MSG_MAX
+    msg = protocol.unpack(raw)
+    assert msg.body.range_refs[1] == 5 and msg.items[-1].first_ref == 0x7F0000001010
+
+
 @pytest.mark.parametrize("mutate, why", [
     (lambda b: b[:10], "truncated"),
     (lambda b: b"\0\0\0\0" + b[4:], "magic"),
-    (lambda b: b[:4] + b"\x02\x00" + b[6:], "version"),
+    (lambda b: b[:4] + (protocol.PROTO_VERSION + 1).to_bytes(2, "little") + b[6:], "version"),
+    (lambda b: b[:4] + (protocol.PROTO_VERSION - 1).to_bytes(2, "little") + b[6:],
+     "older version"),
     (lambda b: b[:6] + b"\x63\x00" + b[8:], "type"),
     (lambda b: b + b"\0" * 8, "length"),
 ])
