@@ -323,7 +323,8 @@ def plots(data: dict, outdir: Path) -> list[Path]:
         ax.set_ylabel("time / native (median, min–max over pairs)")
         ax.set_title("long-running programs: dbr, BOLT and PGO against native (lower is faster)")
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
         fig.tight_layout()
         p = outdir / "long-ratios.png"
         fig.savefig(p, dpi=110)
