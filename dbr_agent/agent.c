@@ -1142,17 +1142,7 @@ static void wait_until(uint64_t until)
  * FIFO put there must not hold the program; O_NOFOLLOW: nor a link. */
 static ssize_t read_small_at(int dfd, const char *name, char *buf, size_t cap)
 {
-    ssize_t n;
-    int fd = openat(dfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-
-    if (fd < 0)
-        return -1;
-    n = read(fd, buf, cap - 1);
-    close(fd);
-    if (n < 0)
-        n = 0;
-    buf[n] = 0;
-    return n;
+    return dbr_read_small_at(dfd, name, O_NOFOLLOW | O_NONBLOCK, buf, cap);
 }
 
 /* A later birth for this program (DBR_QUIET_PROGRAM beside DBR_QUIET_FILE): a

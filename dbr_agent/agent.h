@@ -74,6 +74,7 @@ extern struct dbr_config g_cfg;
 void dbr_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int  dbr_parse_ms(const char *s, unsigned max, unsigned *out);
 ssize_t dbr_read_small(const char *path, int flags, char *buf, size_t cap);
+ssize_t dbr_read_small_at(int dfd, const char *path, int flags, char *buf, size_t cap);
 pid_t dbr_gettid(void);
 uint64_t dbr_now_ms(void);
 void dbr_sleep_ms(unsigned ms);

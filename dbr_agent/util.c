@@ -87,12 +87,13 @@ static int env_signal(const char *name, int def)
 }
 
 /* A small file (one read of at most cap - 1 bytes) into buf, NUL-terminated:
- * the bytes read (0 when the read fails), or -1 if it cannot be opened.  flags
- * are added to O_RDONLY | O_CLOEXEC. */
-ssize_t dbr_read_small(const char *path, int flags, char *buf, size_t cap)
+ * the bytes read (0 when the read fails), or -1 if it cannot be opened.  path is
+ * relative to dfd (AT_FDCWD: as open() takes it); flags are added to
+ * O_RDONLY | O_CLOEXEC. */
+ssize_t dbr_read_small_at(int dfd, const char *path, int flags, char *buf, size_t cap)
 {
     ssize_t n;
-    int fd = open(path, O_RDONLY | O_CLOEXEC | flags);
+    int fd = openat(dfd, path, O_RDONLY | O_CLOEXEC | flags);
 
     if (fd < 0)
         return -1;
@@ -102,6 +103,11 @@ ssize_t dbr_read_small(const char *path, int flags, char *buf, size_t cap)
         n = 0;
     buf[n] = 0;
     return n;
+}
+
+ssize_t dbr_read_small(const char *path, int flags, char *buf, size_t cap)
+{
+    return dbr_read_small_at(AT_FDCWD, path, flags, buf, cap);
 }
 
 /* The value of field `key` ("\nName:") of a /proc status file, read into buf:

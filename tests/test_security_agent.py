@@ -219,9 +219,8 @@ def test_mallory_world_writable_dir_and_listener_get_no_hello(dirs):
     assert d in why[0] and "owned by uid 65534" in why[0], why
 
 
-def test_listener_that_dropped_to_nobody_before_listen_is_refused(dirs):
-    """b: a root 0755 dir, agent.sock bound by root, listen() called as uid 65534:
-    the dir passes, SO_PEERCRED (the creds at listen()) must refuse the peer."""
+def _dropped_listener(dirs) -> tuple[str, Listener]:
+    """A root 0755 dir whose agent.sock root bound, listening as uid 65534."""
     _can_drop()
     d = dirs(0, 0o755)
     path = os.path.join(d, "agent.sock")
@@ -233,6 +232,13 @@ def test_listener_that_dropped_to_nobody_before_listen_is_refused(dirs):
     finally:
         s.close()       # the listener holds its own copy
     assert listener.uid == MALLORY
+    return d, listener
+
+
+def test_listener_that_dropped_to_nobody_before_listen_is_refused(dirs):
+    """b: a root 0755 dir, agent.sock bound by root, listen() called as uid 65534:
+    the dir passes, SO_PEERCRED (the creds at listen()) must refuse the peer."""
+    d, listener = _dropped_listener(dirs)
     got, err = _served(d, listener)
     assert not _datagrams(got), (got, err)
     why = _refusals(err)
@@ -242,16 +248,7 @@ def test_listener_that_dropped_to_nobody_before_listen_is_refused(dirs):
 def test_a_service_uid_the_owner_names_is_trusted(dirs):
     """The same listener, with DBR_SERVICE_UID=65534 in the client's environment (a
     service run as a dedicated user): it is the owner's choice, so it gets the HELLO."""
-    _can_drop()
-    d = dirs(0, 0o755)
-    path = os.path.join(d, "agent.sock")
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        s.bind(path)
-        os.chmod(path, 0o666)
-        listener = Listener(path, uid=MALLORY, fd=s.fileno())
-    finally:
-        s.close()
+    d, listener = _dropped_listener(dirs)
     got, err = _served(d, listener, {"DBR_SERVICE_UID": str(MALLORY)})
     assert _hellos(got), (got, err)
     assert not _refusals(err), err

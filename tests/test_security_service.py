@@ -312,6 +312,29 @@ def test_the_host_service_raises_its_descriptor_limit():
 
 
 
+def _ready(svc: subprocess.Popen, d: Path):
+    """A control client of the service ``svc`` started on ``d``, once it answers."""
+    from dbr_service.ctlclient import ControlClient
+
+    ctl = ControlClient(str(d), timeout=2.0)
+    deadline = time.monotonic() + 15
+    while not ctl.answers(timeout=0.5):
+        assert svc.poll() is None, svc.stdout.read() if svc.stdout else "service exited"
+        assert time.monotonic() < deadline, "service not ready"
+        time.sleep(0.1)
+    return ctl
+
+
+def _stop(svc: subprocess.Popen) -> None:
+    if svc.poll() is None:
+        svc.terminate()
+        try:
+            svc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+    kill(svc)
+
+
 # ----------------------------------------------------------------------------- capabilities
 #: What the service needs besides a uid (docs/security.md): perf events on other users'
 #: threads, /proc/PID/mem and maps of other users' processes, perf rings beyond
@@ -360,12 +383,7 @@ def test_the_service_serves_another_users_program_with_only_its_capabilities(bas
                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = None
     try:
-        from dbr_service.ctlclient import ControlClient
-        ctl = ControlClient(str(d), timeout=2.0)
-        deadline = time.monotonic() + 15
-        while not ctl.answers(timeout=0.5):
-            assert svc.poll() is None and time.monotonic() < deadline, "service not ready"
-            time.sleep(0.1)
+        ctl = _ready(svc, d)
         with open(f"/proc/{svc.pid}/status") as f:
             eff = next(int(x.split()[1], 16) for x in f if x.startswith("CapEff"))
         assert eff == (1 << 2) | (1 << 14) | (1 << 19) | (1 << 38)   # only those four
@@ -384,13 +402,7 @@ def test_the_service_serves_another_users_program_with_only_its_capabilities(bas
             rows
     finally:
         kill(client)
-        if svc.poll() is None:
-            svc.terminate()
-            try:
-                svc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-        kill(svc)
+        _stop(svc)
 
 
 # ----------------------------------------------------------------------------- the unit
@@ -441,23 +453,11 @@ def test_the_unit_is_hardened_and_its_command_starts_with_no_config_file(base):
                             "dbr_service.cli", *exec_start[1:]],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        from dbr_service.ctlclient import ControlClient
-        ctl = ControlClient(str(d), timeout=2.0)
-        deadline = time.monotonic() + 15
-        while not ctl.answers(timeout=0.5):
-            assert svc.poll() is None, svc.stdout.read()
-            assert time.monotonic() < deadline, "service not ready"
-            time.sleep(0.1)
+        ctl = _ready(svc, d)
         st = ctl.result("status")
         assert st["config_file"] is None and stat.S_IMODE(os.stat(d).st_mode) == 0o755
     finally:
-        if svc.poll() is None:
-            svc.terminate()
-            try:
-                svc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-        kill(svc)
+        _stop(svc)
 
 
 def test_dbr_ctl_and_dbr_run_do_not_take_another_users_dir_for_a_service(base):
