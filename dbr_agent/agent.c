@@ -334,6 +334,8 @@ static uint32_t fixed_size(uint32_t type)
     case DBR_MSG_BYE:              return sizeof(struct dbr_bye);
     case DBR_MSG_ERROR:            return sizeof(struct dbr_error);
     case DBR_MSG_NOTICES:          return sizeof(struct dbr_notices);
+    case DBR_MSG_FRAMES_ADD:
+    case DBR_MSG_FRAMES_DEL:       return sizeof(struct dbr_frames);
     default:                       return 0; /* not a service->agent type */
     }
 }
@@ -536,6 +538,18 @@ static int handle(size_t n)
 
         pthread_mutex_lock(&g_agent_mu);
         res = dbr_region_forget(r->region_id);
+        pthread_mutex_unlock(&g_agent_mu);
+        rc = send_ack(r->req_id, res);
+        break;
+    }
+    case DBR_MSG_FRAMES_ADD:
+    case DBR_MSG_FRAMES_DEL: {
+        const struct dbr_frames *r = (const void *)g_rx;
+        int res;
+
+        pthread_mutex_lock(&g_agent_mu);
+        res = h->type == DBR_MSG_FRAMES_ADD ? dbr_frames_add(r->region_id, r->addr, r->len)
+                                            : dbr_frames_del(r->region_id, r->addr);
         pthread_mutex_unlock(&g_agent_mu);
         rc = send_ack(r->req_id, res);
         break;
@@ -814,7 +828,8 @@ static int send_hello(void)
     m.flags = (g_sync_avail ? DBR_HELLO_SYNC_CORE : 0) | (g_forked ? DBR_HELLO_FORKED : 0) |
               (g_forked && dbr_any_installed() ? DBR_HELLO_INHERITED : 0) |
               (dbr_thread_hidden() ? DBR_HELLO_HIDDEN_THREAD : 0) | DBR_HELLO_QUIET_THREADS |
-              DBR_HELLO_SAMPLER_LISTED | DBR_HELLO_EVICT;
+              DBR_HELLO_SAMPLER_LISTED | DBR_HELLO_EVICT |
+              DBR_HELLO_FRAMES;
     m.agent_version = DBR_AGENT_VERSION;
     m.n_threads = (uint32_t)dbr_count_threads();
     m.page_size = (uint32_t)dbr_page_size();

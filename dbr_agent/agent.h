@@ -28,6 +28,8 @@
  *    others), the process ends: glibc ends it, since it never counted the
  *    agent's hidden thread (thread.c); with the pthread fallback the agent
  *    thread calls exit(0), as glibc would have.
+ *  - FRAMES_ADD/FRAMES_DEL: unwind information for code in a buffer; unwinders find it
+ *    through the agent's _Unwind_Find_FDE (frames.c says why not __register_frame).
  *  - MAP_CHANGED (DLCLOSE/MUNMAP/MPROTECT) carries a fresh non-zero req_id;
  *    the service answers ACK {req_id, DBR_OK} once done.  Before the call
  *    proceeds the agent restores any site still installed in the range or
@@ -213,6 +215,11 @@ int dbr_region_forget(uint32_t id);
 int dbr_region_exits_intersect(uint64_t lo, uint64_t hi);
 int dbr_region_code(uint32_t id, uint64_t *lo, uint64_t *hi); /* DBR_OK or DBR_E_UNKNOWN */
 void dbr_regions_clear(void);
+
+/* ---- frames.c (g_agent_mu held) ---- */
+int dbr_frames_add(uint32_t region_id, uint64_t addr, uint64_t len);
+int dbr_frames_del(uint32_t region_id, uint64_t addr);
+void dbr_frames_forget_range(uint64_t lo, uint64_t hi);  /* blobs or code in [lo,hi) */
 
 /* ---- census.c ---- */
 void dbr_census_init(void);

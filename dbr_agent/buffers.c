@@ -198,6 +198,7 @@ int dbr_buffer_free(uint32_t id)
             continue;
         if (dbr_sites_target_buffer(id))
             return DBR_E_IN_USE;
+        dbr_frames_forget_range(g_buffers[i].base, g_buffers[i].base + g_buffers[i].size);
         dbr_sys_munmap((void *)g_buffers[i].base, g_buffers[i].size);
         g_buffers[i].id = 0;
         __atomic_sub_fetch(&g_n_buffers, 1, __ATOMIC_RELEASE);
@@ -242,6 +243,7 @@ void dbr_buffers_forget(uint64_t lo, uint64_t hi)
         struct dbr_buffer *b = &g_buffers[i];
         if (b->id && b->base < hi && lo < b->base + b->size) {
             dbr_log("code buffer %u unmapped by the program", b->id);
+            dbr_frames_forget_range(b->base, b->base + b->size);
             b->id = 0;
             __atomic_sub_fetch(&g_n_buffers, 1, __ATOMIC_RELEASE);
         }

@@ -32,6 +32,8 @@ _REPLY_OF: dict[P.MsgType, tuple[P.MsgType, str]] = {
     P.MsgType.CODE_BUFFER_FREE: (P.MsgType.ACK, "req_id"),
     P.MsgType.REGION: (P.MsgType.ACK, "req_id"),
     P.MsgType.REGION_FORGET: (P.MsgType.ACK, "req_id"),
+    P.MsgType.FRAMES_ADD: (P.MsgType.ACK, "req_id"),
+    P.MsgType.FRAMES_DEL: (P.MsgType.ACK, "req_id"),
     P.MsgType.PATCH: (P.MsgType.PATCH_RESULT, "batch_id"),
     P.MsgType.UNPATCH: (P.MsgType.PATCH_RESULT, "batch_id"),
     P.MsgType.PC_CENSUS_REQ: (P.MsgType.PC_CENSUS, "req_id"),
@@ -356,6 +358,14 @@ class AgentConnection:
     def region_forget(self, region_id: int, timeout: float = 2.0) -> int:
         return self.request(P.MsgType.REGION_FORGET,
                             P.RegionForget(req_id=self.next_id(), region_id=region_id),
+                            timeout=timeout).msg.body.result
+
+    def frames(self, add: bool, region_id: int, addr: int, length: int,
+               timeout: float = 2.0) -> int:
+        """FRAMES_ADD (``add``) or FRAMES_DEL of the .eh_frame records [addr, addr+length)
+        in a code buffer; the agent's result."""
+        body = P.Frames(req_id=self.next_id(), region_id=region_id, addr=addr, len=length)
+        return self.request(P.MsgType.FRAMES_ADD if add else P.MsgType.FRAMES_DEL, body,
                             timeout=timeout).msg.body.result
 
     def _batch(self, msg_type: P.MsgType, sites: list[P.PatchSite], timeout: float) -> list[int]:

@@ -19,7 +19,7 @@ from dbr_service.errors import ProtocolError
 __all__ = ["ProtocolError"]
 
 PROTO_MAGIC = 0x31524244
-PROTO_VERSION = 2
+PROTO_VERSION = 3
 
 MSG_MAX = 65536
 MAX_SITES = 512
@@ -60,9 +60,11 @@ class MsgType(enum.IntEnum):
     NOTICES = 24
     SAMPLER_THREAD = 25
     EVICT = 26
+    FRAMES_ADD = 27
+    FRAMES_DEL = 28
 
 
-MSG_TYPE_MAX = 26
+MSG_TYPE_MAX = 28
 
 
 class Result(enum.IntEnum):
@@ -109,6 +111,7 @@ HELLO_HIDDEN_THREAD = 0x8
 HELLO_QUIET_THREADS = 0x10
 HELLO_SAMPLER_LISTED = 0x20
 HELLO_EVICT = 0x40
+HELLO_FRAMES = 0x80
 
 SAMPLER_LISTED = 0x1
 
@@ -255,6 +258,11 @@ class TransferResult(_S):
                 ("moved", u32), ("no_reply", u32), ("left", u32)]
 
 
+class Frames(_S):
+    _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("region_id", u32), ("addr", u64),
+                ("len", u64)]
+
+
 class SamplerStart(_S):
     _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("period_us", u32), ("ring_entries", u32),
                 ("flags", u32)]
@@ -300,7 +308,7 @@ C_STRUCTS: dict[str, type[_S]] = {
     "dbr_transfer_point": TransferPoint, "dbr_transfer": Transfer,
     "dbr_transfer_result": TransferResult, "dbr_notices": Notices,
     "dbr_sampler_start": SamplerStart, "dbr_sampler_ring": SamplerRing,
-    "dbr_sampler_thread": SamplerThread, "dbr_bye": Bye, "dbr_error": Error, "dbr_ring_header": RingHeader,
+    "dbr_sampler_thread": SamplerThread, "dbr_frames": Frames, "dbr_bye": Bye, "dbr_error": Error, "dbr_ring_header": RingHeader,
     "dbr_ring_entry": RingEntry,
 }
 
@@ -316,7 +324,7 @@ C_CONSTANTS: dict[str, int] = {
     "DBR_HELLO_INHERITED": HELLO_INHERITED, "DBR_HELLO_HIDDEN_THREAD": HELLO_HIDDEN_THREAD,
     "DBR_HELLO_QUIET_THREADS": HELLO_QUIET_THREADS, "DBR_NOTICE_THREADS": NOTICE_THREADS,
     "DBR_HELLO_SAMPLER_LISTED": HELLO_SAMPLER_LISTED, "DBR_SAMPLER_LISTED": SAMPLER_LISTED,
-    "DBR_HELLO_EVICT": HELLO_EVICT,
+    "DBR_HELLO_EVICT": HELLO_EVICT, "DBR_HELLO_FRAMES": HELLO_FRAMES,
     "DBR_DISCONNECT_KEEP": DISCONNECT_KEEP,
     "DBR_DISCONNECT_REVERT": DISCONNECT_REVERT, "DBR_BYE_REVERT": BYE_REVERT,
     "DBR_CENSUS_OK": CENSUS_OK, "DBR_CENSUS_NO_REPLY": CENSUS_NO_REPLY,
@@ -345,6 +353,7 @@ MSG_CLASS: dict[MsgType, type[_S]] = {
     MsgType.SAMPLER_STOP: Ack, MsgType.BYE: Bye, MsgType.ERROR: Error,
     MsgType.TRANSFER: Transfer, MsgType.TRANSFER_RESULT: TransferResult, MsgType.EVICT: Transfer,
     MsgType.NOTICES: Notices, MsgType.SAMPLER_THREAD: SamplerThread,
+    MsgType.FRAMES_ADD: Frames, MsgType.FRAMES_DEL: Frames,
 }
 
 # Array element class of the variable-length messages.

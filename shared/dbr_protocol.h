@@ -28,8 +28,8 @@
 #include <stdint.h>
 
 #define DBR_PROTO_MAGIC   0x31524244u /* "DBR1" as little-endian bytes */
-#define DBR_PROTO_VERSION 2u /* 2: PC_CENSUS_REQ carries ranges; census entries report
-                              * stack words found in them */
+#define DBR_PROTO_VERSION 3u /* 2: PC_CENSUS_REQ carries ranges; census entries report
+                              * stack words found in them; 3: FRAMES_ADD, FRAMES_DEL */
 
 #define DBR_MSG_MAX        65536u /* largest datagram either side accepts */
 #define DBR_MAX_SITES      512u   /* sites in one PATCH/UNPATCH batch */
@@ -75,7 +75,10 @@ enum dbr_msg_type {
     DBR_MSG_EVICT            = 26, /* S: move threads stopped at listed replacement PCs of a
                                     * region back to original code (agents with
                                     * DBR_HELLO_EVICT); reply TRANSFER_RESULT */
-    DBR_MSG_TYPE_MAX         = 26
+    DBR_MSG_FRAMES_ADD       = 27, /* S: unwind information (.eh_frame records) for code in a
+                                    * buffer; reply ACK (agents with DBR_HELLO_FRAMES) */
+    DBR_MSG_FRAMES_DEL       = 28, /* S: withdraw it; reply ACK */
+    DBR_MSG_TYPE_MAX         = 28
 };
 
 /* Result codes: 0 is success, errors are negative. */
@@ -119,6 +122,7 @@ enum dbr_variant {
 #define DBR_HELLO_SAMPLER_LISTED 0x20u /* SAMPLER_START takes DBR_SAMPLER_LISTED and
                                         * DBR_MSG_SAMPLER_THREAD names the threads */
 #define DBR_HELLO_EVICT      0x40u /* DBR_MSG_EVICT understood */
+#define DBR_HELLO_FRAMES     0x80u /* DBR_MSG_FRAMES_ADD/DEL understood */
 
 /* SAMPLER_START.flags */
 #define DBR_SAMPLER_LISTED   0x1u /* no thread gets a timer until SAMPLER_THREAD names it
@@ -407,6 +411,34 @@ struct dbr_transfer_result {
     uint32_t no_reply;   /* threads that did not answer within the bound */
     uint32_t left;       /* EVICT: threads that answered inside the region's code but at
                           * no point, so still there (TRANSFER: 0) */
+};
+
+/*
+ * FRAMES_ADD: [addr, addr + len) lies inside one of the agent's code buffers and holds
+ * .eh_frame records (CIEs and FDEs, LSB "Exception Frames") ending with a zero
+ * terminator in its last 4 bytes; what they point to (LSDAs, personality slots) is
+ * the service's business.  From the reply on, unwinders that look frames up through
+ * _Unwind_Find_FDE (libgcc_s: C++ exceptions, backtrace(), _Unwind_Backtrace,
+ * pthread_cancel) find every FDE of the blob for PCs in its range.  The agent checks,
+ * first failure wins: region_id announced by REGION (UNKNOWN); addr 8-aligned (ALIGN);
+ * the records inside one code buffer (TARGET); records well formed: 32-bit lengths,
+ * CIE version 1 or 3 with a "z" augmentation of P, L, R, S only, each FDE's CIE earlier
+ * in the blob, FDE pointers absolute or pc-relative, at least one FDE (INVAL); every
+ * FDE's code range inside one code buffer (TARGET); no FDE overlapping another of
+ * the blob or one registered before, and the blob not registered already (BUSY); room
+ * in the agent's table (LIMIT).
+ * FRAMES_DEL: the blob registered at addr (same region_id) is withdrawn; UNKNOWN if none.
+ * CODE_BUFFER_FREE (or the program unmapping a buffer) withdraws those inside the
+ * buffer.  REGION_FORGET does not: the service forgets a region when it unpatches it,
+ * and threads may return into its code until the censuses free it.  A fork child keeps
+ * them.
+ */
+struct dbr_frames {
+    struct dbr_msg_hdr hdr;
+    uint32_t req_id;
+    uint32_t region_id;
+    uint64_t addr;       /* first record */
+    uint64_t len;        /* bytes of records, the terminator included */
 };
 
 struct dbr_sampler_start {

@@ -1,0 +1,147 @@
+"""FRAMES_ADD / FRAMES_DEL: unwinders go through replacement code (shared/dbr_protocol.h).
+
+``frames`` (tests/agent_progs/frames.cpp) has caller() -> copyme() -> thrower(), which
+backtraces and throws an int that caller catches.  The test copies copyme into a code
+buffer (codegen/cfi.translate makes the copy's .eh_frame blob, written after the code),
+patches copyme's entry with a jump to the copy and names the blob with FRAMES_ADD: the
+throw passes through the copy's frame, and the backtrace goes on past it to caller.
+Withdrawn (FRAMES_DEL), the same throw finds no frame for the copy and the C++ runtime
+aborts: each throw is run in a fork child, which keeps the parent's
+registrations as the test shows first.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from dbr_service import protocol as P
+from dbr_service.codegen.cfi import load_eh_frame, translate
+from harness import FakeService, compile_c, fake_service_fixture, patch_sites  # noqa: F401
+from test_codegen_cfi import relocate_copy, symbols
+
+REGION = 7
+
+
+@pytest.fixture(scope="module")
+def exe():
+    return compile_c(["frames.cpp"], cc="g++")
+
+
+def start(svc: FakeService, exe):
+    client = svc.spawn([exe])
+    copyme = int(client.out.expect("copyme").split()[1], 16)
+    client.out.expect("ready")
+    conn = svc.accept(pid=client.pid)
+    syms = symbols(exe)
+    bias = copyme - syms["copyme"][0]
+    fde = load_eh_frame(str(exe)).find(syms["copyme"][0])
+    buf = conn.code_buffer(near=copyme, size=8192)
+    at = buf.base + 0x100
+    layout = [(at, at + fde.end - fde.start, fde.start)]
+    code = relocate_copy(fde, layout, bias)
+    blob_at = (at + len(code) + 7) & ~7
+    blob = translate(fde, layout, blob_at, bias=bias)
+    buf.write(at, code)
+    buf.write(blob_at, blob.data)
+    length = _records_len(blob.data)      # translate puts LSDAs after the terminator
+    caller = tuple(a + bias for a in syms["caller"])
+    return client, conn, buf, at, len(code), blob_at, length, copyme, caller
+
+
+def _records_len(data: bytes) -> int:
+    """Bytes of the CIE/FDE records of a blob, its zero terminator included."""
+    off = 0
+    while True:
+        n = int.from_bytes(data[off:off + 4], "little")
+        if n == 0:
+            return off + 4
+        off += 4 + n
+
+
+def call(client, cmd: str) -> tuple[list[int], str]:
+    client.send(cmd)
+    frames = []
+    while True:
+        line = client.out.expect("")
+        if line.startswith("frame "):
+            frames.append(int(line.split()[1], 16))
+        elif line.startswith(("result", "child")):
+            return frames, line
+
+
+def test_throw_and_backtrace_go_through_a_registered_copy(svc, exe):
+    client, conn, buf, at, n, blob_at, length, copyme, (clo, chi) = start(svc, exe)
+    assert conn.region(REGION, at, at + n, []) == P.Result.OK
+    site = patch_sites(conn, client.pid, {copyme: at})
+    assert conn.patch(site) == [P.Result.OK]
+
+    # registered: the throw reaches caller's catch through the copy's frame
+    assert conn.frames(True, REGION, blob_at, length) == P.Result.OK
+    for x, want in ((5, -5), (1, -4)):
+        frames, res = call(client, f"call {x}")
+        assert res == f"result {want}", (frames, res)
+        assert any(at <= f <= at + n for f in frames), [hex(f) for f in frames]
+        assert any(clo <= f < chi for f in frames), [hex(f) for f in frames]
+    # a fork child keeps the registration
+    frames, res = call(client, "fork 5")
+    assert res == "result -5" and any(clo <= f < chi for f in frames)
+    assert client.out.expect("child") == "child 0"
+
+    # withdrawn: no frame for the copy, the runtime aborts the throw
+    assert conn.frames(False, REGION + 1, blob_at, length) == P.Result.E_UNKNOWN
+    assert conn.frames(False, REGION, blob_at, length) == P.Result.OK
+    assert conn.frames(False, REGION, blob_at, length) == P.Result.E_UNKNOWN
+    frames, res = call(client, "fork 5")
+    assert res == f"child {-signal.SIGABRT}", (frames, res)
+    assert any(at <= f <= at + n for f in frames) and not any(clo <= f < chi for f in frames)
+
+    # again; forgetting the region keeps it (threads may still return into its code)
+    assert conn.frames(True, REGION, blob_at, length) == P.Result.OK
+    assert conn.region_forget(REGION) == P.Result.OK
+    assert call(client, "fork 5")[1] == "result -5"
+    assert client.out.expect("child") == "child 0"
+
+    # freeing the buffer withdraws what is in it
+    assert conn.unpatch(site) == [P.Result.OK]
+    assert call(client, "call 5")[1] == "result -5"       # the original again
+    assert conn.free_buffer(buf.buffer_id) == P.Result.OK
+    assert conn.frames(False, REGION, blob_at, length) == P.Result.E_UNKNOWN
+    assert client.finish()[0] == 0
+
+
+def test_frames_add_checks(svc, exe):
+    client, conn, buf, at, n, blob_at, length, copyme, _ = start(svc, exe)
+    data = buf.read(blob_at, length)
+    assert conn.frames(True, REGION, blob_at, length) == P.Result.E_UNKNOWN
+    assert conn.region(REGION, at, at + n, []) == P.Result.OK
+    assert conn.frames(True, REGION, blob_at + 4, length) == P.Result.E_ALIGN
+    assert conn.frames(True, REGION, copyme & ~7, length) == P.Result.E_TARGET
+    assert conn.frames(True, REGION, buf.base + buf.size - 8, 16) == P.Result.E_TARGET
+    # the last 4 bytes must be the terminator
+    assert conn.frames(True, REGION, blob_at, length - 4) == P.Result.E_INVAL
+    assert conn.frames(True, REGION, blob_at, length + 8) == P.Result.E_INVAL
+    # an FDE whose CIE pointer leads nowhere
+    bad = buf.base + 0x1000
+    cie_len = int.from_bytes(data[:4], "little")
+    mangled = bytearray(data)
+    mangled[cie_len + 8:cie_len + 12] = (0x4000).to_bytes(4, "little")
+    buf.write(bad, bytes(mangled))
+    assert conn.frames(True, REGION, bad, length) == P.Result.E_INVAL
+    # an FDE for code outside every code buffer (absolute pc_begin would do; pc-relative
+    # from far away: the same records 1 GiB off cannot be placed, so shift pc_begin)
+    mangled = bytearray(data)
+    pcb = int.from_bytes(mangled[cie_len + 12:cie_len + 16], "little", signed=True)
+    mangled[cie_len + 12:cie_len + 16] = (pcb - (1 << 30)).to_bytes(4, "little", signed=True)
+    buf.write(bad, bytes(mangled))
+    assert conn.frames(True, REGION, bad, length) == P.Result.E_TARGET
+    assert conn.frames(True, REGION, blob_at, length) == P.Result.OK
+    assert conn.frames(True, REGION, blob_at, length) == P.Result.E_BUSY
+    # the same FDE again from another blob: overlaps
+    other = buf.base + 0x1800
+    mangled = bytearray(data)
+    mangled[cie_len + 12:cie_len + 16] = (pcb + blob_at - other).to_bytes(4, "little", signed=True)
+    buf.write(other, bytes(mangled))
+    assert conn.frames(True, REGION, other, length) == P.Result.E_BUSY
+    assert client.finish()[0] == 0
