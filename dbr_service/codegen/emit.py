@@ -466,9 +466,13 @@ def real_call_sites(sr: SuperRegion) -> frozenset[NodeKey]:
 
 
 def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = None,
-                layout: Layout | None = None, far_exits: bool = True) -> GeneratedCode:
+                layout: Layout | None = None, far_exits: bool = True,
+                real_calls: bool = True) -> GeneratedCode:
     """Replacement code for ``sr`` placed at ``base`` (see the module docstring).
-    ``far_exits=False``: an exit beyond rel32 reach is an error instead of a stub."""
+    ``far_exits=False``: an exit beyond rel32 reach is an error instead of a stub.
+    ``real_calls=False``: the call blocks selection kept as real calls are emitted as
+    the other calls that leave the region (the original return address pushed, a jump
+    to the original callee), e.g. for a region whose CFI cannot be translated."""
     if len(sr) == 0:
         raise CodegenError(f"{sr.id}: empty region")
     reloc = relocator or Relocator()
@@ -476,7 +480,7 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
     nxt = lay.next_of()
     # pass 1: sizes (independent of addresses) and the static exit targets
     plans = _Dispatches(sr)
-    calls = real_call_sites(sr)
+    calls = real_call_sites(sr) if real_calls else frozenset()
     rets = _return_addresses(sr, calls)
     sizing = _BlockEmitter(sr, reloc, lambda _k: base, lambda _t: base, plans=plans,
                            ret_slot=lambda r: base if r in rets else None, real_calls=calls)
