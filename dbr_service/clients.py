@@ -35,6 +35,7 @@ from dbr_service.procfs import proc_dir, started_boottime, started_monotonic
 from dbr_service.reuse import Job
 from dbr_service.sampling.perf import SwitchGate
 from dbr_service.install import HELD, Installer, InstallState
+from dbr_service.codegen.frames import CfiSource
 from dbr_service.optimize import Evaluator, install_regions, region_extent
 from dbr_service.speedcheck import CHECK_TRIES, ORIGINAL, SpeedCheck, read_progress
 
@@ -891,6 +892,8 @@ class ClientSession:
             return
         self.maps = parse_maps(text.decode(errors="replace"))
         self.map_changes += 1
+        if self.installer is not None and self.installer.cfi is not None:
+            self.installer.cfi.refresh()      # modules' biases: read the maps again
 
     # ------------------------------------------------------------------ sampling
     def begin_window(self, make_source: Callable[[ClientSession], SamplingSource]) -> None:
@@ -1006,10 +1009,15 @@ class ClientSession:
                        "single": P.Variant.SINGLE}[cfg.patch_variant]
             conn = CheckedConnection(self.conn, self.proc,
                                      lambda why: self.stop(f"protocol error: {why}"))
+            proc = self.proc
             self.installer = Installer(conn, self._read_original, variant=variant,
                                        transfer=cfg.transfer,
                                        evict=cfg.evict
-                                       and bool(self.hello_flags & P.HELLO_EVICT))
+                                       and bool(self.hello_flags & P.HELLO_EVICT),
+                                       frames=bool(self.hello_flags & P.HELLO_FRAMES),
+                                       cfi=CfiSource(lambda: [(m.lo, m.hi, m.path, m.dev,
+                                                               m.ino) for m in
+                                                              proc.maps() or []]))
             self.evaluator = Evaluator(self.installer)
         return self.installer
 
@@ -1088,7 +1096,10 @@ class ClientSession:
                 rec.code_bytes = reg.gen.size
                 rec.info.update(install_id=reg.region_id, code_at=hex(reg.chunk.addr),
                                 sites=len(reg.patched_sites), transferred=reg.transferred,
-                                transfer_only=not reg.sites, layout=reg.gen.layout_kind)
+                                transfer_only=not reg.sites, layout=reg.gen.layout_kind,
+                                real_calls=len(reg.gen.calls), frames=reg.frames)
+                if reg.cfi_refused is not None:
+                    rec.info["cfi_refused"] = reg.cfi_refused
                 reg.name = rid
                 n += 1
                 self.activity += 1

@@ -186,6 +186,15 @@ def _speed(region: dict[str, Any]) -> str:
     return f"abandoned x{n}, again" if n else ""     # to be checked again
 
 
+def _calls(region: dict[str, Any]) -> str:
+    """Real calls in a region's code, or why it has none though selection kept some
+    (its unwind information could not be made: installed without them)."""
+    info = region.get("info", {})
+    if "cfi_refused" in info:
+        return "0 (no CFI)"
+    return str(info["real_calls"]) if info.get("real_calls") else ""
+
+
 def _state(region: dict[str, Any]) -> str:
     """A region's state for the regions table; a removed region whose code is still
     kept says what keeps it."""
@@ -243,11 +252,14 @@ def render(verb: str, result: Any) -> str:
         return head + "\n" + table(rows, ["SHARE", "SAMPLES", "IP", "MODULE", "OFFSET"])
     if verb == "regions":
         head = f"pid {result['pid']}: {result['status']}"
-        rows = [[r["id"], _state(r), r["blocks"], r["code_bytes"], _speed(r),
+        rows = [[r["id"], _state(r), r["blocks"], r["code_bytes"], _calls(r), _speed(r),
                  " ".join(f"{e:#x}" for e in r["entries"]), r["module"]]
                 for r in result["regions"]]
-        return head + ("\n" + table(rows, ["ID", "STATE", "BLOCKS", "BYTES", "SPEED", "ENTRIES",
-                                           "MODULE"]) if rows else "")
+        refused = sum(1 for r in result["regions"] if "cfi_refused" in r.get("info", {}))
+        if refused:
+            head += f"; {refused} region(s) without their real calls (no CFI)"
+        return head + ("\n" + table(rows, ["ID", "STATE", "BLOCKS", "BYTES", "CALLS", "SPEED",
+                                           "ENTRIES", "MODULE"]) if rows else "")
     if verb == "events":
         return "\n".join(f"{time.strftime('%H:%M:%S', time.localtime(e['time']))} "
                          f"{e['event']:<18} " + " ".join(f"{k}={v}" for k, v in e.items()

@@ -98,7 +98,8 @@ class Config:
         min=0.0, max=64.0))
     real_calls: bool = field(default=False, metadata=_doc(
         "keep direct calls that are not inlined as real calls in replacement code (to "
-        "the original callee); off until copies get unwind info registered"))
+        "the original callee), with unwind information for the copies (a region whose "
+        "CFI cannot be made is installed without its real calls)"))
     max_workers: int = field(default=0, metadata=_doc(
         "worker processes (0 = from CPU count and load)", min=0, max=256))
     worker_nice: int = field(default=19, metadata=_doc(

@@ -14,8 +14,12 @@ steps 6-8); ``codegen/`` is the pure half.  Per client:
   thread that never returns keeps it for good.
 * :class:`Installer` writes a region's bytes through the service's RW mapping,
   describes the region to the agent (REGION: code range and exit ranges, for
-  its dlclose/munmap/mprotect hooks), patches its entry sites in one batch,
-  and unpatches, invalidates and reclaims.
+  its dlclose/munmap/mprotect hooks), names the unwind information written after
+  the code of a region with real calls (FRAMES_ADD, before the patch that makes the
+  code reachable), patches its entry sites in one batch, and unpatches,
+  invalidates and reclaims.  The unwind information stays while the code does:
+  threads may return into code long after its region was unpatched, so it is
+  withdrawn (FRAMES_DEL) only when the censuses free the chunk.
 
 Nothing here runs while the installer is not called: the service drives it.
 """
@@ -29,6 +33,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, CodeBufferHandle, make_site, result_name
+from dbr_service.codegen.frames import records_len
 from dbr_service.errors import AgentError, CodegenError
 
 REL32 = (1 << 31) - 1
@@ -68,6 +73,9 @@ class Chunk:
     buffer: CodeBufferHandle
     addr: int
     size: int
+    #: Unwind information the agent has for code in the chunk: (region id, address,
+    #: length) of each blob FRAMES_ADD named, withdrawn when the chunk is freed.
+    frames: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -93,6 +101,10 @@ class InstalledRegion:
     evicted: int = 0
     #: While SUSPENDED: the sites that were patched, to patch again on resume.
     suspended_sites: list[P.PatchSite] = field(default_factory=list)
+    #: Why the region's real calls were given up (its CFI could not be made), or None.
+    cfi_refused: str | None = None
+    #: Unwind information blobs named to the agent (FRAMES_ADD).
+    frames: int = 0
 
     @property
     def patched_sites(self) -> list[P.PatchSite]:
@@ -243,6 +255,7 @@ class CodeSpace:
             held = failed or unknown or scattered or q.uncovered or q.pcs or q.stack_refs
             q.clean_censuses = 0 if held else q.clean_censuses + 1
             if q.clean_censuses >= 2 and now - q.since >= self.quarantine_s:
+                self._frames_del(q.chunk)
                 q.chunk.buffer.write(q.chunk.addr, b"\xcc" * q.chunk.size)  # int3 fill
                 self.free.append(q.chunk)
                 freed += 1
@@ -250,6 +263,16 @@ class CodeSpace:
                 keep.append(q)
         self.quarantine = keep
         return freed
+
+    def _frames_del(self, chunk: Chunk) -> None:
+        """Withdraw the chunk's unwind information before its bytes go (nothing runs
+        there any more: the censuses found nothing of it)."""
+        for rid, addr, n in chunk.frames:
+            try:
+                self.conn.frames(False, rid, addr, n)
+            except AgentError:
+                pass      # a session that ended: the agent keeps what it had
+        chunk.frames = []
 
     def retained(self, chunk: Chunk) -> dict[str, Any] | None:
         """What holds a released chunk (:meth:`_Quarantined.retention`), or None once it
@@ -267,8 +290,16 @@ class Installer:
     def __init__(self, conn: AgentConnection, read_original: Callable[[int, int], bytes], *,
                  variant: int = P.Variant.INT3, space: CodeSpace | None = None,
                  on_event: Callable[[str, dict], None] | None = None,
-                 transfer: bool = True, evict: bool = False) -> None:
+                 transfer: bool = True, evict: bool = False, frames: bool = False,
+                 cfi: Any = None) -> None:
         self.conn = conn
+        #: The agent takes FRAMES_ADD (HELLO_FRAMES), and where the client's modules'
+        #: .eh_frame is (codegen.frames.CfiSource): regions with real calls get unwind
+        #: information; without either, they are emitted without real calls.
+        self.frames_enabled = frames
+        self.cfi = cfi
+        #: Regions whose real calls were given up because their CFI could not be made.
+        self.cfi_refused = 0
         #: Move threads found in a new region's original code into it (TRANSFER).
         self.transfer_enabled = transfer
         self.threads_transferred = 0
@@ -312,11 +343,15 @@ class Installer:
 
     def install(self, chunk: Chunk, gen: Generated, *, name: str = "",
                 exit_ranges: Sequence[tuple[int, int]] = (), module: str | None = None,
-                orig_ranges: Sequence[tuple[int, int]] = ()) -> InstalledRegion:
+                orig_ranges: Sequence[tuple[int, int]] = (), frames: Sequence[Any] = (),
+                cfi_refused: str | None = None) -> InstalledRegion:
         """Write ``gen`` (emitted for ``chunk.addr``) and patch its entry sites.
 
         ``exit_ranges`` tells the agent which original code the region depends on
-        (copied blocks and exit targets; default: the exit targets)."""
+        (copied blocks and exit targets; default: the exit targets).  ``frames``: the
+        unwind information blobs (codegen.cfi.CfiBlob, placed in the chunk after the
+        code), written and named to the agent before any site is patched.
+        ``cfi_refused``: why the region was emitted without its real calls."""
         if gen.base != chunk.addr or len(gen.code) > chunk.size:
             self.space.release(chunk)
             raise CodegenError(f"code for {gen.base:#x} ({len(gen.code)} bytes) does not fit "
@@ -324,8 +359,16 @@ class Installer:
         region_id = self._next_id
         self._next_id += 1
         reg = InstalledRegion(region_id, name or f"r{region_id}", chunk, gen, module=module,
-                              orig_ranges=list(orig_ranges))
+                              orig_ranges=list(orig_ranges), cfi_refused=cfi_refused)
+        self.cfi_refused += cfi_refused is not None
+        for b in frames:
+            if not chunk.addr + len(gen.code) <= b.at and b.at + len(b.data) <= \
+                    chunk.addr + chunk.size:
+                self.space.release(chunk)
+                raise CodegenError(f"unwind information at {b.at:#x} outside the chunk")
         chunk.buffer.write(chunk.addr, gen.code)
+        for b in frames:
+            chunk.buffer.write(b.at, b.data)
         lo, hi = reg.code_range()
         exits = _merge_ranges(list(exit_ranges) or [(t, t + 1) for _, t in gen.exits])
         if len(exits) > P.MAX_EXITS:
@@ -334,6 +377,14 @@ class Installer:
             rc = self.conn.region(region_id, lo, hi, exits)
             if rc != P.Result.OK:
                 raise AgentError(f"agent refused REGION: {result_name(rc)}")
+            for b in frames:
+                n = records_len(b.data)
+                rc = self.conn.frames(True, region_id, b.register_at, n)
+                if rc != P.Result.OK:
+                    raise AgentError(f"agent refused FRAMES_ADD at {b.register_at:#x}: "
+                                     f"{result_name(rc)}")
+                chunk.frames.append((region_id, b.register_at, n))
+                reg.frames += 1
             reg.sites = [make_site(site, target, self.read_original(site, P.PATCH_LEN),
                                    self.variant, region_id)
                          for site, target in sorted(gen.entries.items())]

@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from dbr_service.codegen.emit import check_generated, emit_region, far_exit_bound
+from dbr_service.codegen.cfi import CfiBlob, CfiError
+from dbr_service.codegen.emit import GeneratedCode, check_generated, emit_region, far_exit_bound
+from dbr_service.codegen.frames import blobs_size, region_blobs
 from dbr_service.errors import AgentError, CodegenError, DbrError
 from dbr_service.install import InstalledRegion, Installer, InstallState
 from dbr_service.region.model import RegionState, SuperRegion
@@ -40,6 +42,26 @@ def provisional_base(sr: SuperRegion) -> int:
     return (min(points) // PROVISIONAL_ALIGN) * PROVISIONAL_ALIGN
 
 
+def emit_with_frames(installer: Installer, sr: SuperRegion, base: int
+                     ) -> tuple[GeneratedCode, list[CfiBlob], str | None]:
+    """Emit ``sr`` at ``base`` and, when it makes real calls, the unwind information
+    for its code (codegen/frames.py), placed after the code.  A region whose CFI
+    cannot be made (a copied function without an FDE, CFI that does not translate, an
+    agent that takes no FRAMES_ADD, a client without a CFI source) is emitted again
+    without real calls: (code, blobs, why real calls were given up, or None)."""
+    gen = emit_region(sr, base)
+    if not gen.calls:
+        return gen, [], None
+    try:
+        if installer.cfi is None or not installer.frames_enabled:
+            raise CfiError("the agent takes no unwind information (FRAMES_ADD)")
+        blobs = region_blobs(gen.addr_map, base + gen.size, installer.cfi.module_at,
+                             skip=gen.far_exits.values())
+        return gen, blobs, None
+    except CfiError as exc:
+        return emit_region(sr, base, real_calls=False), [], str(exc)
+
+
 def placement(installer: Installer, sr: SuperRegion) -> tuple[int, list[int]]:
     """Bytes to reserve for ``sr`` and the addresses its code buffer must reach.
 
@@ -57,12 +79,16 @@ def placement(installer: Installer, sr: SuperRegion) -> tuple[int, list[int]]:
         raise CodegenError(f"{sr.id}: no entry points")
     # Emitted near the patch sites (which must be in reach in any case) to learn the size,
     # the data operands and the exit targets.
-    provisional = emit_region(sr, provisional_base(sr))
+    base = provisional_base(sr)
+    provisional, blobs, _ = emit_with_frames(installer, sr, base)
+    # the blobs' sizes do not depend on where the code goes; 8 bytes for their alignment
+    frames = blobs_size(blobs, base + provisional.size) + 8 if blobs else 0
     full = reach + provisional.data_refs
     if installer.space.span_fits(provisional.size, full):
-        return provisional.size, full
+        return provisional.size + frames, full
     targets = {t for _, t in provisional.exits}
-    return provisional.size + far_exit_bound(len(targets)), entries + provisional.data_refs
+    return (provisional.size + far_exit_bound(len(targets)) + frames,
+            entries + provisional.data_refs)
 
 
 def check_original(installer: Installer, sr: SuperRegion) -> None:
@@ -106,18 +132,21 @@ def install_region(installer: Installer, sr: SuperRegion) -> InstalledRegion:
     size, reach = placement(installer, sr)
     chunk = installer.reserve(size, reach)
     try:
-        gen = emit_region(sr, chunk.addr)
+        gen, blobs, cfi_refused = emit_with_frames(installer, sr, chunk.addr)
         check_generated(gen)
     except DbrError:
         installer.space.release(chunk)
         raise
-    if gen.size > chunk.size:
+    end = chunk.addr + gen.size + blobs_size(blobs, chunk.addr + gen.size)
+    if end > chunk.addr + chunk.size:
         installer.space.release(chunk)
-        raise CodegenError(f"{sr.id}: {gen.size} bytes at {chunk.addr:#x} > {chunk.size} reserved")
+        raise CodegenError(f"{sr.id}: {end - chunk.addr} bytes at {chunk.addr:#x} > "
+                           f"{chunk.size} reserved")
     modules = [bb.module for _, bb in sr.blocks() if bb.module]
     depends = ranges + [(t, t + 1) for _, t in gen.exits]
     reg = installer.install(chunk, gen, name=sr.id, exit_ranges=depends,
-                            module=modules[0] if modules else None, orig_ranges=ranges)
+                            module=modules[0] if modules else None, orig_ranges=ranges,
+                            frames=blobs, cfi_refused=cfi_refused)
     sr.state = RegionState.INSTALLED if reg.state is InstallState.INSTALLED else sr.state
     return reg
 

@@ -18,7 +18,9 @@ import pytest
 
 from dbr_service import protocol as P
 from dbr_service.codegen.cfi import load_eh_frame, translate
-from harness import FakeService, compile_c, fake_service_fixture, patch_sites  # noqa: F401
+from dbr_service.codegen.frames import records_len
+from harness import (FakeService, compile_c, fake_service_fixture, patch_sites,  # noqa: F401
+                     read_mem)
 from test_codegen_cfi import relocate_copy, symbols
 
 REGION = 7
@@ -45,19 +47,9 @@ def start(svc: FakeService, exe):
     blob = translate(fde, layout, blob_at, bias=bias)
     buf.write(at, code)
     buf.write(blob_at, blob.data)
-    length = _records_len(blob.data)      # translate puts LSDAs after the terminator
+    length = records_len(blob.data)      # translate puts LSDAs after the terminator
     caller = tuple(a + bias for a in syms["caller"])
     return client, conn, buf, at, len(code), blob_at, length, copyme, caller
-
-
-def _records_len(data: bytes) -> int:
-    """Bytes of the CIE/FDE records of a blob, its zero terminator included."""
-    off = 0
-    while True:
-        n = int.from_bytes(data[off:off + 4], "little")
-        if n == 0:
-            return off + 4
-        off += 4 + n
 
 
 def call(client, cmd: str) -> tuple[list[int], str]:
@@ -144,4 +136,66 @@ def test_frames_add_checks(svc, exe):
     mangled[cie_len + 12:cie_len + 16] = (pcb + blob_at - other).to_bytes(4, "little", signed=True)
     buf.write(other, bytes(mangled))
     assert conn.frames(True, REGION, other, length) == P.Result.E_BUSY
+    assert client.finish()[0] == 0
+
+
+class Recording:
+    """The connection, with the requests the installer makes listed in order."""
+
+    def __init__(self, conn) -> None:
+        self._conn, self.log = conn, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._conn, name)
+        if name in ("region", "frames", "patch", "unpatch", "region_forget"):
+            def logged(*a, **kw):
+                rc = attr(*a, **kw)
+                self.log.append((name, a[0] if name == "frames" else None, rc))
+                return rc
+            return logged
+        return attr
+
+
+def test_installer_names_frames_before_the_patch_and_withdraws_them_with_the_chunk(svc, exe):
+    """Installer.install writes the blob after the code and says FRAMES_ADD before the
+    PATCH; unpatching keeps it (threads may return into the code); the census that
+    frees the chunk withdraws it (FRAMES_DEL)."""
+    from types import SimpleNamespace
+
+    from dbr_service.install import CodeSpace, InstallState, Installer
+
+    client = svc.spawn([exe])
+    copyme = int(client.out.expect("copyme").split()[1], 16)
+    client.out.expect("ready")
+    conn = Recording(svc.accept(pid=client.pid))
+    syms = symbols(exe)
+    bias = copyme - syms["copyme"][0]
+    fde = load_eh_frame(str(exe)).find(syms["copyme"][0])
+    size = fde.end - fde.start
+    space = CodeSpace(conn, buffer_size=65536, quarantine_s=0.0)
+    inst = Installer(conn, lambda a, n: read_mem(client.pid, a, n), space=space, frames=True)
+    chunk = inst.reserve(size + 512, reach=[copyme])
+    layout = [(chunk.addr, chunk.addr + size, fde.start)]
+    code = relocate_copy(fde, layout, bias)
+    blob = translate(fde, layout, (chunk.addr + size + 7) & ~7, bias=bias)
+    gen = SimpleNamespace(code=code, base=chunk.addr, entries={copyme: chunk.addr},
+                          addr_map=[(chunk.addr, chunk.addr + size, copyme)], exits=[],
+                          transfers={}, evictions={}, calls={}, returns={})
+    reg = inst.install(chunk, gen, name="copy", frames=[blob])
+    assert reg.state is InstallState.INSTALLED and reg.frames == 1
+    assert [e[0] for e in conn.log] == ["region", "frames", "patch"]
+    assert conn.log[1] == ("frames", True, P.Result.OK)
+    frames, res = call(client, "fork 5")
+    assert res == "result -5" and any(chunk.addr <= f < chunk.addr + size for f in frames)
+    assert client.out.expect("child") == "child 0"
+    inst.uninstall(reg.region_id, "test")
+    assert not any(e[0] == "frames" and e[1] is False for e in conn.log)
+    for _ in range(50):
+        if inst.reclaim():
+            break
+    else:
+        pytest.fail("the chunk was never freed")
+    assert ("frames", False, P.Result.OK) in conn.log
+    assert conn.frames(False, reg.region_id, blob.register_at,
+                       records_len(blob.data)) == P.Result.E_UNKNOWN
     assert client.finish()[0] == 0
