@@ -27,6 +27,7 @@ emits the region without real calls (optimize.emit_with_frames).
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import threading
 from typing import Callable, Iterable, NamedTuple
@@ -127,7 +128,8 @@ class CfiSource:
         if got is None:
             try:
                 st = os.stat(path)
-                if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) != (*dev, ino):
+                if not stat.S_ISREG(st.st_mode) or \
+                        (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) != (*dev, ino):
                     raise CfiError(f"{path} here is not the file the client mapped")
                 got = Module(path, base - _first_load_vaddr(path), self.eh_frame(path, st))
             except OSError as exc:
