@@ -89,6 +89,27 @@ def ab(name: str, run_a: Callable[[], float], run_b: Callable[[], float], runs: 
     return ABResult(name, runs, am, bm, bm / am if am else float("nan"), a, b)
 
 
+def tree_cpu_s(pid: int) -> float | None:
+    """user+sys of process ``pid`` and its live descendants so far, with what ``pid``
+    reaped of its ended children (a service and its worker processes; psutil).  None
+    without psutil or once the process is gone."""
+    try:
+        import psutil
+
+        root = psutil.Process(pid)
+        total = 0.0
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system + (t.children_user + t.children_system
+                                          if p is root else 0.0)
+        return total
+    except Exception:  # noqa: BLE001 - no psutil, or the process is gone
+        return None
+
+
 def results_dir() -> Path:
     """Where results go: ``$DBR_BENCH_RESULTS`` if set, else ``bench/results``."""
     return Path(os.environ.get("DBR_BENCH_RESULTS") or RESULTS)

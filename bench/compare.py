@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench import suite
-from bench.common import Results, ratio_ci, spread
+from bench.common import Results, ratio_ci, spread, tree_cpu_s
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -461,19 +461,8 @@ class HostService:
         return None
 
     def cpu_s(self) -> float | None:
-        """user+sys of the service and its live worker processes so far (psutil)."""
-        try:
-            import psutil
-
-            root = psutil.Process(self.proc.pid)
-            total = 0.0
-            for p in [root, *root.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    t = p.cpu_times()
-                    total += t.user + t.system + t.children_user + t.children_system
-            return total
-        except Exception:  # noqa: BLE001 - no psutil, or the service is gone
-            return None
+        """user+sys of the service and its worker processes so far (common.tree_cpu_s)."""
+        return tree_cpu_s(self.proc.pid)
 
     def patched(self, pid: int) -> bool | None:
         """Whether this service installed code in the client ``pid`` (asked after it

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from bench.common import tree_cpu_s
 from bench.compare import run_once, summarize_report
 from bench.long import bolt, tools
 from bench.long.workloads import Ctx, Prepared
@@ -79,21 +80,8 @@ class Service:
         return child_env(self.agent, Path(self.rt or ""), base)
 
     def cpu_s(self) -> float | None:
-        """utime+stime of the service and its workers (live, and reaped ones) so far,
-        from /proc/PID/stat (psutil)."""
-        try:
-            import psutil
-
-            root = psutil.Process(self.proc.pid)
-            total = 0.0
-            for p in [root, *root.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    t = p.cpu_times()
-                    total += t.user + t.system + (t.children_user + t.children_system
-                                                  if p is root else 0.0)
-            return total
-        except Exception:  # noqa: BLE001
-            return None
+        """user+sys of the service and its worker processes so far (common.tree_cpu_s)."""
+        return tree_cpu_s(self.proc.pid)
 
     def client(self):
         from dbr_service.ctlclient import ControlClient
