@@ -487,6 +487,7 @@ class HostService:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait(5)
         if self.rt:
             shutil.rmtree(self.rt, ignore_errors=True)
 

@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.common import tree_cpu_s
-from bench.compare import run_once, summarize_report
+from bench.compare import HostService, run_once, summarize_report
 from bench.long import bolt, tools
 from bench.long.workloads import Ctx, Prepared
 
@@ -41,9 +40,10 @@ def _dbr_exe() -> str:
 
 # ------------------------------------------------------------------ host services
 
-class Service:
+class Service(HostService):
     """A ``dbr service [FLAGS]`` on a private DBR_RUNTIME_DIR, alive for the whole
-    benchmark as on a host that runs it all the time."""
+    benchmark as on a host that runs it all the time; its log kept per configuration
+    (stop and cpu_s: HostService's)."""
 
     def __init__(self, name: str, flags: list[str], logdir: Path) -> None:
         self.name, self.flags, self.logdir = name, flags, logdir
@@ -78,10 +78,6 @@ class Service:
         from dbr_service.cmd_run import child_env
 
         return child_env(self.agent, Path(self.rt or ""), base)
-
-    def cpu_s(self) -> float | None:
-        """user+sys of the service and its worker processes so far (common.tree_cpu_s)."""
-        return tree_cpu_s(self.proc.pid)
 
     def client(self):
         from dbr_service.ctlclient import ControlClient
@@ -136,17 +132,6 @@ class Service:
         return [{k: e.get(k) for k in ("time", "event", "region", "sites", "code_bytes",
                                        "verdict", "ratio", "why")}
                 for e in evs if e.get("pid") == pid and e.get("event") in keep]
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if self.rt:
-            shutil.rmtree(self.rt, ignore_errors=True)
 
 
 def base_env(runtime_dir: Path) -> dict[str, str]:
