@@ -829,7 +829,7 @@ static int send_hello(void)
               (g_forked && dbr_any_installed() ? DBR_HELLO_INHERITED : 0) |
               (dbr_thread_hidden() ? DBR_HELLO_HIDDEN_THREAD : 0) | DBR_HELLO_QUIET_THREADS |
               DBR_HELLO_SAMPLER_LISTED | DBR_HELLO_EVICT |
-              DBR_HELLO_FRAMES;
+              DBR_HELLO_FRAMES | DBR_HELLO_ENTRY_SITES;
     m.agent_version = DBR_AGENT_VERSION;
     m.n_threads = (uint32_t)dbr_count_threads();
     m.page_size = (uint32_t)dbr_page_size();

@@ -22,7 +22,8 @@
  *    pthread_create), MAP_CHANGED and BYE (at exit) may be interleaved.
  *  - PATCH site checks, first failure wins: INVAL, NOSYNC, NOT_EXEC,
  *    FORBIDDEN, TARGET, RANGE, ALIGN, BUSY, MISMATCH, LIMIT; while writing:
- *    PROTECT, MISMATCH.  UNPATCH: NOT_PATCHED, NOSYNC, NOT_EXEC, MISMATCH,
+ *    PROTECT, MISMATCH, BUSY (SIGTRAP blocked), INSIDE (an entry site with a
+ *    thread inside: patch.c).  UNPATCH: NOT_PATCHED, NOSYNC, NOT_EXEC, MISMATCH,
  *    then PROTECT; only `site` is read, the recorded variant is used.
  *  - When every program thread has ended (main's pthread_exit, then the
  *    others), the process ends: glibc ends it, since it never counted the
@@ -191,6 +192,7 @@ struct dbr_site_ent {
     uint32_t region_id;
     uint32_t buffer_id;
     uint8_t  variant;
+    uint8_t  inner;       /* an entry site's inner boundaries (dbr_patch_site.inner), or 0 */
     uint8_t  orig[5];
     uint8_t  jmp[5];
     int      installed;   /* atomic: 1 installed, 0 historical */
@@ -232,6 +234,11 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms, const struct dbr_range 
 int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
                      uint32_t timeout_ms, int evict, struct dbr_transfer_result *res);
 int dbr_inside_installed_site(uint64_t a);   /* strictly inside an installed site */
+/* Agent thread, no census open: whether any thread's PC, registers or stack words
+ * lie in each of ranges[0..n) (ascending, disjoint, n <= DBR_MAX_SITES); hit[k] = 1
+ * if so, and for every k when a thread's whereabouts are unknown.  DBR_OK, or
+ * DBR_E_NOMEM / DBR_E_INVAL (nothing known). */
+int dbr_census_inside(const struct dbr_range *ranges, uint32_t n, uint8_t *hit);
 void dbr_transfer_fork_child(void);   /* fork child: no transfer open, no handler inside */
 
 /* ---- thread.c ---- */

@@ -53,6 +53,9 @@
 #define CENSUS_SETTLE_MS 200u
 #define SCAN_CAP ((uint64_t)8 << 20)   /* bytes of one stack scanned at most */
 #define WAITING 0xffu   /* state of a signalled thread whose answer is awaited */
+/* ranges one census looks for: a request's (DBR_MAX_CENSUS_RANGES), or the entry
+ * sites of one PATCH batch (DBR_MAX_SITES, dbr_census_inside) */
+#define CS_RANGES_MAX (DBR_MAX_SITES > DBR_MAX_CENSUS_RANGES ? DBR_MAX_SITES : DBR_MAX_CENSUS_RANGES)
 
 /* a TRANSFER's or an EVICT's answer slot (the census has its own, struct cslot) */
 struct slot {
@@ -153,9 +156,9 @@ static unsigned g_ncslots;
 static uint32_t g_cs_gen;          /* generation of the open census, 0: none */
 static uint32_t g_cs_counter;      /* last generation used */
 static int g_cs_active;            /* handlers inside the critical part */
-static struct dbr_range g_cs_ranges[DBR_MAX_CENSUS_RANGES];
+static struct dbr_range g_cs_ranges[CS_RANGES_MAX];
 static uint32_t g_cs_nranges;
-static uint32_t g_cs_refs[DBR_MAX_CENSUS_RANGES];  /* words found per range (atomic) */
+static uint32_t g_cs_refs[CS_RANGES_MAX];  /* words found per range (atomic) */
 static uint64_t g_cs_words;        /* words read by this census's handlers (atomic) */
 static struct stack_table *g_cs_table;  /* this census's candidate stacks, or NULL */
 
@@ -312,7 +315,7 @@ static void census_answer(const ucontext_t *uc)
             a.refs = 0;
             a.flags = 0;
             nr = __atomic_load_n(&g_cs_nranges, __ATOMIC_RELAXED);
-            if (nr > 0 && nr <= DBR_MAX_CENSUS_RANGES)
+            if (nr > 0 && nr <= CS_RANGES_MAX)
                 census_scan(uc, nr, &a);
             __atomic_store_n(&c->pc, a.pc, __ATOMIC_RELAXED);
             __atomic_store_n(&c->first, a.first, __ATOMIC_RELAXED);
@@ -537,33 +540,23 @@ static int census_fail(uint32_t req_id, uint32_t n_ranges, int result)
     return dbr_send(&c, DBR_MSG_PC_CENSUS, sizeof c, -1, 0);
 }
 
-int dbr_census_run(uint32_t req_id, uint32_t timeout_ms, const struct dbr_range *ranges,
-                   uint32_t n_ranges)
+/* Agent thread: list the threads and signal each (but the agent's and the caller's)
+ * for `ranges` (n_ranges <= CS_RANGES_MAX, checked by the caller); a thread whose
+ * stack pointer lay in no known stack gets a second round with maps read again.
+ * tids[i], state[i] (ANSWERED: ans[i] holds the answer; else DBR_CENSUS_AGENT,
+ * _GONE, _NO_REPLY or WAITING: signalled, no answer) for the threads listed; the
+ * per-range totals stay in g_cs_refs.  Returns their number, or -1 when the stack
+ * table could not be made.  *again: threads asked twice. */
+static int census_collect(const struct dbr_range *ranges, uint32_t n_ranges, uint32_t timeout_ms,
+                          pid_t *tids, uint8_t *state, struct cslot *ans, int *again)
 {
-    pid_t *tids = NULL;
-    uint8_t *state = NULL;
-    struct cslot *ans = NULL;
-    struct dbr_census *msg = NULL;
     struct stack_table *table = NULL;
-    int n, i, rc = DBR_OK, again = 0, unknown = 0;
-    uint32_t k, sent;
-    uint64_t t0 = now_us(), t1, t2;
+    int n, i;
+    uint32_t k;
 
-    for (k = 0; k < n_ranges; k++)
-        if (ranges[k].lo >= ranges[k].hi || (k > 0 && ranges[k].lo < ranges[k - 1].hi))
-            return census_fail(req_id, n_ranges, DBR_E_INVAL);
-    tids = dbr_alloc(DBR_CENSUS_SLOTS * sizeof *tids);
-    state = dbr_alloc(DBR_CENSUS_SLOTS);
-    ans = dbr_alloc(DBR_CENSUS_SLOTS * sizeof *ans);
-    msg = dbr_alloc(sizeof *msg + DBR_MAX_CENSUS * sizeof msg->entries[0]);
-    if (n_ranges > 0)
-        table = stacks_read();
-    if (!tids || !state || !ans || !msg || (n_ranges > 0 && !table)) {
-        rc = census_fail(req_id, n_ranges, DBR_E_NOMEM);
-        dbr_free(table);
-        goto out;
-    }
-    t1 = now_us();
+    *again = 0;
+    if (n_ranges > 0 && (table = stacks_read()) == NULL)
+        return -1;
     n = dbr_list_threads(tids, DBR_CENSUS_SLOTS);
     if (n > (int)DBR_CENSUS_SLOTS)
         n = DBR_CENSUS_SLOTS;   /* the rest cannot be reported */
@@ -578,7 +571,7 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms, const struct dbr_range 
     }
     memcpy(g_cs_ranges, ranges, n_ranges * sizeof ranges[0]);
     __atomic_store_n(&g_cs_nranges, n_ranges, __ATOMIC_RELAXED);
-    for (k = 0; k < DBR_MAX_CENSUS_RANGES; k++)
+    for (k = 0; k < CS_RANGES_MAX; k++)
         __atomic_store_n(&g_cs_refs[k], 0, __ATOMIC_RELAXED);
     __atomic_store_n(&g_cs_words, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&g_ncslots, (unsigned)n, __ATOMIC_RELEASE);
@@ -589,9 +582,9 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms, const struct dbr_range 
     for (i = 0; i < n; i++)
         if (state[i] == ANSWERED && (ans[i].flags & DBR_CENSUS_F_NOSTACK)) {
             state[i] = WAITING;
-            again++;
+            (*again)++;
         }
-    if (again > 0) {
+    if (*again > 0) {
         table = stacks_read();
         if (table) {
             census_round(tids, state, ans, n, timeout_ms, table);
@@ -600,6 +593,36 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms, const struct dbr_range 
                 if (state[i] == WAITING)
                     state[i] = ANSWERED;   /* the first answer stands: NOSTACK, UNKNOWN */
         }
+    }
+    return n;
+}
+
+/* an answer whose stack was not scanned whole */
+#define CENSUS_F_PARTIAL (DBR_CENSUS_F_ALTSTACK | DBR_CENSUS_F_CAPPED | DBR_CENSUS_F_NOSTACK)
+
+int dbr_census_run(uint32_t req_id, uint32_t timeout_ms, const struct dbr_range *ranges,
+                   uint32_t n_ranges)
+{
+    pid_t *tids = NULL;
+    uint8_t *state = NULL;
+    struct cslot *ans = NULL;
+    struct dbr_census *msg = NULL;
+    int n, rc = DBR_OK, again = 0, unknown = 0;
+    uint32_t k, sent;
+    uint64_t t0 = now_us(), t1, t2;
+
+    for (k = 0; k < n_ranges; k++)
+        if (ranges[k].lo >= ranges[k].hi || (k > 0 && ranges[k].lo < ranges[k - 1].hi))
+            return census_fail(req_id, n_ranges, DBR_E_INVAL);
+    tids = dbr_alloc(DBR_CENSUS_SLOTS * sizeof *tids);
+    state = dbr_alloc(DBR_CENSUS_SLOTS);
+    ans = dbr_alloc(DBR_CENSUS_SLOTS * sizeof *ans);
+    msg = dbr_alloc(sizeof *msg + DBR_MAX_CENSUS * sizeof msg->entries[0]);
+    t1 = now_us();
+    if (!tids || !state || !ans || !msg ||
+        (n = census_collect(ranges, n_ranges, timeout_ms, tids, state, ans, &again)) < 0) {
+        rc = census_fail(req_id, n_ranges, DBR_E_NOMEM);
+        goto out;
     }
     t2 = now_us();
 
@@ -627,8 +650,7 @@ int dbr_census_run(uint32_t req_id, uint32_t timeout_ms, const struct dbr_range 
                 e->first_ref = ans[s].first;
                 e->refs = ans[s].refs;
                 e->flags = ans[s].flags;
-                e->state = ans[s].flags & (DBR_CENSUS_F_ALTSTACK | DBR_CENSUS_F_CAPPED |
-                                           DBR_CENSUS_F_NOSTACK) ? DBR_CENSUS_UNKNOWN : DBR_CENSUS_OK;
+                e->state = ans[s].flags & CENSUS_F_PARTIAL ? DBR_CENSUS_UNKNOWN : DBR_CENSUS_OK;
                 unknown += e->state == DBR_CENSUS_UNKNOWN;
             } else if (state[s] != WAITING) {
                 e->state = state[s];
@@ -651,6 +673,66 @@ out:
     dbr_free(state);
     dbr_free(ans);
     dbr_free(msg);
+    return rc;
+}
+
+int dbr_census_inside(const struct dbr_range *ranges, uint32_t n_ranges, uint8_t *hit)
+{
+    pid_t *tids;
+    uint8_t *state;
+    struct cslot *ans;
+    int n, i, again, blind = 0, rc = DBR_OK;
+    uint32_t k;
+
+    if (n_ranges == 0 || n_ranges > CS_RANGES_MAX)
+        return DBR_E_INVAL;
+    for (k = 0; k < n_ranges; k++)
+        if (ranges[k].lo >= ranges[k].hi || (k > 0 && ranges[k].lo < ranges[k - 1].hi))
+            return DBR_E_INVAL;
+    tids = dbr_alloc(DBR_CENSUS_SLOTS * sizeof *tids);
+    state = dbr_alloc(DBR_CENSUS_SLOTS);
+    ans = dbr_alloc(DBR_CENSUS_SLOTS * sizeof *ans);
+    if (!tids || !state || !ans ||
+        (n = census_collect(ranges, n_ranges, CENSUS_WAIT_DEFAULT_MS, tids, state, ans,
+                            &again)) < 0) {
+        rc = DBR_E_NOMEM;
+        goto out;
+    }
+    memset(hit, 0, n_ranges);
+    for (i = 0; i < n; i++) {
+        if (state[i] == ANSWERED) {
+            uint32_t lo = 0, hi = n_ranges;
+
+            if (ans[i].flags & CENSUS_F_PARTIAL)
+                blind++;
+            while (lo < hi) {           /* the PC: strictly inside a site? */
+                uint32_t mid = lo + (hi - lo) / 2;
+                if (ans[i].pc < ranges[mid].lo)
+                    hi = mid;
+                else if (ans[i].pc >= ranges[mid].hi)
+                    lo = mid + 1;
+                else {
+                    hit[mid] = 1;
+                    break;
+                }
+            }
+        } else if (state[i] == WAITING || state[i] == DBR_CENSUS_NO_REPLY) {
+            /* no answer: a thread stopped (ptrace, SIGSTOP) or the signal blocked;
+             * it may be anywhere, unless it has exited */
+            if (!(syscall(SYS_tgkill, getpid(), tids[i], 0) < 0 && errno == ESRCH))
+                blind++;
+        }
+    }
+    for (k = 0; k < n_ranges; k++)
+        if (__atomic_load_n(&g_cs_refs[k], __ATOMIC_RELAXED))
+            hit[k] = 1;
+    if (blind)
+        memset(hit, 1, n_ranges);
+    dbr_log("entry census: %d threads, %u sites, %d unknown, %d again", n, n_ranges, blind, again);
+out:
+    dbr_free(tids);
+    dbr_free(state);
+    dbr_free(ans);
     return rc;
 }
 

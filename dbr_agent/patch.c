@@ -1,7 +1,7 @@
 /*
  * patch.c — the site table, the region table, PATCH/UNPATCH validation and
- * the cross-modifying-code protocols (DESIGN.md invariant 5), and the SIGTRAP
- * handler of the int3 variant.
+ * the cross-modifying-code protocols (docs/architecture.md, "Invariants" 5),
+ * and the SIGTRAP handler of the int3 variant.
  *
  * A patch is always `E9 rel32` at `site`.  A batch is validated completely
  * before any byte is written; the valid sites are then written phase by phase
@@ -9,11 +9,26 @@
  * touched page made RWX for the duration and its original protection
  * restored afterwards.  Every store is an aligned atomic store (1 byte, or a
  * compare-exchange of the aligned 8-byte word holding a 2- or 5-byte span).
+ *
+ * Entry sites (DBR_SITE_F_ENTRY, docs/architecture.md, "Invariants" 3): the first
+ * instructions of a function, together >= 5 bytes, so the patch overwrites
+ * instruction boundaries.  The service has seen no branch into bytes 1-4; what is
+ * left is a thread already inside them, or one that will resume there (a PC saved
+ * in a signal frame).  Int3 only.  After the CC is stored and synced no thread can
+ * newly enter bytes 1-4 (byte 0 traps to the replacement entry, nothing branches
+ * there), so a census taken then is final: every thread's PC, registers and stack
+ * words are looked at (census.c, dbr_census_inside); if any lies in bytes 1-4 of
+ * the site, or a thread's whereabouts are unknown, byte 0 is restored and the site
+ * answers E_INSIDE, else bytes 1-4 and byte 0 are written as usual.  While the
+ * jmp is in place nothing can reach bytes 1-4 either, so removal needs no census.
  */
 #include <assert.h>
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <ucontext.h>
 
 #include "agent.h"
@@ -91,6 +106,7 @@ static void trap_handler(int sig, siginfo_t *si, void *ucv)
     ucontext_t *uc = ucv;
     uint64_t rip = (uint64_t)uc->uc_mcontext.gregs[REG_RIP];
     unsigned i, n;
+    uint64_t census;         /* a kernel sigset */
 
     if (si->si_code > 0 && rip > 0) {        /* kernel-generated (int3: SI_KERNEL) */
         n = __atomic_load_n(&g_n_sites, __ATOMIC_ACQUIRE);
@@ -108,12 +124,39 @@ static void trap_handler(int sig, siginfo_t *si, void *ucv)
             return;
         }
     }
+    /* not ours: the program's handler runs with the census signal as it was before */
+    if (!sigismember(&uc->uc_sigmask, g_cfg.census_sig)) {
+        int saved_errno = errno;
+
+        census = 1ull << (g_cfg.census_sig - 1);
+        syscall(SYS_rt_sigprocmask, SIG_UNBLOCK, &census, NULL, sizeof census);
+        errno = saved_errno;
+    }
     dbr_signal_chain(sig, si, ucv);
 }
 
+/*
+ * The census signal is blocked while the handler runs.  A thread that traps on
+ * the CC of an entry site has, in its signal frame, the PC after the CC: byte 1
+ * of the site, where it never resumes (the handler sends it elsewhere).  A census
+ * answered from inside the handler, or from a frame the kernel set up together
+ * with this one, would find that word on the stack and call the site busy; with
+ * the signal blocked it is answered after the handler's sigreturn.
+ */
 void dbr_patch_init(void)
 {
-    dbr_signal_install(SIGTRAP, trap_handler, SA_SIGINFO | SA_ONSTACK | SA_RESTART | SA_NODEFER);
+    struct sigaction sa;
+
+    if (dbr_signal_install(SIGTRAP, trap_handler, SA_SIGINFO | SA_ONSTACK | SA_RESTART |
+                           SA_NODEFER) != DBR_OK)
+        return;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = trap_handler;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    sigaddset(&sa.sa_mask, g_cfg.census_sig);
+    if (dbr_real_sigaction(SIGTRAP, &sa, NULL) < 0)
+        dbr_log("SIGTRAP: cannot block the census signal in the handler");
 }
 
 /* ---------------- regions ---------------- */
@@ -219,6 +262,7 @@ struct op {
     uint8_t variant;
     uint32_t idx;       /* index into the request / result arrays */
     int rc;
+    uint8_t inner;      /* an entry site's inner boundaries (0: one instruction) */
     struct dbr_site_ent *ent;
 };
 
@@ -300,7 +344,7 @@ static pid_t trap_blocker(void)
 
 /* Before step 1: int3 ops become self-branch ones, or are refused, while some
  * thread has SIGTRAP blocked. */
-static void guard_int3(struct op *ops, size_t n)
+static void guard_int3(struct op *ops, size_t n, int unpatch)
 {
     size_t i;
     pid_t who = 0;
@@ -323,7 +367,10 @@ static void guard_int3(struct op *ops, size_t n)
 
         if (o->rc != DBR_OK || o->variant != DBR_VARIANT_INT3)
             continue;
-        if (variant_fits(DBR_VARIANT_SELF_BRANCH, o->addr))
+        /* An entry site is installed with int3 only: EB FE over byte 1 would break a
+         * thread at that boundary.  Its removal may use self-branch: no thread can be
+         * in bytes 1-4 while the jmp is there. */
+        if (variant_fits(DBR_VARIANT_SELF_BRANCH, o->addr) && (!o->inner || unpatch))
             o->variant = DBR_VARIANT_SELF_BRANCH;
         else
             o->rc = DBR_E_BUSY;
@@ -343,8 +390,69 @@ static int u64cmp(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* Apply the ops (all validated).  Sets op->rc for failures (PROTECT, MISMATCH). */
-static void write_ops(struct op *ops, size_t n, const struct dbr_maps *maps)
+/* Step 1 done and synced: no thread can newly enter bytes 1-4 of an entry site.
+ * Each entry site being installed with a thread inside (or possibly inside) gets
+ * its byte 0 back and E_INSIDE.  Returns whether a byte was restored. */
+static int entry_census(struct op *ops, size_t n)
+{
+    struct dbr_range *r;
+    uint32_t *idx, k = 0, j, m;
+    uint8_t *hit;
+    size_t i;
+    int rc = DBR_E_NOMEM, restored = 0;
+
+    for (i = 0; i < n; i++)
+        if (ops[i].rc == DBR_OK && ops[i].inner)
+            k++;
+    if (k == 0)
+        return 0;
+    r = dbr_alloc(k * sizeof *r);
+    idx = dbr_alloc(k * sizeof *idx);
+    hit = dbr_alloc(k);
+    if (r && idx && hit) {
+        k = 0;
+        for (i = 0; i < n; i++)
+            if (ops[i].rc == DBR_OK && ops[i].inner)
+                idx[k++] = (uint32_t)i;
+        for (j = 1; j < k; j++) {       /* by address (insertion sort: batches are small) */
+            uint32_t v = idx[j];
+            for (m = j; m > 0 && ops[idx[m - 1]].addr > ops[v].addr; m--)
+                idx[m] = idx[m - 1];
+            idx[m] = v;
+        }
+        /* bytes 1-4 of each site: ascending and disjoint (sites never overlap) */
+        for (j = 0; j < k; j++) {
+            r[j].lo = ops[idx[j]].addr + 1;
+            r[j].hi = ops[idx[j]].addr + DBR_PATCH_LEN;
+        }
+        rc = dbr_census_inside(r, k, hit);
+    }
+    for (i = 0; i < n; i++) {
+        struct op *o = &ops[i];
+
+        if (o->rc != DBR_OK || !o->inner)
+            continue;
+        if (rc == DBR_OK) {
+            for (m = 0; m < k && idx[m] != i; m++)
+                ;
+            if (m < k && !hit[m])
+                continue;           /* nobody inside: install */
+        }
+        o->rc = DBR_E_INSIDE;
+        byte_store(o->addr, o->old[0]);
+        restored = 1;
+        dbr_log("entry site %#lx: a thread is or may be inside it (census %d): left as it was",
+                (unsigned long)o->addr, rc);
+    }
+    dbr_free(r);
+    dbr_free(idx);
+    dbr_free(hit);
+    return restored;
+}
+
+/* Apply the ops (all validated).  Sets op->rc for failures (PROTECT, MISMATCH,
+ * INSIDE). */
+static void write_ops(struct op *ops, size_t n, const struct dbr_maps *maps, int unpatch)
 {
     uint64_t pg = (uint64_t)dbr_page_size(), *addrs = NULL;
     struct page *pages = NULL;
@@ -383,7 +491,7 @@ static void write_ops(struct op *ops, size_t n, const struct dbr_maps *maps)
                 ops[i].rc = DBR_E_PROTECT;
     }
 
-    guard_int3(ops, n);
+    guard_int3(ops, n, unpatch);
     /* step 1 */
     need = 0;
     for (i = 0; i < n; i++) {
@@ -403,8 +511,9 @@ static void write_ops(struct op *ops, size_t n, const struct dbr_maps *maps)
     }
     if (need)
         sync_cores();
+    /* entry sites being installed: is a thread inside? (restored ones synced below) */
+    need = unpatch ? 0 : entry_census(ops, n);
     /* step 2: the tail bytes (no thread can execute them now) */
-    need = 0;
     for (i = 0; i < n; i++) {
         struct op *o = &ops[i];
         unsigned k;
@@ -473,6 +582,9 @@ static int variant_fits(uint8_t variant, uint64_t site)
     }
 }
 
+/* bits of dbr_patch_site.inner that may be set: offsets 1 .. DBR_PATCH_LEN-1 */
+#define ENTRY_INNER_BITS ((uint8_t)(((1u << DBR_PATCH_LEN) - 1) & ~1u))
+
 static int overlaps(uint64_t a, uint64_t b)
 {
     return a < b + DBR_PATCH_LEN && b < a + DBR_PATCH_LEN;
@@ -489,6 +601,12 @@ static int validate_patch(const struct dbr_patch_site *s, const struct dbr_maps 
     size_t i;
 
     if (s->len != DBR_PATCH_LEN || s->variant > DBR_VARIANT_SINGLE)
+        return DBR_E_INVAL;
+    if (s->flags & ~DBR_SITE_F_ENTRY)
+        return DBR_E_INVAL;
+    if ((s->flags & DBR_SITE_F_ENTRY) ? s->inner == 0 || (s->inner & ~ENTRY_INNER_BITS) ||
+                                        s->variant != DBR_VARIANT_INT3
+                                      : s->inner != 0)
         return DBR_E_INVAL;
     if (!dbr_sync_core_ready())
         return DBR_E_NOSYNC;
@@ -576,6 +694,7 @@ void dbr_patch_batch(const struct dbr_patch_site *sites, uint32_t n, int unpatch
             memcpy(o->old, e->jmp, 5);
             memcpy(o->new, e->orig, 5);
             o->variant = e->variant;
+            o->inner = e->inner;
             o->ent = e;
         } else {
             int32_t rel = (int32_t)(s->target - (s->site + DBR_PATCH_LEN));
@@ -584,6 +703,7 @@ void dbr_patch_batch(const struct dbr_patch_site *sites, uint32_t n, int unpatch
             o->new[0] = 0xE9;
             memcpy(o->new + 1, &rel, 4);
             o->variant = s->variant;
+            o->inner = (s->flags & DBR_SITE_F_ENTRY) ? s->inner : 0;
             e = site_find(s->site);
             if (!e) {
                 unsigned k = __atomic_load_n(&g_n_sites, __ATOMIC_ACQUIRE);
@@ -602,13 +722,14 @@ void dbr_patch_batch(const struct dbr_patch_site *sites, uint32_t n, int unpatch
             e->region_id = s->region_id;
             e->buffer_id = buffer_id;
             e->variant = s->variant;
+            e->inner = o->inner;
             memcpy(e->orig, s->orig, 5);
             memcpy(e->jmp, o->new, 5);
             o->ent = e;
         }
         nops++;
     }
-    write_ops(ops, nops, &maps);
+    write_ops(ops, nops, &maps, unpatch);
     for (i = 0; i < nops; i++) {
         struct op *o = &ops[i];
 

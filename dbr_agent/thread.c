@@ -7,7 +7,7 @@
  * (__libc_single_threaded).  pthread_create leaves them for good.  A thread
  * made by pthread_create for the agent would make every client pay for locks
  * it does not need: a getc loop ran 7x slower, malloc/free 5 % (design-notes,
- * "The agent's thread, seen from the program").  So the agent makes its
+ * "The agent's thread is hidden from glibc").  So the agent makes its
  * thread with clone(2), outside glibc's thread list and count, with a thread
  * control block of its own so that the glibc functions it does call (syscall
  * wrappers and errno, pthread mutexes and condition variables shared with
@@ -182,8 +182,8 @@ static void release(void)
  * queue, then takes that same policy (its nice value it already has) before
  * it does anything else: dbr_thread_settle, first thing on the thread.  Its
  * connection to a service comes RT_PARK_MS later than it would; a program
- * that ends sooner never had a session.  design-notes, "The agent's thread is
- * born in the real-time class": the placements and timings.
+ * that ends sooner never had a session.  design-notes, "Quiet while the
+ * program starts": why this birth was tried and is no longer the default.
  *
  * Off unless DBR_AGENT_RT_BIRTH=1.  The birth needs the creating thread to
  * change its policy and back, and any such change of a program's thread in its

@@ -19,7 +19,7 @@ from dbr_service.errors import ProtocolError
 __all__ = ["ProtocolError"]
 
 PROTO_MAGIC = 0x31524244
-PROTO_VERSION = 3
+PROTO_VERSION = 4
 
 MSG_MAX = 65536
 MAX_SITES = 512
@@ -88,6 +88,7 @@ class Result(enum.IntEnum):
     E_UNKNOWN = -17
     E_DENIED = -18
     E_LIMIT = -19
+    E_INSIDE = -20
 
 
 class Variant(enum.IntEnum):
@@ -112,6 +113,10 @@ HELLO_QUIET_THREADS = 0x10
 HELLO_SAMPLER_LISTED = 0x20
 HELLO_EVICT = 0x40
 HELLO_FRAMES = 0x80
+HELLO_ENTRY_SITES = 0x100
+
+#: dbr_patch_site.flags
+SITE_F_ENTRY = 0x1
 
 SAMPLER_LISTED = 0x1
 
@@ -214,7 +219,7 @@ class RegionForget(_S):
 
 class PatchSite(_S):
     _fields_ = [("site", u64), ("target", u64), ("region_id", u32), ("variant", u8),
-                ("len", u8), ("reserved", u8 * 2), ("orig", u8 * 8)]
+                ("len", u8), ("flags", u8), ("inner", u8), ("orig", u8 * 8)]
 
 
 class PatchBatch(_S):
@@ -325,6 +330,7 @@ C_CONSTANTS: dict[str, int] = {
     "DBR_HELLO_QUIET_THREADS": HELLO_QUIET_THREADS, "DBR_NOTICE_THREADS": NOTICE_THREADS,
     "DBR_HELLO_SAMPLER_LISTED": HELLO_SAMPLER_LISTED, "DBR_SAMPLER_LISTED": SAMPLER_LISTED,
     "DBR_HELLO_EVICT": HELLO_EVICT, "DBR_HELLO_FRAMES": HELLO_FRAMES,
+    "DBR_HELLO_ENTRY_SITES": HELLO_ENTRY_SITES, "DBR_SITE_F_ENTRY": SITE_F_ENTRY,
     "DBR_DISCONNECT_KEEP": DISCONNECT_KEEP,
     "DBR_DISCONNECT_REVERT": DISCONNECT_REVERT, "DBR_BYE_REVERT": BYE_REVERT,
     "DBR_CENSUS_OK": CENSUS_OK, "DBR_CENSUS_NO_REPLY": CENSUS_NO_REPLY,

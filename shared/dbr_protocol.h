@@ -28,8 +28,9 @@
 #include <stdint.h>
 
 #define DBR_PROTO_MAGIC   0x31524244u /* "DBR1" as little-endian bytes */
-#define DBR_PROTO_VERSION 3u /* 2: PC_CENSUS_REQ carries ranges; census entries report
-                              * stack words found in them; 3: FRAMES_ADD, FRAMES_DEL */
+#define DBR_PROTO_VERSION 4u /* 2: PC_CENSUS_REQ carries ranges; census entries report
+                              * stack words found in them; 3: FRAMES_ADD, FRAMES_DEL;
+                              * 4: patch sites at function entries (DBR_SITE_F_ENTRY) */
 
 #define DBR_MSG_MAX        65536u /* largest datagram either side accepts */
 #define DBR_MAX_SITES      512u   /* sites in one PATCH/UNPATCH batch */
@@ -102,10 +103,12 @@ enum dbr_result {
     DBR_E_FORBIDDEN    = -16, /* site inside the agent itself or inside a code buffer */
     DBR_E_UNKNOWN      = -17, /* unknown buffer/region id */
     DBR_E_DENIED       = -18, /* refused by policy (uid, pid mismatch, ...) */
-    DBR_E_LIMIT        = -19  /* a table is full (sites, buffers, regions) */
+    DBR_E_LIMIT        = -19, /* a table is full (sites, buffers, regions) */
+    DBR_E_INSIDE       = -20  /* a thread is, or may be, inside an entry site's bytes:
+                               * nothing of it was left written; try again later */
 };
 
-/* Cross-modifying-code protocol of one site (DESIGN.md invariant 5). */
+/* Cross-modifying-code protocol of one site (docs/architecture.md, "Invariants" 5). */
 enum dbr_variant {
     DBR_VARIANT_INT3        = 0, /* CC, sync, bytes 1-4, sync, byte 0, sync (default) */
     DBR_VARIANT_SELF_BRANCH = 1, /* EB FE, sync, bytes 2-4, sync, bytes 0-1, sync */
@@ -123,6 +126,13 @@ enum dbr_variant {
                                         * DBR_MSG_SAMPLER_THREAD names the threads */
 #define DBR_HELLO_EVICT      0x40u /* DBR_MSG_EVICT understood */
 #define DBR_HELLO_FRAMES     0x80u /* DBR_MSG_FRAMES_ADD/DEL understood */
+#define DBR_HELLO_ENTRY_SITES 0x100u /* PATCH takes DBR_SITE_F_ENTRY sites */
+
+/* dbr_patch_site.flags */
+#define DBR_SITE_F_ENTRY     0x1u /* several instructions at a function entry that together
+                                   * span at least 5 bytes (docs/architecture.md,
+                                   * "Invariants" 3): `inner` names the instruction
+                                   * boundaries the patch overwrites; int3 variant only */
 
 /* SAMPLER_START.flags */
 #define DBR_SAMPLER_LISTED   0x1u /* no thread gets a timer until SAMPLER_THREAD names it
@@ -293,7 +303,9 @@ struct dbr_patch_site {
     uint32_t region_id;  /* 0 if none announced */
     uint8_t  variant;    /* enum dbr_variant */
     uint8_t  len;        /* DBR_PATCH_LEN */
-    uint8_t  reserved[2];
+    uint8_t  flags;      /* DBR_SITE_F_*; 0: the site is one instruction of >= len bytes */
+    uint8_t  inner;      /* DBR_SITE_F_ENTRY: bit k (1 <= k < len) set when site + k is an
+                          * instruction boundary; at least one; else 0 */
     uint8_t  orig[8];    /* expected original bytes (first len used) */
 };
 

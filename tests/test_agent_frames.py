@@ -19,9 +19,7 @@ import pytest
 from dbr_service import protocol as P
 from dbr_service.codegen.cfi import load_eh_frame, translate
 from dbr_service.codegen.frames import records_len
-from harness import (FakeService, compile_c, fake_service_fixture, patch_sites,  # noqa: F401
-                     read_mem)
-from test_codegen_cfi import relocate_copy, symbols
+from harness import FakeService, compile_c, patch_sites, read_mem, relocate_copy, symbols
 
 REGION = 7
 
@@ -162,7 +160,7 @@ def test_installer_names_frames_before_the_patch_and_withdraws_them_with_the_chu
     frees the chunk withdraws it (FRAMES_DEL)."""
     from types import SimpleNamespace
 
-    from dbr_service.install import CodeSpace, InstallState, Installer
+    from dbr_service.install import CodeSpace, InstallState, Installer, decode_inner
 
     client = svc.spawn([exe])
     copyme = int(client.out.expect("copyme").split()[1], 16)
@@ -181,7 +179,9 @@ def test_installer_names_frames_before_the_patch_and_withdraws_them_with_the_chu
     gen = SimpleNamespace(code=code, base=chunk.addr, entries={copyme: chunk.addr},
                           addr_map=[(chunk.addr, chunk.addr + size, copyme)], exits=[],
                           transfers={}, evictions={}, calls={}, returns={})
-    reg = inst.install(chunk, gen, name="copy", frames=[blob])
+    # the function's entry: an entry site when its first instruction is short
+    inner = decode_inner(read_mem(client.pid, copyme, 32), copyme)
+    reg = inst.install(chunk, gen, name="copy", frames=[blob], entry_sites={copyme: inner})
     assert reg.state is InstallState.INSTALLED and reg.frames == 1
     assert [e[0] for e in conn.log] == ["region", "frames", "patch"]
     assert conn.log[1] == ("frames", True, P.Result.OK)

@@ -14,7 +14,7 @@ import pytest
 
 from dbr_service import protocol as P
 from dbr_service.sampling.perf import list_tids
-from harness import compile_c, fake_service_fixture  # noqa: F401
+from harness import compile_c
 
 NOTICES = (P.MsgType.THREAD_NEW, P.MsgType.THREAD_EXIT)
 

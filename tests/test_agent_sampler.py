@@ -15,7 +15,7 @@ from dbr_service import protocol as P
 from dbr_service.errors import AgentError
 from dbr_service.sampling.agent_timer import AgentTimerRing
 from dbr_service.sampling.perf import list_tids
-from harness import compile_c, fake_service_fixture  # noqa: F401
+from harness import compile_c
 
 PROGS = Path(__file__).resolve().parent / "sampling_progs"
 

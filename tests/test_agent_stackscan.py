@@ -21,8 +21,8 @@ import pytest
 from dbr_service import protocol as P
 from dbr_service.agentconn import CensusResult, CodeBufferHandle
 from dbr_service.install import Chunk, CodeSpace, InstallState, Installer
-from harness import (FakeService, assemble, compile_c, fake_service_fixture,  # noqa: F401
-                     parse_sites, patch_sites, read_mem)
+from harness import (FakeService, assemble, compile_c, parse_sites, patch_sites,
+                     read_mem)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,8 @@ def caller(p: Prog, at: int, site: int, callee: int) -> int:
     return at + len(head)
 
 
-def enter(p: Prog, site_k: int, callee: int, threads: int, cmd: str = "go") -> tuple[int, list[int]]:
+def enter(p: Prog, site_k: int, callee: int, threads: int,
+          cmd: str = "go") -> tuple[int, list[int]]:
     """Patch site ``site_k`` with a caller of ``callee``, have ``threads`` threads call
     it and wait in park(), then unpatch: nothing enters the code any more.  Returns
     the return address and the threads' tids."""
@@ -411,11 +412,16 @@ def test_census_ranges_are_grouped_beyond_the_limit():
     assert space.census_done(_census(space, {buf.base + 40: 1})) == 0
     held = [c for c in chunks if space.retained(c)["stack_refs"]]
     assert chunks[1] in held and len(held) < len(chunks)
-    # adjacent chunks make one range
+    # adjacent chunks stay apart: a word in one holds only that one
     space2, buf2, _ = _space()
-    for k in range(4):
-        space2.release(Chunk(buf2, buf2.base + 16 * k, 16))
-    assert space2.census_ranges() == [(buf2.base, buf2.base + 64)]
+    adjacent = [Chunk(buf2, buf2.base + 16 * k, 16) for k in range(4)]
+    for c in adjacent:
+        space2.release(c)
+    assert space2.census_ranges() == [(buf2.base + 16 * k, buf2.base + 16 * k + 16)
+                                      for k in range(4)]
+    assert space2.census_done(_census(space2, {buf2.base + 40: 1})) == 0
+    assert [bool(space2.retained(c)["stack_refs"]) for c in adjacent] == \
+        [False, False, True, False]
 
 
 def test_installer_reclaims_only_after_the_callee_returns(svc, exe):
@@ -453,7 +459,8 @@ def test_installer_reclaims_only_after_the_callee_returns(svc, exe):
 def test_regions_listing_says_what_retains_removed_code():
     """`dbr ctl regions PID`: a removed region whose code is still kept has `retained`
     (JSON), and the table says what keeps it."""
-    from dbr_service.clients import RegionRecord, RegionState
+    import threading
+    from dbr_service.session_regions import RegionBook, RegionRecord, RegionState
     from dbr_service.cmd_ctl import render
     from dbr_service.control import verb_regions
 
@@ -465,7 +472,9 @@ def test_regions_listing_says_what_retains_removed_code():
                                info={"install_id": 2}),
             "r3": RegionRecord("r3", "/bin/x", [0x403000], 1, 32, RegionState.INSTALLED,
                                info={"install_id": 3})}
-    session = SimpleNamespace(pid=5, region_status="3 region(s)", regions=recs,
+    book = RegionBook(threading.RLock())
+    book.regions.update(recs)
+    session = SimpleNamespace(pid=5, region_status="3 region(s)", region_book=book,
                               installer=SimpleNamespace(retained=lambda: {1: held}))
     out = verb_regions(SimpleNamespace(find_client=lambda pid: session), {"pid": 5})
     assert [r.get("retained") for r in out["regions"]] == [held, None, None]

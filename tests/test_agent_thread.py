@@ -166,7 +166,8 @@ def _no_rtprio_nor_sys_nice():
     that would load an agent too: RLIMIT_RTPRIO 0, and CAP_SYS_NICE out of the
     bounding set, so that the program, root or not, does not hold it after exec."""
     resource.setrlimit(resource.RLIMIT_RTPRIO, (0, 0))
-    if ctypes.CDLL(None, use_errno=True).prctl(24, 23, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_SYS_NICE
+    # PR_CAPBSET_DROP (24), CAP_SYS_NICE (23)
+    if ctypes.CDLL(None, use_errno=True).prctl(24, 23, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP")
 
 
@@ -398,7 +399,7 @@ HINT = "the service's hint"
 ], ids=["zero", "env-wins", "garbage", "fifo"])
 def test_agent_thread_takes_the_services_quiet_hint(alone_exe, hint, env_quiet, said, min_wait):
     """A service writes how young a client it samples to paths.QUIET_FILE beside
-    agent.sock (service.py, write_quiet_hint); the agent reads it unless
+    agent.sock (runtime_dir.py, write_quiet_hint); the agent reads it unless
     DBR_AGENT_QUIET_MS is set.  A FIFO there would block a plain open: the agent opens
     it non-blocking and keeps its default.  (A hint of more than 0 plans the thread's
     birth: tests/test_agent_birth.py.)"""

@@ -9,7 +9,7 @@ import pytest
 
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection
-from harness import FakeService, assemble, compile_c, fake_service_fixture  # noqa: F401
+from harness import FakeService, assemble, compile_c
 
 #: The copy of ``spin``'s loop: same instructions and offsets, returns 2.
 COPY = "loop: mov rax, qword ptr [rdi]; test rax, rax; je loop; mov eax, 2; ret"
@@ -129,8 +129,7 @@ def test_malformed_transfer_length_closes_the_session(svc, spin_exe):
 from dbr_service.errors import CodegenError  # noqa: E402
 from dbr_service.install import CodeSpace, InstallState, Installer  # noqa: E402
 from dbr_service.optimize import EvalPolicy, Evaluator, check_original  # noqa: E402
-from harness import read_mem  # noqa: E402
-from test_install import FakeGen  # noqa: E402
+from harness import FakeGen, read_mem  # noqa: E402
 
 
 def transfer_only_region(svc, exe, threads: int, *, offsets=OFFSETS, transfer=True):

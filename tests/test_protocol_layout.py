@@ -156,3 +156,27 @@ def test_quiet_file_name_and_parsing_match_the_agent(tmp_path):
         paths.QUIET_FILE + ".fd01-1234-%x" % 1_700_000_000
     before_1970 = stat(2, 1, -1)    # 1 ns before: tv_sec -1, tv_nsec 999999999
     assert paths.program_key(before_1970) == "2-1-ffffffffffffffff"   # tv_sec -1 as %llx
+
+
+def test_entry_site_record():
+    """An entry site (SITE_F_ENTRY) names its inner boundaries as bits 1..4 of `inner`,
+    in the bytes that were `reserved` before protocol 4; the size is unchanged."""
+    from dbr_service.agentconn import make_site, site_inner
+
+    assert ctypes.sizeof(protocol.PatchSite) == 32
+    s = make_site(0x401000, 0x7F0000000000, bytes.fromhex("554889e548"),
+                  inner=[0x401001, 0x401004])
+    assert (s.flags, s.inner) == (protocol.SITE_F_ENTRY, 0b10010)
+    assert site_inner(s) == [0x401001, 0x401004]
+    raw = protocol.pack_array_msg(protocol.PatchBatch(batch_id=1), protocol.MsgType.PATCH,
+                                  [s], seq=1)
+    back = protocol.unpack(raw).items[0]
+    assert (back.flags, back.inner) == (protocol.SITE_F_ENTRY, 0b10010)
+    plain = make_site(0x401000, 0x7F0000000000, bytes(5))
+    assert (plain.flags, plain.inner) == (0, 0) and site_inner(plain) == []
+    with pytest.raises(Exception):
+        make_site(0x401000, 0x7F0000000000, bytes(5), inner=[0x401000])
+    with pytest.raises(Exception):
+        make_site(0x401000, 0x7F0000000000, bytes(5), variant=protocol.Variant.SELF_BRANCH,
+                  inner=[0x401001])
+    assert protocol.Result.E_INSIDE == -20 and protocol.PROTO_VERSION == 4

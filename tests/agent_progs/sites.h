@@ -1,6 +1,7 @@
 /* Eight patchable functions, site_k at an address == k (mod 8).  Each computes
  * x*1000+7; its first instruction `imul eax, edi, 1000` (69 C7 E8 03 00 00) is six
- * bytes long, so a 5-byte patch covers only that instruction (DESIGN invariant 3).
+ * bytes long, so a 5-byte patch covers only that instruction (docs/architecture.md,
+ * "Invariants" 3).
  */
 #ifndef SITES_H
 #define SITES_H
