@@ -37,6 +37,7 @@ from dbr_service.codegen.cfi import (
     sleb, translate, uleb)
 from dbr_service.codegen.cfi_lsda import parse_lsda
 from dbr_service.errors import CodegenError
+from harness import relocate_copy, symbols
 
 PROGS = Path(__file__).parent / "cfi_progs"
 CS = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
@@ -74,17 +75,6 @@ def progs(tmp_path_factory) -> dict[str, Path]:
 
 def module(progs, name: str) -> str:
     return SYSTEM[name] if name in SYSTEM else str(progs[name])
-
-
-def symbols(path) -> dict[str, tuple[int, int]]:
-    out = subprocess.run(["nm", "-S", "--defined-only", str(path)], capture_output=True,
-                         text=True, check=True).stdout
-    syms = {}
-    for line in out.splitlines():
-        f = line.split()
-        if len(f) == 4 and f[2] in "tTwW":
-            syms[f[3]] = (int(f[0], 16), int(f[0], 16) + int(f[1], 16))
-    return syms
 
 
 def section(path, name: str) -> tuple[int, int, int]:
@@ -730,42 +720,6 @@ def test_mutated_programs_only_raise_cfierror(real_sections, progs, seed, ops, j
 
 
 # --------------------------------------------------------------------------- libgcc
-
-def relocate_copy(f: Fde, layout, bias: int) -> bytes:
-    """The copy's bytes for ``layout`` (pieces and 5-byte glue jumps): rel32 branches
-    and rip-relative operands re-aimed (targets in a copied piece go to the copy)."""
-    code = f.image.cursor(f.start).bytes(f.end - f.start)
-    pieces = [it for it in layout if not isinstance(it, Glue)]
-
-    def new_of(o: int) -> int:
-        for lo, hi, ol in pieces:
-            if ol <= o < ol + hi - lo:
-                return lo + o - ol
-        return o + bias
-
-    base = min(it[0] for it in layout)
-    out = bytearray(max(it[1] for it in layout) - base)
-    for it in layout:
-        lo, hi, o = it
-        if isinstance(it, Glue):
-            out[lo - base:hi - base] = b"\xe9" + struct.pack("<i", new_of(o) - hi)
-            continue
-        for insn in CS.disasm(code[o - f.start:o - f.start + hi - lo], o):
-            b = bytearray(insn.bytes)
-            at = lo + insn.address - o
-            end = at + insn.size
-            if capstone.CS_GRP_BRANCH_RELATIVE in insn.groups:
-                target = new_of(insn.operands[0].imm)
-                if insn.imm_size == 4:
-                    b[insn.imm_offset:insn.imm_offset + 4] = struct.pack("<i", target - end)
-                else:                              # rel8: only within its piece
-                    assert target - end == insn.operands[0].imm - insn.address - insn.size
-            elif insn.disp_size == 4 and "rip" in insn.op_str:
-                target = insn.address + insn.size + insn.disp + bias
-                b[insn.disp_offset:insn.disp_offset + 4] = struct.pack("<i", target - end)
-            out[at - base:end - base] = b
-    return bytes(out)
-
 
 def run_copy(progs, tmp_path, kind: str, register: bool):
     path = progs["eh-O2"]

@@ -446,7 +446,8 @@ class World:
 
 
 def _compare(a, b, ctx: str) -> None:
-    assert b.regs == a.regs, f"{ctx}: regs {[(k, hex(a.regs[k]), hex(b.regs[k])) for k in a.regs if a.regs[k] != b.regs[k]]}"
+    differ = [(k, hex(a.regs[k]), hex(b.regs[k])) for k in a.regs if a.regs[k] != b.regs[k]]
+    assert b.regs == a.regs, f"{ctx}: regs {differ}"
     assert b.rflags == a.rflags, ctx
     for k in a.mem:
         if k == STACK:
@@ -546,20 +547,31 @@ def _check_static(gen: GeneratedCode, b: Built) -> None:
 
 
 def test_layout_hot_chain_and_loop_alignment() -> None:
+    """The chains put the loop head right after main's entry block and align it (its
+    back edge runs far more often than main falls into it); ext-TSP rotates the loop
+    instead, so that the latch falls into the head (the back edge is no jump, padding
+    would run every iteration: no alignment), and wins on taken branches."""
+    from dbr_service.codegen.layout import _aligned, chain_order, layout_cost
+
     orig = 0x40_0000
     b = build(PROGRAMS[0], orig, _profile(PROGRAMS[0], orig))
-    lay = compute_layout(b.sr)
-    assert lay.order[0] == b.entry
     (latch, top), = back_edges(b.sr)
     assert b.sr.block(top).start == b.entry + 13         # `top:` after 13 bytes of main
-    assert lay.aligned == {top}                          # the loop head, entered once
-    assert lay.order.index(top) == 1                     # head first: main falls into it
-    gen = emit_region(b.sr, orig + 0x5000_0000)
-    assert gen.block_addr[top] % 16 == 0
-    # the hottest forward edge is a fall-through in the layout
+    chains = chain_order(b.sr)
+    assert chains[0] == b.entry and chains.index(top) == 1   # head first: main falls in
+    assert _aligned(b.sr, chains) == {top}               # the loop head, entered once
+    # the hottest forward edge is a fall-through in the chain layout
     u, v, _ = max((e for e in b.sr.body_edges() if (e[0], e[1]) != (latch, top)),
                   key=lambda e: e[2]["count"])
-    assert lay.order.index(v) == lay.order.index(u) + 1
+    assert chains.index(v) == chains.index(u) + 1
+    lay = compute_layout(b.sr)
+    assert lay.kind == "ext-tsp" and lay.order[0] == b.entry
+    assert lay.order.index(top) == lay.order.index(latch) + 1
+    assert layout_cost(b.sr, lay.order) < layout_cost(b.sr, chains)
+    assert lay.aligned == set()
+    gen = emit_region(b.sr, orig + 0x5000_0000)
+    assert gen.layout_kind == "ext-tsp" and gen.layout == lay.order
+    assert gen.block_addr[latch] < gen.block_addr[top]
 
 
 def test_clone_blocks_and_inlined_return() -> None:
@@ -853,36 +865,39 @@ def test_the_compilers_layout_is_kept_when_chains_do_not_beat_it() -> None:
 
 
 def test_chains_win_where_the_compiler_put_a_rare_block_in_the_hot_path() -> None:
-    """``head: ...; jnz l`` taken 99 times in 100 with the rare block as its
-    fall-through (a -O0 or profile-less layout): the chains let head fall into l (the
-    jcc inverted), one taken branch an iteration instead of two."""
+    """``head: ...; jnz latch`` taken 99 times in 100 with the rare block as its
+    fall-through (a -O0 or profile-less layout): the orders made from the counts let
+    head fall into latch (the jcc inverted), one taken branch an iteration instead of two;
+    ext-TSP and the chains agree, and ext-TSP takes a tie."""
     from dbr_service.codegen.layout import layout_cost, original_order
 
     src = """
     head:  add eax, 1
            test eax, 0xff
-           jnz l
+           jnz latch
     rare:  xor ebx, eax
-    l:     dec ecx
+    latch: dec ecx
            jnz head
            ret
     """
     o = 0x40_0000
     code = asm_commented(src, o)
     bl = build_blocks(code, o)
-    head, rare, l = sorted(bl)[:3]
+    head, rare, latch = sorted(bl)[:3]
     sr = SuperRegion("rare-fallthrough")
-    for x in (head, rare, l):
+    for x in (head, rare, latch):
         sr.add_block(bl[x])
     sr.add_edge(START, head, EdgeKind.ENTRY, 1)
-    sr.add_edge(head, l, EdgeKind.FLOW, 99)
+    sr.add_edge(head, latch, EdgeKind.FLOW, 99)
     sr.add_edge(head, rare, EdgeKind.FALLTHROUGH, 1)
-    sr.add_edge(rare, l, EdgeKind.FALLTHROUGH, 1)
-    sr.add_edge(l, head, EdgeKind.FLOW, 99)
-    sr.add_edge(l, END, EdgeKind.EXIT, 1, target=bl[l].end)
+    sr.add_edge(rare, latch, EdgeKind.FALLTHROUGH, 1)
+    sr.add_edge(latch, head, EdgeKind.FLOW, 99)
+    sr.add_edge(latch, END, EdgeKind.EXIT, 1, target=bl[latch].end)
     sr.verify()
+    from dbr_service.codegen.layout import chain_order
+
     lay = compute_layout(sr)
-    assert lay.kind == "chains" and lay.order == [head, l, rare]
+    assert lay.kind == "ext-tsp" and lay.order == [head, latch, rare] == chain_order(sr)
     assert layout_cost(sr, lay.order) == 99 + 1 + 1 < layout_cost(sr, original_order(sr))
     gen = emit_region(sr, 0x1000_0000)
-    assert gen.layout_kind == "chains"
+    assert gen.layout_kind == "ext-tsp"

@@ -25,8 +25,8 @@ from dbr_service.optimize import emit_with_frames
 from dbr_service.region.discovery import hot_code_discovery
 from dbr_service.region.memview import ElfMemoryView
 from dbr_service.region.pipeline import RegionConfig, run_pipeline
-from harness import compile_c
-from test_codegen_cfi import CS, symbols
+from codegen_util import CS
+from harness import compile_c, symbols
 
 E2E = Path(__file__).resolve().parent / "e2e_progs"
 NEAR, FAR = 0x4000_0000, 0x10_0000_0000

@@ -76,7 +76,8 @@ for sz, regs in (("byte", ("al", "r9b", "sil")), ("word", ("ax", "r10w")),
                       f"test {sz} ptr [rip + {{D}}], {imm}", f"neg {sz} ptr [rip + {{D}}]",
                       f"shl {sz} ptr [rip + {{D}}], 3", f"inc {sz} ptr [rip + {{D}}]"]
     for op in ("adc", "sbb", "and", "or", "xor", "sub"):
-        RIP_TEMPLATES += [f"{op} {sz} ptr [rip + {{D}}], 0x3", f"{op} {sz} ptr [rip + {{D}}], {imm}"]
+        RIP_TEMPLATES += [f"{op} {sz} ptr [rip + {{D}}], 0x3",
+                          f"{op} {sz} ptr [rip + {{D}}], {imm}"]
 RIP_TEMPLATES += [
     "lea rax, [rip + {D}]", "lea r13d, [rip + {D}]", "lea rbp, [rip + {D}]",
     "movzx eax, byte ptr [rip + {D}]", "movsx r8, word ptr [rip + {D}]",
@@ -123,7 +124,8 @@ def build_cases() -> list[Case]:
     for cc_i, cc in enumerate(JCC):
         for far, d in ((False, 0x40), (False, -0x30), (True, 0x4000), (True, -0x3000)):
             mapped = (cc_i + d) % 2 == 0
-            cases.append(Case(f"{cc} {'rel32' if far else 'rel8'} {d:+#x}{' mapped' if mapped else ''}",
+            name = f"{cc} {'rel32' if far else 'rel8'} {d:+#x}{' mapped' if mapped else ''}"
+            cases.append(Case(name,
                               lambda o, cc=cc, d=d: asm(f"{cc} {o + d:#x}", o), Kind.JCC,
                               mapped=(lambda o, d=d: {o + d}) if mapped else (lambda o: set()),
                               extra_states=3))
@@ -182,7 +184,9 @@ def _indirect_cases() -> list[Case]:
     def choose(rng, o, i):
         return (targets(o) + [o + 0x500])[i % 4]
 
-    slot = lambda o: data_of(o) + 0x80
+    def slot(o):
+        return data_of(o) + 0x80
+
     forms = [
         ("rax", lambda o: "rax", lambda rng, o, i: {"rax": choose(rng, o, i)}, None),
         ("r11", lambda o: "r11", lambda rng, o, i: {"r11": choose(rng, o, i)}, None),
@@ -190,7 +194,8 @@ def _indirect_cases() -> list[Case]:
         ("rcx", lambda o: "rcx", lambda rng, o, i: {"rcx": choose(rng, o, i)}, None),
         ("[rcx+8]", lambda o: "qword ptr [rcx + 8]", lambda rng, o, i: {"rcx": slot(o) - 8},
          lambda rng, o, i: {slot(o): struct.pack("<Q", choose(rng, o, i))}),
-        ("[rip]", "rip", lambda rng, o, i: {}, lambda rng, o, i: {slot(o): struct.pack("<Q", choose(rng, o, i))}),
+        ("[rip]", "rip", lambda rng, o, i: {},
+         lambda rng, o, i: {slot(o): struct.pack("<Q", choose(rng, o, i))}),
         ("[rbx+8]", lambda o: "qword ptr [rbx + 8]", lambda rng, o, i: {"rbx": slot(o) - 8},
          lambda rng, o, i: {slot(o): struct.pack("<Q", choose(rng, o, i))}),
         ("[r12+rax*8+0x10]", lambda o: "qword ptr [r12 + rax*8 + 0x10]",
@@ -206,14 +211,19 @@ def _indirect_cases() -> list[Case]:
             if op == "call" and "rsp" in name:
                 continue
             if operand == "rip":
-                make = (lambda o, op=op: asm_rip(f"{op} qword ptr [rip + {{D}}]", o, slot(o)))
+                def make(o, op=op):
+                    return asm_rip(f"{op} qword ptr [rip + {{D}}]", o, slot(o))
             else:
-                make = (lambda o, op=op, operand=operand: asm(f"{op} {operand(o)}", o))
+                def make(o, op=op, operand=operand):
+                    return asm(f"{op} {operand(o)}", o)
             out.append(Case(f"{op} {name}", make, Kind.IJMP if op == "jmp" else Kind.ICALL,
-                            mapped=(lambda o: set()) if "rsp" in name else mapped, ijmp_targets=targets, fixed=fixed,
+                            mapped=(lambda o: set()) if "rsp" in name else mapped,
+                            ijmp_targets=targets, fixed=fixed,
                             poke=poke or (lambda rng, o, i: {}), extra_states=5))
     # Many targets: the jrcxz cascade's rel8 runs out, the flag-saving one is used.
-    many = lambda o: [o + 0x100 + 0x40 * k for k in range(16)]
+    def many(o):
+        return [o + 0x100 + 0x40 * k for k in range(16)]
+
     out.append(Case("jmp r9 (16 targets)", lambda o: asm("jmp r9", o), Kind.IJMP,
                     mapped=lambda o: set(many(o)[:-1]), ijmp_targets=many,
                     fixed=lambda rng, o, i: {"r9": many(o)[i % 16]}, extra_states=15))
@@ -332,7 +342,8 @@ def test_rip_operand_static(template: str) -> None:
             assert b.mnemonic == a.mnemonic
             assert b.address + b.size + b.disp == target
             assert rel.fixups[0].orig_target == target and rel.fixups[0].data
-            strip = lambda s: s.split("[")[0] + s.split("]")[1]
+            def strip(s):
+                return s.split("[")[0] + s.split("]")[1]
             assert strip(b.op_str) == strip(a.op_str)
             assert b.bytes[:a.disp_offset] == a.bytes[:a.disp_offset]
             assert b.bytes[a.disp_offset + 4:] == a.bytes[a.disp_offset + 4:]

@@ -4,7 +4,8 @@ Replacement code executes real calls, so return addresses can point into copies 
 functions.  Unwinders (C++ exceptions, ``backtrace()``, ``_Unwind_Backtrace``) find a
 frame's rules by the return address, so every copy needs CFI of its own: the rows of the
 original function, re-keyed to the copy's addresses, in a self-contained ``.eh_frame``
-blob that the agent hands to libgcc's ``__register_frame`` before the copy is reachable.
+blob that the agent learns (FRAMES_ADD) before the copy is reachable and gives unwinders
+through its own ``_Unwind_Find_FDE`` (dbr_agent/frames.c).
 
 Formats: the record layout and the pointer encodings (``DW_EH_PE_*``) are the Linux
 Standard Base's ``.eh_frame`` specification (LSB Core, "Exception Frames"): a sequence

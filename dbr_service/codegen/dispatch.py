@@ -36,7 +36,7 @@ inference being right: with ``B == base`` and ``R`` in range checked at run time
 slot read is inside the table, and the stub it names is that of ``B + R`` exactly when
 ``B + R`` is a known target; anything else takes the miss path, i.e. the original jump.
 
-Discovery gives an indirect jump a block of its own (seed 001), so the ``add`` usually
+Discovery gives an indirect jump a block of its own (the patent), so the ``add`` usually
 ends the block before it.  Then the jump's block is translated when every way into it
 in the region is the fall-through from that ``add`` (no entry edge, every predecessor a
 copy of the block ending in it; :func:`region_dispatch_plan`): there ``R`` and the flags

@@ -18,14 +18,21 @@ else exits with ``jmp rel32`` to the original address:
   is ``call rel32`` to the original callee (its far-exit stub when out of reach), then
   the continuation (falls in when next, else a jump to its copy or an exit to it).
   The return address, the instruction after the ``call``, is mapped to the original
-  continuation in the address map and the eviction map (``returns``).
+  continuation in the address map and the eviction map (``returns``); it may call a
+  live copy of the callee instead (``call_target``, codegen/calls.py).
 * ``ret`` in a clone: ``lea rsp,[rsp+8+imm]`` then the continuation (the RETURN edge's
   block, or an exit to the original continuation).  ``ret`` elsewhere is copied: it
   returns to its caller (a dynamic exit).
+* indirect ``call`` kept with promoted targets (``decision`` "promoted"): a compare per
+  target, a ``call rel32`` to the original target on a hit (returning into the buffer,
+  mapped like a real call), an exit to the original call instruction on a miss
+  (:mod:`~dbr_service.codegen.calls`; target slots go in the data).
 * indirect ``jmp``/``call``: compare cascade over in-region targets, then the original
   indirect jmp as a dynamic exit.  A PC-relative jump-table dispatch (``add R, B; jmp
   R`` with a known table base) is translated instead: checked table look-ups, no
   cascade (:mod:`~dbr_service.codegen.dispatch`); its tables are data after the code.
+  An absolute table jump ``jmp [T + idx*8]`` that region selection kept goes through
+  a copy of its table in the data (:mod:`~dbr_service.codegen.tables`).
 * HALT (hlt/ud2/int3): copied, nothing follows.
 
 Far exits: an exit whose original target lies beyond rel32 reach of the code (a region
@@ -45,13 +52,14 @@ rel32 is range-checked when encoded (invariant 4).
 
 from __future__ import annotations
 
-
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import capstone
 
+from dbr_service.codegen import tables as jtables
+from dbr_service.codegen.calls import call_resolver, encode_promoted, needs_slot, slot_table
 from dbr_service.codegen.dispatch import (
     DispatchPlan,
     dispatch_data,
@@ -105,8 +113,6 @@ def nop_bytes(n: int) -> bytes:
     return out
 
 
-
-
 @dataclass
 class GeneratedCode:
     """Replacement code of one super-region, ready for a code buffer at ``base``."""
@@ -155,6 +161,8 @@ class GeneratedCode:
     #: (the original call's return address): where a thread returning there, or
     #: stopped there, continues in original code (also in ``evictions``).
     returns: dict[int, int] = field(default_factory=dict)
+    #: Real calls to a live copy of their callee: ``call`` address -> the copy's entry.
+    call_copies: dict[int, int] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -225,10 +233,26 @@ class _BlockEmitter:
                  tables: dict[NodeKey, int] | None = None,
                  plans: _Dispatches | None = None,
                  ret_slot: Callable[[int], int | None] = lambda _r: None,
-                 real_calls: frozenset[NodeKey] = frozenset()) -> None:
+                 real_calls: frozenset[NodeKey] = frozenset(),
+                 promoted: dict[NodeKey, tuple[int, ...]] | None = None,
+                 target_slot: Callable[[int], int] = lambda _t: 0,
+                 jtabs: dict[NodeKey, jtables.TablePlan] | None = None,
+                 jtab_at: dict[NodeKey, int] | None = None) -> None:
         self.sr, self.reloc, self.addr_of, self.exit_to = sr, reloc, addr_of, exit_to
+        #: Where a real call to an original callee goes (calls.call_resolver).
+        self.call_to = exit_to
+        #: Translated absolute table jumps (codegen/tables.py), their copies' addresses
+        #: (None: sizing pass), and per jump met: (its address, target -> copy address).
+        self.jtabs, self.jtab_at = jtabs or {}, jtab_at
+        self.jtab_dests: dict[NodeKey, tuple[int, dict[int, int]]] = {}
+        #: Register-form table loads (block, address) -> the block of their jump.
+        self.jtab_loads = jtables.load_sites(self.jtabs)
         #: Call blocks kept as real calls (:func:`real_call_sites`).
         self.real_calls = real_calls
+        #: Indirect call blocks with promoted targets (:func:`promoted_call_sites`), and
+        #: the data slot of each promoted target compared through one.
+        self.promoted = promoted or {}
+        self.target_slot = target_slot
         #: Data slot holding a call's original return address (push qword [rip+slot]).
         self.ret_slot = ret_slot
         #: Data address of each translated dispatch's tables (None: sizing pass).
@@ -262,7 +286,13 @@ class _BlockEmitter:
             jp = self.plans.plan[j]
             self._add(_Piece(jp.add, jp.jmp_addr))
         for a, n in body:
-            self._reloc(bb, a, n, flow)
+            j = self.jtab_loads.get((key, a))
+            if j is None:
+                self._reloc(bb, a, n, flow)
+            else:       # reads the table copy; no transfer point, as the jump after it
+                ld = next(x for x in self.jtabs[j].loads if x.addr == a)
+                data = None if self.jtab_at is None else self.jtab_at[j]
+                self._add(_Piece(jtables.encode_load(self.jtabs[j], ld, data), a))
         last_addr, last_size = bb.insns[-1]
         if term in (TermKind.FALLTHROUGH, TermKind.STOP):
             ft = bb.fallthrough if term is TermKind.FALLTHROUGH and bb.fallthrough is not None \
@@ -278,6 +308,8 @@ class _BlockEmitter:
             self._real_call(bb, last_addr, last_size, flow, nxt)
         elif term is TermKind.CALL:
             self._call(bb, key, last_addr, last_size, nxt)
+        elif term is TermKind.ICALL and key in self.promoted:
+            self._promoted_call(bb, last_addr, flow, nxt, self.promoted[key])
         elif term is TermKind.ICALL:
             calls = self.succ(key, {EdgeKind.CALL})
             self._reloc(bb, last_addr, last_size, calls, ijmp=bb.targets)
@@ -285,6 +317,12 @@ class _BlockEmitter:
             self._ret(bb, key, last_addr, last_size, nxt)
         elif plan is not None:
             self._dispatch(key, plan, flow)
+        elif key in self.jtabs:
+            # no transfer point: a thread must come through the bounding ``and``
+            p = self.jtabs[key]
+            data = None if self.jtab_at is None else self.jtab_at[key]
+            self.jtab_dests[key] = (self._at, {t: self.addr_of(v) for t, v in flow.items()})
+            self._add(_Piece(jtables.encode_jump(p, data), last_addr, dynamic=[0]))
         elif term is TermKind.IJMP:
             targets = bb.targets if len(bb.targets) <= MAX_CASCADE_TARGETS else ()
             self._reloc(bb, last_addr, last_size, flow, ijmp=targets,
@@ -411,11 +449,28 @@ class _BlockEmitter:
         """``call rel32`` to the original callee, then on at the continuation (the
         jump there, if any, stands for the continuation in the maps)."""
         callee = self._insn(bb, a).operands[0].imm
-        dst = self.exit_to(callee)
+        dst = self.call_to(callee)
         code = self._encode(lambda: call_rel32(self._at, dst))
         self._add(_Piece(code, a, [Fixup(0, 1, dst, callee, True)], whole=True,
                          call_ret=a + n))
         self._goto(a + n, flow, nxt, a + n)
+
+    def _promoted_call(self, bb, a: int, flow, nxt, targets: tuple[int, ...]) -> None:
+        """Compares, a ``call rel32`` per promoted target and the miss's exit to the
+        call instruction (codegen/calls.py), then on at the continuation.  Only the
+        first piece is a transfer point (the others run with changed flags, or rax and
+        rsp); each call's return address is mapped to the continuation."""
+        insn = self._insn(bb, a)
+        cont = a + insn.size
+        v = flow.get(cont)
+        dst = self.exit_to(cont) if v is None else self.addr_of(v)
+        parts = self._encode(lambda: encode_promoted(
+            self.reloc, insn, self._at, targets, slot_of=self.target_slot,
+            exit_to=self.exit_to, cont=(cont, dst, v is None), call_to=self.call_to))
+        for i, p in enumerate(parts):
+            self._add(_Piece(p.code, cont if p.role == "cont" else a, p.fixups, whole=i == 0,
+                             call_ret=cont if p.role == "call" else None))
+        self._goto(cont, flow, nxt, cont)
 
     def _ret(self, bb, key, a: int, n: int, nxt) -> None:
         if not isinstance(key, CloneKey) or not key.path:
@@ -465,10 +520,21 @@ def real_call_sites(sr: SuperRegion) -> frozenset[NodeKey]:
                      and k in sr.g and sr.block(k).term is TermKind.CALL)
 
 
+def promoted_call_sites(sr: SuperRegion) -> dict[NodeKey, tuple[int, ...]]:
+    """Indirect call blocks region selection kept with promoted targets (``decision``
+    "promoted"): block -> the targets, hottest first."""
+    sites = sr.info.get("inline", {}).get("sites", {})
+    return {k: tuple(s["targets"]) for k, s in sites.items() if s.get("decision") == "promoted"
+            and k in sr.g and sr.block(k).term is TermKind.ICALL}
+
+
 def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = None,
                 layout: Layout | None = None, far_exits: bool = True,
-                real_calls: bool = True) -> GeneratedCode:
+                real_calls: bool = True,
+                call_target: Callable[[int], int | None] | None = None) -> GeneratedCode:
     """Replacement code for ``sr`` placed at ``base`` (see the module docstring).
+    ``call_target(callee)``: the entry of a live copy of ``callee`` that its real calls
+    may go to instead (used when in rel32 reach), or None.
     ``far_exits=False``: an exit beyond rel32 reach is an error instead of a stub.
     ``real_calls=False``: the call blocks selection kept as real calls are emitted as
     the other calls that leave the region (the original return address pushed, a jump
@@ -480,10 +546,13 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
     nxt = lay.next_of()
     # pass 1: sizes (independent of addresses) and the static exit targets
     plans = _Dispatches(sr)
+    jtabs = jtables.region_tables(sr)
     calls = real_call_sites(sr) if real_calls else frozenset()
-    rets = _return_addresses(sr, calls)
+    promoted = promoted_call_sites(sr) if real_calls else {}
+    rets = _return_addresses(sr, calls | set(promoted))
     sizing = _BlockEmitter(sr, reloc, lambda _k: base, lambda _t: base, plans=plans,
-                           ret_slot=lambda r: base if r in rets else None, real_calls=calls)
+                           ret_slot=lambda r: base if r in rets else None, real_calls=calls,
+                           promoted=promoted, target_slot=lambda _t: base, jtabs=jtabs)
     sizes, targets = {}, set()
     for k in lay.order:
         pieces = sizing.emit(k, base, nxt[k])
@@ -507,12 +576,24 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
         if k in sizing.dispatches:
             tables[k] = data_at
             data_at += sizing.dispatches[k][0].data_size
+    # then the copies of absolute jump tables (8-aligned; emitted whatever the base)
+    data_at += (-data_at) % 8
+    jtab_at = {}
+    for k in lay.order:
+        if k in jtabs:
+            jtab_at[k] = data_at
+            data_at += jtabs[k].data_size
     # then the return-address slots of the calls (8-aligned)
     data_at += (-data_at) % 8
     slots = {r: data_at + 8 * i for i, r in enumerate(rets)}
+    data_at += 8 * len(rets)
+    # then the promoted targets compared through a slot
+    tslots = {t: data_at + 8 * i for i, t in enumerate(
+        sorted({t for ts in promoted.values() for t in ts if needs_slot(t)}))}
     # pass 2: encode
     em = _BlockEmitter(sr, reloc, block_addr.__getitem__, lambda t: stub.get(t, t), tables,
-                       plans, slots.get, calls)
+                       plans, slots.get, calls, promoted, tslots.__getitem__, jtabs, jtab_at)
+    em.call_to = call_resolver(em.exit_to, call_target, lambda c: _near(c, base, blocks_end))
     out = bytearray()
     gen = GeneratedCode(b"", base, {}, [], [], block_addr=block_addr, layout=list(lay.order),
                         layout_kind=lay.kind)
@@ -540,6 +621,9 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
             if p.call_ret is not None:
                 gen.calls[at] = p.orig
                 gen.returns[at + CALL_LEN] = p.call_ret
+                f = p.fixups[0]
+                if f.target not in (f.orig_target, stub.get(f.orig_target)):
+                    gen.call_copies[at] = f.target
             out += p.code
         if base + len(out) != block_addr[k] + sizes[k]:
             raise CodegenError(f"{sr.id}: block {fmt_node(k)} changed size between passes")
@@ -552,8 +636,15 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
         _far_stubs(gen, out, far, stub)
     if tables:
         _dispatch_tables(gen, out, em.dispatches, tables)
+    for k, at in sorted(jtab_at.items(), key=lambda kv: kv[1]):
+        jmp_at, dest = em.jtab_dests[k]
+        _append_data(gen, out, at, jtables.table_data(jtabs[k], dest), "jump table copy")
+        done = jtables.addressable(at, jtabs[k])
+        gen.exits += [(jmp_at, t) for t in jtables.table_exits(jtabs[k], dest, done)]
     if slots:
         _return_slots(gen, out, slots)
+    if tslots:
+        _append_data(gen, out, min(tslots.values()), slot_table(tslots), "target slots")
     gen.code = bytes(out)
     for v, _c in ([] if sr.transfer_only else sr.entry_edges()):
         if isinstance(v, CloneKey):
@@ -602,8 +693,8 @@ def _dispatch_tables(gen: GeneratedCode, out: bytearray,
         gen.data_refs.append(plan.base)        # the table jump's disp32 is from the base
 
 
-def _return_addresses(sr: SuperRegion, real_calls: frozenset[NodeKey] = frozenset()
-                       ) -> list[int]:
+def _return_addresses(sr: SuperRegion, real_calls: frozenset[NodeKey] | set[NodeKey]
+                      = frozenset()) -> list[int]:
     """Original return addresses of the region's calls that ``push imm32`` cannot push
     (>= 2**31): each gets an 8-byte slot in the data (see relocate.push_return).  Real
     calls push nothing of ours."""
@@ -627,8 +718,9 @@ def _return_slots(gen: GeneratedCode, out: bytearray, slots: dict[int, int]) -> 
 
 def check_generated(gen: GeneratedCode, reloc: Relocator | None = None) -> None:
     """Decode all of ``gen.code``: no ``call`` (invariant 1) but a ``call rel32`` at each
-    recorded real call (``gen.calls``), no undecodable bytes, every instruction inside
-    one address-map range."""
+    recorded real call (``gen.calls``) to its callee (or its far stub, or the live copy
+    ``gen.call_copies`` names), no undecodable bytes, every instruction inside one
+    address-map range."""
     md = (reloc or Relocator()).md
     ranges = iter(gen.addr_map)
     cur = next(ranges, None)
@@ -640,7 +732,8 @@ def check_generated(gen: GeneratedCode, reloc: Relocator | None = None) -> None:
         if insn.id in (capstone.x86_const.X86_INS_CALL, capstone.x86_const.X86_INS_LCALL):
             t = callee.get(insn.address)
             if t is None or insn.bytes[0] != 0xE8 or insn.size != CALL_LEN or \
-                    insn.operands[0].imm not in (t, gen.far_exits.get(t)):
+                    insn.operands[0].imm not in (t, gen.far_exits.get(t),
+                                                 gen.call_copies.get(insn.address)):
                 raise CodegenError(f"call in replacement code at {insn.address:#x}")
             seen_calls += 1
         while cur is not None and cur[1] <= insn.address:

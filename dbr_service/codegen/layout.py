@@ -1,17 +1,22 @@
-"""Block layout of a super-region from its edge counts (Pettis-Hansen style chains).
+"""Block layout of a super-region from its edge counts: ext-TSP (codegen/exttsp.py) or
+Pettis-Hansen style chains, against the compiler's own order.
 
 Hot edges that the emitter can turn into a fall-through (plain fall-through, direct jmp,
 either side of a jcc, call pseudo-instruction into its inlined callee, inlined return into
-its continuation) glue blocks into chains, hottest edge first, loop back edges last (so a
-loop is laid out head first, its latch branches back to an aligned head and its exit falls
-through, the classic compiler shape); a loop whose head is its exit test is then rotated
-so that the head comes last (one branch an iteration, not two).  The chain holding the
-hottest entry comes first, then the other chains by heat, cold chains (no count) last.
-That order competes with the original one (the compiler's own layout: blocks in address
-order, each inlined callee's clones right after its call site, blocks without counts
-moved last): the emitter gets whichever costs fewer taken branches and inserted jumps
-by the edge counts (:func:`layout_cost`), the original unless the chains are clearly
-better (``CHAIN_MARGIN``).  The counts are inferred from IP samples, so a chain order
+its continuation, real or promoted call into its continuation) glue blocks into chains,
+hottest edge first, loop back edges last (so a loop is laid out head first, its latch
+branches back to an aligned head and its exit falls through, the classic compiler
+shape); a loop whose head is its exit test is then rotated so that the head comes last
+(one branch an iteration, not two).  The chain holding the hottest entry comes first,
+then the other chains by heat, cold chains (no count) last.  The ext-TSP order
+(codegen/exttsp.py: fall-throughs plus short forward and backward jumps, by distance)
+is the other candidate made from the counts; of the two, the one with fewer taken
+branches (ext-TSP on a tie) competes with
+the original one (the compiler's own layout: blocks in address order, each inlined
+callee's clones right after its call site, blocks without counts moved last): the
+emitter gets whichever costs fewer taken branches and inserted jumps by the edge counts
+(:func:`layout_cost`), the original unless the chains are clearly better
+(``CHAIN_MARGIN``).  The counts are inferred from IP samples, so a chain order
 that only ties the compiler's would trade a known layout for a guess: on xz's
 binary-tree match finder the chains turned a loop of one taken branch an iteration
 into one of two on average, and the replacement code ran slower than the original.
@@ -34,7 +39,8 @@ ALIGN_RATIO = 4.0
 CHAIN_MARGIN = 0.9
 
 #: Terminators after which the next laid-out block can be reached without a jump.
-_CHAINABLE = {TermKind.FALLTHROUGH, TermKind.JMP, TermKind.JCC, TermKind.CALL, TermKind.RET}
+_CHAINABLE = {TermKind.FALLTHROUGH, TermKind.JMP, TermKind.JCC, TermKind.CALL, TermKind.RET,
+              TermKind.ICALL}
 
 
 @dataclass
@@ -44,8 +50,8 @@ class Layout:
     order: list[NodeKey]
     #: Blocks whose start is aligned to ``ALIGN``.
     aligned: set[NodeKey] = field(default_factory=set)
-    #: Which order won: "chains" (from the edge counts) or "original" (the compiler's);
-    #: "given" for an order made elsewhere.
+    #: Which order won: "ext-tsp" or "chains" (from the edge counts) or "original" (the
+    #: compiler's); "given" for an order made elsewhere.
     kind: str = "given"
 
     def next_of(self) -> dict[NodeKey, NodeKey | None]:
@@ -60,6 +66,10 @@ def can_fall_into(sr: SuperRegion, u: NodeKey, v: NodeKey) -> bool:
     kind = d.get("kind")
     if bb.term not in _CHAINABLE or kind in (EdgeKind.ENTRY, EdgeKind.EXIT):
         return False
+    if bb.term is TermKind.ICALL:
+        # kept with promoted targets (an inlined one has no fall-through edge): its
+        # hottest call returns into the continuation
+        return kind is EdgeKind.FALLTHROUGH
     if bb.term is TermKind.CALL:
         if kind is EdgeKind.CALL:
             return True
@@ -85,11 +95,21 @@ def _sort_key(k: NodeKey) -> tuple:
 
 
 def compute_layout(sr: SuperRegion) -> Layout:
-    """The chain order or the original one, whichever costs fewer taken branches."""
-    chains = chain_order(sr)
+    """The ext-TSP order, the chain order or the original one: of the two made from the
+    counts, the one with fewer taken branches (ext-TSP on a tie: it also weighs jump
+    distances), if it clearly beats the original (``CHAIN_MARGIN``); else the original."""
+    from dbr_service.codegen.exttsp import order_region
+
     orig = original_order(sr)
-    if layout_cost(sr, chains) < CHAIN_MARGIN * layout_cost(sr, orig):
-        return Layout(chains, _aligned(sr, chains), "chains")
+    limit = CHAIN_MARGIN * layout_cost(sr, orig)
+    best: tuple[float, int, list[NodeKey], str] | None = None
+    for rank, (kind, order) in enumerate((("ext-tsp", order_region(sr)),
+                                          ("chains", chain_order(sr)))):
+        cost = layout_cost(sr, order)
+        if cost < limit and (best is None or (cost, rank) < best[:2]):
+            best = (cost, rank, order, kind)
+    if best is not None:
+        return Layout(best[2], _aligned(sr, best[2]), best[3])
     return Layout(orig, _aligned(sr, orig), "original")
 
 

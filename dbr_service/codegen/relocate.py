@@ -440,7 +440,7 @@ class Relocator:
             fixups.append(fx)
         return Relocated(b, Kind.IJMP, fixups, dynamic_exits=[offset])
 
-    def _load_target(self, insn, b: bytes, reg: int, at: int, offset: int):
+    def load_target(self, insn, b: bytes, reg: int, at: int, offset: int):
         """``mov reg, <the jmp/call memory operand>`` (same prefixes, ModRM tail)."""
         m = insn.modrm_offset
         pre = b[:m - 1]
@@ -490,7 +490,7 @@ class Relocator:
             if op.type == X.X86_OP_REG:                      # jmp rcx: copy it first
                 out += _mov_reg_reg(loaded, 1)
             else:
-                code, fx = self._load_target(insn, b, loaded, new_addr + len(out), len(out))
+                code, fx = self.load_target(insn, b, loaded, new_addr + len(out), len(out))
                 if fx:
                     fixups.append(fx)
                 out += code
@@ -549,7 +549,7 @@ class Relocator:
         else:
             reg, loaded = free.pop(0), True
             out += _push(reg)
-            code, fx = self._load_target(insn, b, reg, new_addr + len(out), len(out))
+            code, fx = self.load_target(insn, b, reg, new_addr + len(out), len(out))
             if fx:
                 fixups.append(fx)
             out += code
@@ -590,7 +590,7 @@ class Relocator:
         """
         out = bytearray()
         fixups: list[Fixup] = []
-        code, fx = self._load_target(insn, b, 11, new_addr, 0)
+        code, fx = self.load_target(insn, b, 11, new_addr, 0)
         if fx:
             fixups.append(fx)
         out += code
