@@ -1,4 +1,5 @@
-"""Hot-code discovery (seed 001, fig. 10) against ground truth from real compiled code.
+"""Hot-code discovery (patent fig. 10, docs/architecture.md) against ground truth from
+real compiled code.
 
 Programs in ``tests/region_progs`` are compiled at -O0/-O2/-O3, non-PIE and PIE,
 then stripped; discovery runs on the stripped file.  Ground truth comes from the
@@ -28,7 +29,7 @@ from dbr_service.region.model import END, START, CloneKey, EdgeKind, SuperRegion
 
 unicorn = pytest.importorskip("unicorn")
 lief = pytest.importorskip("lief")
-from unicorn import x86_const as UX
+from unicorn import x86_const as UX  # noqa: E402 - after the importorskip above
 
 PROGS = Path(__file__).resolve().parent / "region_progs"
 PERIOD = 7
@@ -169,8 +170,8 @@ def _truth(b: Build, base: int = 0) -> Truth:
         if ins.mnemonic.split()[-1] == "jmp" and "rip" in ins.op_str:
             slot = a + ins.size + ins.operands[0].mem.disp
             if slot in got:
-                stub = a - 4 if insns.get(a - 4) is not None and insns[a - 4].mnemonic == "endbr64" \
-                    else a
+                endbr = insns.get(a - 4) is not None and insns[a - 4].mnemonic == "endbr64"
+                stub = a - 4 if endbr else a
                 plt[stub] = got[slot]
     return Truth(funcs, boundaries, insns, plt)
 
@@ -952,8 +953,8 @@ def test_pipeline_minimal_patch_points_exact(builds, key):
         assert mine[0].entry_points() == [_expected_patch(t, func)], \
             f"{key}: {func} patch points {[hex(p) for p in mine[0].entry_points()]}"
     if key != "e2e-O0":
-        nest = next(sr for sr in regions if any(t.funcs["nest2"][0] <= _orig(k) < t.funcs["nest2"][1]
-                                                for k in sr.body_nodes()))
+        lo, hi = t.funcs["nest2"]
+        nest = next(sr for sr in regions if any(lo <= _orig(k) < hi for k in sr.body_nodes()))
         assert len(_loops(nest)) == 1                # the outer SCC holds the inner loop
 
 

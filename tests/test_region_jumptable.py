@@ -63,8 +63,21 @@ def test_masked_jmp_table_and_wider_masks():
 def test_mask_is_not_believed_over_writable_or_non_code_entries():
     code, path = _path(MASKED_CALL)
     assert infer_targets(path, _View(code, _table(4), "rw-")) is None     # may change
-    bad = _table(3) + struct.pack("<Q", TABLE)                              # not code
-    assert infer_targets(path, _View(code, bad)) is None
+    data = struct.pack("<Q", TABLE)                                         # not code
+    for bad in (data + _table(3),                   # not code first
+                _table(2) + data + _table(1),       # code after data
+                _table(1) + data * 3):              # code in fewer than half, or one
+        assert infer_targets(path, _View(code, bad)) is None
+
+
+def test_mask_wider_than_the_table():
+    """Lua's computed goto: ``and eax, 0x7f`` over 83 opcodes, data after them.  The
+    targets are the code prefix; the bound stays the mask's."""
+    code, path = _path(MASKED_CALL)
+    res = infer_targets(path, _View(code, _table(3) + struct.pack("<Q", 0x1234)))
+    assert res is not None and res.targets == tuple(FUNCS[:3]) and res.entries == 4
+    res = infer_targets(path, _View(code, _table(2) + struct.pack("<2Q", 7, 0)))
+    assert res is not None and res.targets == tuple(FUNCS[:2]) and res.complete
 
 
 def test_mask_then_clobber_or_negative_mask_gives_no_bound():

@@ -969,8 +969,8 @@ def test_inline_a_callee_whose_unsampled_throw_path_calls_out():
     (its throw path is cold, pruned) and the region survives."""
     b = _caller_loop((50, 50, 40))
     callee = _branch_over_unsampled(400)
-    for k, bb_ in callee.blocks():
-        b.sr.add_block(bb_)
+    for k, block in callee.blocks():
+        b.sr.add_block(block)
     for u, v, d in callee.g.edges(data=True):
         if u == START or v == END:
             continue

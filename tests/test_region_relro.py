@@ -72,7 +72,8 @@ def test_transfer_through_the_table_has_its_four_targets(relro_build):
     insns = list(cs.disasm(mem.read(BASE + lo, hi - lo), BASE + lo))
     # gcc -O2: lea rdx, [rip+table]; ...; and eax, 3; jmp qword ptr [rdx + rax*8] (a
     # tail call; calls.c in bench/ has the same table behind a call)
-    icall = next(i for i in insns if i.mnemonic in ("call", "jmp") and i.op_str.startswith("qword ptr"))
+    icall = next(i for i in insns
+                 if i.mnemonic in ("call", "jmp") and i.op_str.startswith("qword ptr"))
     samples = {i.address: 5.0 for i in insns}
     sr = hot_code_discovery(samples, mem, jumps_from_hot_limit=2)
     bb = next(b for k, b in sr.blocks()

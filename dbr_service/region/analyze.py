@@ -1,8 +1,9 @@
 """dbr analyze: offline region selection on an ELF file from a samples file.
 
-Runs hot-code discovery (seed 001, fig. 10) on BINARY loaded at its link
+Runs hot-code discovery (docs/architecture.md, "Region selection") on BINARY loaded at its link
 address (PIE: at --base, default 0), then the rest of the region-selection
-pipeline when it is available, prints the super-regions it selects and writes
+pipeline when it is available, prints the super-regions it selects (with the
+function names of the binary's symbol table, where it has one) and writes
 one DOT file per pass (and SVG with graphviz's `dot`).  Settings are the
 service's defaults (`dbr_service/config.py`, as its scheduler turns them into
 pipeline settings for that many samples), so the regions are those the service
@@ -36,10 +37,13 @@ from typing import TextIO
 
 import networkx as nx
 
+from dbr_service.codegen.frames import CfiSource
 from dbr_service.errors import ConfigError, DbrError, MemoryViewError
 from dbr_service.region.discovery import hot_code_discovery
+from dbr_service.region.functions import FunctionEntries, call_targets
 from dbr_service.region.memview import ElfMemoryView
 from dbr_service.region.model import SuperRegion, fmt_node
+from dbr_service.symbols import symbols_of
 
 PIPELINE_MODULE = "dbr_service.region.pipeline"
 
@@ -196,11 +200,21 @@ def _pipeline():
         return None
 
 
-def _summary(sr: SuperRegion) -> str:
+def _namer(binary: str, base: int | None):
+    """``addr -> " (func+0xoff)"`` for addresses the binary's symbols name, else ""."""
+    table = symbols_of(binary)
+
+    def name(addr: int) -> str:
+        hit = table.lookup(addr - (base or 0))
+        return "" if hit is None else f" ({hit[0]}+{hit[1]:#x})" if hit[1] else f" ({hit[0]})"
+    return name
+
+
+def _summary(sr: SuperRegion, name=lambda a: "") -> str:
     body = sr.g.subgraph(sr.body_nodes())
     nloops = sum(1 for scc in nx.strongly_connected_components(body)
                  if len(scc) > 1 or any(body.has_edge(n, n) for n in scc))
-    entries = ", ".join(f"{a:#x}" for a in sr.entry_points()) or "-"
+    entries = ", ".join(f"{a:#x}{name(a)}" for a in sr.entry_points()) or "-"
     size = sum(bb.size for _, bb in sr.blocks())
     return (f"{sr.id}: entries [{entries}]  blocks {len(sr)}  bytes {size}  loops {nloops}  "
             f"exits {len(sr.exit_edges())}")
@@ -226,6 +240,49 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
+def function_entries(mem: ElfMemoryView) -> FunctionEntries:
+    """The known function entries of the files ``mem`` maps (FDE starts and symbols,
+    region/functions.py), as the service knows a client's: selection offline then
+    chooses the entry sites and hot functions the service would."""
+    maps = []
+    for r in mem.ranges():
+        if r.module:
+            st = os.stat(r.module)
+            maps.append((r.start, r.end, os.path.abspath(r.module),
+                         (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino))
+    return FunctionEntries(module_at=CfiSource(lambda: maps).module_at)
+
+
+def _is_pie(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(18)
+    return len(head) == 18 and int.from_bytes(head[16:18], "little") == 3     # ET_DYN
+
+
+def _check_placement(args: argparse.Namespace, mem: ElfMemoryView, samples: Samples) -> None:
+    """Fail, saying why, when no sample lies in executable code of the view; warn when
+    most do not.  The usual cause is a PIE binary analysed at its link addresses while
+    the samples carry its load address (perf script prints run-time addresses)."""
+    code = [r for r in mem.ranges() if "x" in r.perms]
+    total = sum(samples.ips.values())
+    inside = sum(n for ip, n in samples.ips.items() if any(r.contains(ip) for r in code))
+    if inside >= total / 2:
+        return
+    hint = ""
+    if args.base is None and _is_pie(args.binary) and code:
+        guess = (min(samples.ips) & ~0xfff) - (code[0].start & ~0xfff)
+        hint = (f"; {args.binary} is position-independent (PIE) and is analysed at its link "
+                f"addresses: pass --base with its load address (the start of its first "
+                f"mapping in /proc/PID/maps, or from `perf script --show-mmap-events`); "
+                f"if the lowest sample is in its first code page, that is --base {guess:#x}")
+    spans = ", ".join(f"{r.start:#x}-{r.end:#x}" for r in code[:4]) or "none"
+    what = (f"{total - inside:g} of {total:g} samples lie outside the executable code of "
+            f"the view ({spans}){hint}")
+    if not inside:
+        raise SamplesError(what)
+    print(f"warning: {what}", file=sys.stderr)
+
+
 def _run(args: argparse.Namespace) -> int:
     pipe = _pipeline()
     _load_config(args.options, pipe)            # bad -o keys fail before any work
@@ -233,10 +290,14 @@ def _run(args: argparse.Namespace) -> int:
     samples = _read_samples(args.samples)
     if not samples.ips:
         raise SamplesError(f"{args.samples}: no samples")
+    _check_placement(args, mem, samples)
     cfg = _load_config(args.options, pipe, sum(samples.ips.values()))
     first = hot_code_discovery(samples.ips, mem,
                                jumps_from_hot_limit=cfg.jumps_from_hot_limit,
                                branch_samples=samples.branches or None)
+    functions = function_entries(mem)
+    functions.add(call_targets(first))
+    first.info["function_entries"] = functions     # entry sites and hot functions
     st = first.info["discovery"]
     print(f"discovery: {len(first)} blocks, {st.entries} entries, {st.jump_tables} jump tables, "
           f"{st.unsupported} unsupported, {st.samples_unplaced:g} samples not placed")
@@ -251,11 +312,13 @@ def _run(args: argparse.Namespace) -> int:
         for failure in getattr(result, "failures", []):
             print(f"note: {failure.region_id} dropped by {failure.pass_name}: {failure.error}")
     print(f"{len(regions)} super-region(s)")
+    name = _namer(args.binary, args.base)
     for sr in regions:
-        print("  " + _summary(sr))
+        print("  " + _summary(sr, name))
         for k, bb in sorted(sr.blocks(), key=lambda kb: str(kb[0])):
             flag = " unpatchable" if bb.unpatchable else ""
-            print(f"    {fmt_node(k)} {bb.size}B {bb.term.value} samples={bb.samples:g}{flag}")
+            print(f"    {fmt_node(k)}{name(bb.start)} {bb.size}B {bb.term.value} "
+                  f"samples={bb.samples:g}{flag}")
     if args.dot_dir:
         os.makedirs(args.dot_dir, exist_ok=True)
         svg = args.svg and shutil.which("dot") is not None

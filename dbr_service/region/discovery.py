@@ -1,4 +1,4 @@
-"""Hot-code discovery (seed 001, fig. 10): from sample IPs to the first super-region.
+"""Hot-code discovery (patent fig. 10, docs/architecture.md): from sample IPs to the first SR.
 
 Starting at every sampled address (ENSURE-BB with ``starts=False``), the client's
 code is disassembled forward, following control flow a bounded number of
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import bisect
 import enum
+import mmap
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -198,6 +200,78 @@ def _rip_relative(ci) -> bool:
     return op.type == X.X86_OP_MEM and op.mem.base == X.X86_REG_RIP
 
 
+class ModuleDecodeCache:
+    """Decoded instructions of file-backed code by (file identity, offset), kept for the
+    life of a worker process: the same program's later jobs, and its other clients (16
+    processes of one compiler), take them instead of reading /proc/PID/mem and
+    decoding again.  An entry is ``(size, template, base)`` (_template: position-free
+    except an absolute literal, reused only at the ``base`` it was decoded at).  Only
+    instructions whose bytes in memory are those of the file are entered (:meth:`same_as_file`:
+    never a patch, even one a job's list of patches does not know yet), and each use
+    checks the using job's own patches.  Emptied when it grows past ``max_entries``."""
+
+    def __init__(self, max_entries: int = 1_000_000) -> None:
+        self.max_entries = max_entries
+        self.modules: dict[tuple, dict[int, tuple[int, _Template, int]]] = {}
+        #: The files themselves, mapped read-only (None: cannot be read or not the
+        #: file of the identity any more).
+        self._files: dict[tuple, mmap.mmap | None] = {}
+        self.entries = 0
+        self.hits = 0      # instructions taken from the cache
+        self.decoded = 0   # instructions decoded from memory
+        #: Blocks discovery made in this process (a job's size, for its CPU cost per
+        #: block: scheduler.CpuBudget.max_blocks).
+        self.blocks = 0
+
+    def get(self, ident: tuple, offset: int) -> tuple[int, _Template, int] | None:
+        m = self.modules.get(ident)
+        return None if m is None else m.get(offset)
+
+    def put(self, ident: tuple, offset: int, size: int, t: _Template, base: int) -> None:
+        m = self.modules.get(ident)
+        if m is None:
+            m = self.modules[ident] = {}
+        if offset not in m:
+            if self.entries >= self.max_entries:
+                self.clear()
+                m = self.modules[ident] = {}
+            m[offset] = (size, t, base)
+            self.entries += 1
+
+    def same_as_file(self, ident: tuple, offset: int, code: bytes) -> bool:
+        """Whether ``code`` is what the file of ``ident`` (path, dev, inode, mtime,
+        size) holds at ``offset``."""
+        if ident not in self._files:
+            fm = None
+            try:
+                with open(ident[0], "rb") as f:
+                    st = os.fstat(f.fileno())
+                    if (st.st_ino, st.st_mtime_ns, st.st_size) == (ident[2], ident[3], ident[4]) \
+                            and st.st_size:
+                        fm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            except (OSError, ValueError):
+                pass
+            self._files[ident] = fm
+        fm = self._files[ident]
+        return fm is not None and 0 <= offset and fm[offset:offset + len(code)] == code
+
+    def counts(self) -> tuple[int, int]:
+        """(hits, decoded) so far."""
+        return self.hits, self.decoded
+
+    def clear(self) -> None:
+        self.modules.clear()
+        for fm in self._files.values():
+            if fm is not None:
+                fm.close()
+        self._files.clear()
+        self.entries = 0
+
+
+#: The process's cache (a worker's, across its jobs).
+DECODE_CACHE = ModuleDecodeCache()
+
+
 class Decoder:
     """Cached capstone decoding of memory that is executable and read-only."""
 
@@ -213,8 +287,27 @@ class Decoder:
         """The instruction at ``addr``, or a string saying why there is none."""
         got = self.cache.get(addr)
         if got is None:
-            got = self.cache[addr] = self._decode(addr)
+            got = self._from_module_cache(addr)
+            if got is None:
+                got = self._decode(addr)
+            self.cache[addr] = got
         return got
+
+    def _from_module_cache(self, addr: int) -> Insn | str | None:
+        where = self.mem.code_identity(addr)
+        if where is None:
+            return None
+        ident, base, end = where
+        got = DECODE_CACHE.get(ident, addr - base)
+        if got is None:
+            return None
+        size, t, at_base = got
+        if addr + size > end or (t[3] is not None and at_base != base):
+            return None
+        DECODE_CACHE.hits += 1
+        if self._touches_patch(addr, size):
+            return "byte of an installed patch"
+        return _from_template(t, addr, size)
 
     def _decode(self, addr: int) -> Insn | str:
         """Decode a run of instructions from ``addr`` (cached by address) and return the
@@ -230,12 +323,21 @@ class Decoder:
         except MemoryViewError:
             return "unreadable"
         first: Insn | str = "illegal instruction"
+        where = self.mem.code_identity(addr)
         for address, size, _mn, _ops in self.lite.disasm_lite(buf, addr):
             if address + MAX_INSN > addr + n and address != addr \
                     and addr + n - address < MAX_INSN and n == DECODE_CHUNK:
                 break                  # may be cut short by the chunk: decode it on its own
-            ins: Insn | str = ("byte of an installed patch" if self._touches_patch(address, size)
-                               else self._classify_at(buf, address - addr, address, size))
+            DECODE_CACHE.decoded += 1
+            if self._touches_patch(address, size):
+                ins: Insn | str = "byte of an installed patch"
+            else:
+                ins = self._classify_at(buf, address - addr, address, size)
+                code = buf[address - addr:address - addr + size]
+                if where is not None and address + size <= where[2] and \
+                        DECODE_CACHE.same_as_file(where[0], address - where[1], code):
+                    DECODE_CACHE.put(where[0], address - where[1], size,
+                                     _TEMPLATES.get(code) or _template(ins, False), where[1])
             if address == addr:
                 first = ins
             else:
@@ -390,7 +492,7 @@ class Position:
 
 
 class EntryMapping:
-    """The seed's *Mapping*: entries by address, plus instruction boundaries for matching."""
+    """The patent's *Mapping*: entries by address, plus instruction boundaries for matching."""
 
     def __init__(self) -> None:
         self.entries: dict[int, Entry] = {}
@@ -654,6 +756,7 @@ class HotCodeDiscovery:
             e = self.map.new_entry(start, pos)
         b = Block(res.insns, res.term)
         self.made += 1
+        DECODE_CACHE.blocks += 1
         self._fill_transfer(b, res)
         self._attach(e, b)
         return b
@@ -773,7 +876,7 @@ class HotCodeDiscovery:
         bs = self.branch_samples.get(last.addr)
         out: list[Cfe] = []
         tgts = list(b.targets if targets is None else targets)
-        cond = k == InsnKind.JCC        # jfh counts conditional jumps only (seed 001)
+        cond = k == InsnKind.JCC        # jfh counts conditional jumps only (the patent)
         for t in tgts:
             kind = CfeKind.CALL if k in (InsnKind.CALL, InsnKind.ICALL) else CfeKind.FLOW
             out.append(self._cfe(b, t, kind, bs, 1 if cond else 0))
@@ -928,8 +1031,8 @@ class HotCodeDiscovery:
             b = e.block
             if n > 1 and self._after_syscall(addr, b):
                 # the kernel's time, sampled at the return address of the system
-                # call: it shows the block ran, not how often (design-notes, "Known
-                # gaps": a loop's write looked 1/13 as hot as its body, not 1/1024)
+                # call: it shows the block ran, not how often (design-notes, "Samples
+                # after a system call": a loop's write looked 1/13 as hot as its body)
                 self.stats.samples_after_syscall += n - 1
                 n = 1
             b.samples += n
@@ -1050,7 +1153,7 @@ def hot_code_discovery(samples: Mapping[int, float], mem: MemoryView, *,
                        branch_samples: Mapping[int, Mapping[int, float]] | None = None,
                        patched: Callable[[int], bool] | None = None,
                        seed_min: float = 0.0, max_blocks: int | None = None) -> SuperRegion:
-    """HOT-CODE-DISCOVERY (seed 001, fig. 10): the first super-region from sample IPs.
+    """HOT-CODE-DISCOVERY (patent fig. 10): the first super-region from sample IPs.
 
     ``samples`` maps instruction addresses to sample counts; ``branch_samples``
     maps a branch instruction's address to ``{target: count}`` (for a conditional

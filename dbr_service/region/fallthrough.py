@@ -1,4 +1,5 @@
-"""COMPUTE-FALL-THROUGH-ONLY (seed 001): estimate the counts sampling cannot give.
+"""COMPUTE-FALL-THROUGH-ONLY (the patent, docs/architecture.md): estimate the counts
+sampling cannot give.
 
 Only control transfers carry sample counts.  Counts are unknown on:
 
@@ -18,12 +19,12 @@ incoming counts, its fall-through-only out edge gets that minus its known
 outgoing counts.  A chain with an entry edge and no pseudo exit is scanned
 backwards from the last block's known outgoing counts, and the head's entry
 edge gets what its known predecessors do not explain.  A chain with both an
-entry and a pseudo exit assumes 0 for the entry (seed 001) and is scanned
+entry and a pseudo exit assumes 0 for the entry (the patent) and is scanned
 forwards; its pseudo exit gets the remainder.  When several fall-through-only
 edges reach one block (overlapping code) the lowest predecessor's is used, the
-others are ignored, as the seed says.  Clamped at 0 throughout.
+others are ignored, as the patent says.  Clamped at 0 throughout.
 
-*IP-only profiles.*  The seed's HPM (IBS) gives branch directions, so branch
+*IP-only profiles.*  The patent's HPM (IBS) gives branch directions, so branch
 edges carry counts.  A plain IP sampler (``cpu-clock``, this machine) gives none:
 discovery then leaves every edge at 0.  When no edge of the SR has a count but
 blocks have samples, counts are estimated from sample density instead

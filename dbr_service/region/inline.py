@@ -1,4 +1,5 @@
-"""INLINE-HOT-CALLS (seed 001, fig. 6): clone hot callees into their call sites.
+"""INLINE-HOT-CALLS (patent fig. 6, docs/architecture.md): clone hot callees into their
+call sites.
 
 A call is inlined, its call instruction becoming a pseudo-instruction that pushes
 the *original* return address and falls into a private clone of the callee; or
@@ -47,7 +48,7 @@ Real calls (``real_calls=True``): a call block that is not inlined stays in its
 SR, to be emitted as ``call rel32`` to the original callee whose ``ret`` comes
 back into the buffer, when :func:`real_call_refusal` finds nothing against it:
 
-* a direct call (an indirect call exits as before);
+* a direct call (an indirect one: see promotion below);
 * with one known callee and a fall-through (a call that never returns exits);
 * not a call to the next instruction (``call 1f; 1: pop``: reads its own address);
 * the callee lies in the same module as the call (memory view's module of both
@@ -63,6 +64,26 @@ edge to the callee, marked ``call=callee``; if the continuation is not in the
 SR it gets an exit edge to it.  Its site records ``decision`` "call",
 ``callee``, ``return_address``, ``continuation`` and ``reason`` (why it was not
 inlined); a site refused records ``real_call`` = the refusal as well.
+
+Indirect-call promotion (``real_calls``, at most ``icp_targets`` targets a site): an
+indirect call block that is not inlined stays in its SR when :func:`promotion` finds
+targets to promote: the call returns (a fall-through), its operand is a register or a
+memory operand not using ``rsp`` (codegen/calls.py), and among its known targets
+(discovery's ``targets``: sampled, jump-table or call-table inference, a believed
+literal) some pass :func:`callee_refusal`, the direct call's rules per target.  Those
+are promoted, hottest first (the call's exit count per target, then the target's own
+entry count), up to ``icp_targets``; the others go to the miss path.  Code generation
+emits a compare and a direct real call per promoted target and, on a miss, an exit to
+the call instruction itself (codegen/calls.py): any other target, known or not, runs
+as before in original code.  The kept block keeps its fall-through edge to the
+continuation (or gets an exit to it); its exit edge holds the promoted targets and the
+call instruction (the miss), marked ``promoted``.  Its site records ``decision``
+"promoted", ``targets`` (promoted, hottest first), ``refused`` {target: why not
+promoted, "too-many-targets" included}, ``return_address``, ``continuation``,
+``fallback_exit`` (the call instruction) and ``reason``; a site refused records
+``real_call`` = why (and ``refused`` per target when it had targets).  Counters:
+``icp-sites-promoted``, ``icp-targets-promoted``, ``icp-target-refused-<why>``,
+``icp-refused-<why>`` (sites).
 """
 
 from __future__ import annotations
@@ -73,6 +94,8 @@ from typing import Any, Callable
 
 import networkx as nx
 
+from dbr_service.codegen.calls import MAX_PROMOTED, icall_insn
+from dbr_service.codegen.relocate import CannotRelocate, Relocator
 from dbr_service.errors import MemoryViewError
 from dbr_service.region.loops import body_bytes, sorted_nodes
 from dbr_service.region.model import (END, START, BasicBlock, CloneKey, EdgeKind, NodeKey,
@@ -346,7 +369,13 @@ def real_call_refusal(bb: BasicBlock, mem: Any,
         return "never-returns"
     if len(bb.targets) != 1 or bb.unknown_target:
         return "unknown-target"
-    callee = bb.targets[0]
+    return callee_refusal(bb, bb.targets[0], mem, patched)
+
+
+def callee_refusal(bb: BasicBlock, callee: int, mem: Any,
+                   patched: Callable[[int], bool] | None = None) -> str | None:
+    """None when call block ``bb`` may call ``callee`` from the buffer (same module, no
+    PLT stub, no thunk into another module, no call to the next instruction)."""
     if callee == bb.fallthrough:
         return "reads-return-address"
     if mem is None:
@@ -382,6 +411,76 @@ def real_call_refusal(bb: BasicBlock, mem: Any,
     return None
 
 
+_RELOC: Relocator | None = None
+
+
+def promotion(bb: BasicBlock, mem: Any, patched: Callable[[int], bool] | None = None, *,
+              exits: dict[int, float] | None = None, max_targets: int = MAX_PROMOTED,
+              weight: Callable[[int], float] | None = None
+              ) -> tuple[list[int], dict[int, str], str | None]:
+    """Indirect-call promotion of call block ``bb`` (module docstring): (the promoted
+    targets, hottest first by ``exits`` = the call's count per target, then by
+    ``weight(target)``; each target not promoted -> why; why the site is refused, or
+    None)."""
+    global _RELOC
+    if bb.term != TermKind.ICALL:
+        return [], {}, "not-indirect"
+    if bb.fallthrough is None:
+        return [], {}, "never-returns"
+    max_targets = min(max_targets, MAX_PROMOTED)
+    if max_targets <= 0:
+        return [], {}, "indirect"
+    a, n = bb.last_insn
+    _RELOC = _RELOC or Relocator()
+    try:
+        icall_insn(_RELOC, bb.data[a - bb.start:a - bb.start + n], a)
+    except CannotRelocate as e:
+        return [], {}, str(e)
+    if not bb.targets:
+        return [], {}, "unknown-target"
+    refused: dict[int, str] = {}
+    ok = []
+    for t in dict.fromkeys(bb.targets):
+        why = callee_refusal(bb, t, mem, patched)
+        if why is None:
+            ok.append(t)
+        else:
+            refused[t] = why
+    if not ok:
+        return [], refused, next(iter(refused.values()))
+    exits, weight = exits or {}, weight or (lambda _t: 0.0)
+    ok.sort(key=lambda t: (-exits.get(t, 0.0), -weight(t)))      # stable: discovery's order
+    refused.update((t, "too-many-targets") for t in ok[max_targets:])
+    return ok[:max_targets], refused, None
+
+
+def _keep_promoted(sr: SuperRegion, c: NodeKey, bb: BasicBlock, targets: list[int],
+                   refused: dict[int, str], sites: dict, counters: Counter) -> None:
+    """Keep indirect call block ``c`` with ``targets`` promoted (module docstring)."""
+    call_insn = bb.last_insn[0]
+    exits = dict(sr.g.edges[c, END]["exits"]) if sr.g.has_edge(c, END) else {}
+    if sr.g.has_edge(c, END):
+        sr.g.remove_edge(c, END)
+    share = bb.count / len(bb.targets)        # when discovery gave the calls no counts
+    for t in targets:
+        sr.add_edge(c, END, EdgeKind.EXIT, exits.get(t, share), target=t)
+    rest = sum(cnt for t, cnt in exits.items() if t not in targets)
+    sr.add_edge(c, END, EdgeKind.EXIT, rest, target=call_insn)       # the miss
+    sr.g.edges[c, END]["promoted"] = list(targets)
+    cont = _Inliner._continuation(sr, c, bb)
+    if cont is None:
+        sr.add_edge(c, END, EdgeKind.EXIT, bb.count, target=bb.fallthrough)
+    prev = sites.get(c, {})
+    sites[c] = {"call_insn": call_insn, "decision": "promoted", "targets": list(targets),
+                "refused": dict(refused), "return_address": bb.fallthrough,
+                "continuation": cont, "fallback_exit": call_insn,
+                "reason": prev.get("reason", "cold")}
+    counters["icp-sites-promoted"] += 1
+    counters["icp-targets-promoted"] += len(targets)
+    for why in refused.values():
+        counters[f"icp-target-refused-{why}"] += 1
+
+
 def _keep_real_call(sr: SuperRegion, c: NodeKey, bb: BasicBlock, sites: dict,
                     counters: Counter) -> None:
     """Keep call block ``c`` as a real call (module docstring)."""
@@ -401,12 +500,16 @@ def _keep_real_call(sr: SuperRegion, c: NodeKey, bb: BasicBlock, sites: dict,
 
 def remove_call_blocks(sr: SuperRegion, inlined: set[NodeKey],
                        counters: Counter | None = None, *, real_calls: bool = False,
-                       mem: Any = None, patched: Callable[[int], bool] | None = None) -> None:
+                       mem: Any = None, patched: Callable[[int], bool] | None = None,
+                       icp_targets: int = MAX_PROMOTED,
+                       weight: Callable[[int], float] | None = None) -> None:
     """Remove every call block not in ``inlined``: its predecessors exit to the call
     instruction's block in original code; CONNECT-TERMINALS then enters at the
     continuation (or wherever the SR lost its way in).  With ``real_calls``, a call
     block :func:`real_call_refusal` accepts (``mem``: the client's memory view,
-    ``patched``: installed patch bytes) stays instead, as a real call."""
+    ``patched``: installed patch bytes) stays instead, as a real call, and so does an
+    indirect one with up to ``icp_targets`` targets :func:`promotion` promotes
+    (``weight(target)``: how often it runs, to order targets without call counts)."""
     counters = counters if counters is not None else Counter()
     conts: Counter = Counter()
     sites = sr.info.setdefault("inline", {"budget": 0, "growth": 0, "sites": {}})["sites"]
@@ -414,10 +517,19 @@ def remove_call_blocks(sr: SuperRegion, inlined: set[NodeKey],
         bb = sr.block(c)
         if not is_call_block(bb) or c in inlined:
             continue
-        refused = real_call_refusal(bb, mem, patched) if real_calls else None
-        if real_calls and refused is None:
-            _keep_real_call(sr, c, bb, sites, counters)
-            continue
+        refused, not_promoted = None, {}
+        if real_calls and bb.term is TermKind.ICALL:
+            exits = sr.g.edges[c, END]["exits"] if sr.g.has_edge(c, END) else {}
+            promoted, not_promoted, refused = promotion(
+                bb, mem, patched, exits=exits, max_targets=icp_targets, weight=weight)
+            if refused is None:
+                _keep_promoted(sr, c, bb, promoted, not_promoted, sites, counters)
+                continue
+        elif real_calls:
+            refused = real_call_refusal(bb, mem, patched)
+            if refused is None:
+                _keep_real_call(sr, c, bb, sites, counters)
+                continue
         for p in list(sr.g.predecessors(c)):
             if p != START:
                 sr.add_edge(p, END, EdgeKind.EXIT, sr.g.edges[p, c]["count"], target=bb.start)
@@ -430,7 +542,10 @@ def remove_call_blocks(sr: SuperRegion, inlined: set[NodeKey],
                                     "targets": list(bb.targets)})
         if refused is not None:
             site["real_call"] = refused
-            counters[f"real-call-refused-{refused}"] += 1
+            icp = bb.term is TermKind.ICALL
+            counters[f"{'icp' if icp else 'real-call'}-refused-{refused}"] += 1
+            if not_promoted:
+                site["refused"] = dict(not_promoted)
         counters["call-blocks-removed"] += 1
     connect_terminals(sr, prefer=conts, counters=counters)
     # Original code now runs each removed call and comes back at its continuation.
@@ -442,7 +557,8 @@ def remove_call_blocks(sr: SuperRegion, inlined: set[NodeKey],
 def inline_hot_calls(regions: list[SuperRegion], *, hot_threshold: float, inline_budget: float,
                      inline_min_budget_bytes: int = 256, counters: Counter | None = None,
                      on_error: OnError | None = None, real_calls: bool = False,
-                     mem: Any = None, patched: Callable[[int], bool] | None = None) -> None:
+                     mem: Any = None, patched: Callable[[int], bool] | None = None,
+                     icp_targets: int = MAX_PROMOTED) -> None:
     """INLINE-HOT-CALLS over all SRs (callees may live in other SRs), then remove
     the call blocks left un-inlined (with ``real_calls``: keep those that may stay
     real calls, see :func:`remove_call_blocks`).  ``on_error(sr, exc)`` is told of a
@@ -453,11 +569,14 @@ def inline_hot_calls(regions: list[SuperRegion], *, hot_threshold: float, inline
         raise exc
 
     inl = _Inliner(regions, hot_threshold, inline_budget, inline_min_budget_bytes, counters)
+    # a function's entry count (taken before inlining moves counts into clones)
+    entry = {t: sr.block(t).count for t, sr in inl.home.items()}
     inl.run(on_error or _raise)
     for sr in regions:
         done = {k for (sid, k), st in inl.status.items() if sid == sr.id and st == "inlined"}
         try:
             remove_call_blocks(sr, done, counters, real_calls=real_calls, mem=mem,
-                               patched=patched)
+                               patched=patched, icp_targets=icp_targets,
+                               weight=lambda t: entry.get(t, 0.0))
         except Exception as exc:
             (on_error or _raise)(sr, exc)

@@ -1,4 +1,4 @@
-"""DISCOVER-INDIRECT-CODE's inference (seed 001): targets of indirect transfers.
+"""DISCOVER-INDIRECT-CODE's inference (patent fig. 10): targets of indirect transfers.
 
 Given a path of instructions that ends in an indirect jump or call (the block
 itself and a chain of predecessors, earliest first), a tiny forward symbolic
@@ -15,7 +15,10 @@ Recognised shapes, as gcc emits them at -O0..-O3:
 
 Table entries and literal pointers are read only from read-only memory; the
 index bound comes only from the guarding compare-and-branch on the path or from
-an ``and`` with a small non-negative immediate (the result is at most that).
+an ``and`` with a small non-negative immediate (the result is at most that).  The
+targets are the table's entries that are code: all of them, or a prefix of at least
+half when the rest is not code (a mask wider than the table, see :func:`_read_table`);
+``entries`` stays the bound.
 """
 
 from __future__ import annotations
@@ -450,6 +453,15 @@ def _read_table(table: int, n: int, width: int, conv, how: str,
     for i in range(n):
         t = conv(int.from_bytes(raw[i * width:(i + 1) * width], "little"))
         if not mem.is_exec(t):
-            return None
+            break
         out.append(t)
+    # A mask bounds the index by a power of two, often beyond the table's end (Lua's
+    # ``disptab`` has 83 entries under ``and eax, 0x7f``): a tail that is not code is
+    # other data the program never indexes.  Code must be a prefix of at least half
+    # the entries (and two), and nothing after it code, or the table is not believed.
+    k = len(out)
+    if k < n and (k < 2 or 2 * k < n or any(
+            mem.is_exec(conv(int.from_bytes(raw[i * width:(i + 1) * width], "little")))
+            for i in range(k, n))):
+        return None
     return IndirectTargets(tuple(out), how, table, n)

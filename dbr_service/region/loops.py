@@ -11,7 +11,7 @@ loops.  For a reducible loop this is the natural loop of its single header
 headers and ``reducible`` is False.
 
 The root of the forest is not a loop: it holds every block and the outermost
-loops as children (seed 001, fig. 12).  Also here: the small graph helpers the
+loops as children (patent fig. 12).  Also here: the small graph helpers the
 other passes share (deterministic node order, DFS preorder, patchability).
 """
 

@@ -1,6 +1,6 @@
 """Memory views: what hot-code discovery may read of a client, and with what rights.
 
-Discovery (seed 001, fig. 10) disassembles only memory that is mapped, executable
+Discovery (patent fig. 10) disassembles only memory that is mapped, executable
 and read-only, trusts data (jump tables, literal pointers) only in read-only
 memory, and must stop at bytes of installed patches.  A :class:`MemoryView`
 answers exactly those questions, for an ELF file loaded at its link address
@@ -35,6 +35,11 @@ class MappedRange:
     module: str | None = None
     #: True when the bytes come from a file (not heap, stack or anonymous).
     file_backed: bool = True
+    #: File offset of ``start``, and the file's device ("08:01") and inode, as
+    #: /proc/PID/maps gives them (0 and "" where unknown).
+    offset: int = 0
+    dev: str = ""
+    inode: int = 0
 
     def contains(self, addr: int) -> bool:
         return self.start <= addr < self.end
@@ -45,7 +50,7 @@ class MemoryView(abc.ABC):
 
     Subclasses provide :meth:`ranges` and :meth:`_read_range`; the rest is shared.
     The *excluded* set holds bytes that belong to installed patches: discovery
-    treats them as a stop condition (seed 001: "any byte of a patch instruction").
+    treats them as a stop condition (the patent: "any byte of a patch instruction").
     """
 
     def __init__(self) -> None:
@@ -130,6 +135,14 @@ class MemoryView(abc.ABC):
     def module_of(self, addr: int) -> str | None:
         rng = self._range_at(addr)
         return rng.module if rng else None
+
+    def code_identity(self, addr: int) -> tuple[tuple, int, int] | None:
+        """For code that any process mapping the same file holds alike: (the file's
+        identity, the address its offset 0 is mapped at, the end of the mapping), else
+        None.  Decoded instructions are cached by identity and offset across jobs and
+        clients (discovery.ModuleDecodeCache); views that cannot vouch for their bytes
+        answer None."""
+        return None
 
     def import_name(self, got_addr: int) -> str | None:
         """Name of the imported symbol whose GOT slot is at ``got_addr``, if known."""
@@ -349,7 +362,8 @@ def parse_maps(text: str) -> list[MappedRange]:
         path = parts[5].strip() if len(parts) > 5 else ""
         file_backed = inode != 0 and path.startswith("/")
         module = path if path else None
-        out.append(MappedRange(lo, hi, perms, module, file_backed))
+        out.append(MappedRange(lo, hi, perms, module, file_backed, int(parts[2], 16),
+                               parts[3], inode))
     out.sort(key=lambda r: r.start)
     return out
 
@@ -370,6 +384,7 @@ class LiveMemoryView(MemoryView):
         self._ranges: list[MappedRange] = []
         self._range_starts: list[int] = []
         self._got_cache: dict[str, dict[int, str]] = {}
+        self._identities: dict[tuple[str, str, int], tuple | None] = {}
         self.refresh_maps()
         try:
             self._fd = os.open(f"{proc_dir(pid)}/mem", os.O_RDONLY)
@@ -433,6 +448,27 @@ class LiveMemoryView(MemoryView):
             out += self._page(page)[off: off + k]
             a += k
         return bytes(out)
+
+    def code_identity(self, addr: int) -> tuple[tuple, int, int] | None:
+        """Read-only executable file mappings: the file as (path, dev, inode, mtime,
+        size), checked against the file the path names now (a file replaced since it
+        was mapped, or a path of another mount namespace, has another inode: None)."""
+        rng = self._range_at(addr)
+        if rng is None or not rng.file_backed or rng.perms != "r-x" or not rng.module:
+            return None
+        k = (rng.module, rng.dev, rng.inode)
+        if k not in self._identities:
+            ident = None
+            try:
+                st = os.stat(rng.module)
+                if st.st_ino == rng.inode and \
+                        f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}" == rng.dev:
+                    ident = (rng.module, rng.dev, rng.inode, st.st_mtime_ns, st.st_size)
+            except OSError:
+                pass
+            self._identities[k] = ident
+        ident = self._identities[k]
+        return None if ident is None else (ident, rng.start - rng.offset, rng.end)
 
     def import_name(self, got_addr: int) -> str | None:
         """Resolve a GOT slot through the relocations of the module it lies in."""

@@ -1,4 +1,5 @@
-"""The super-region (SR) model of seed 001: a networkx.DiGraph with START and END.
+"""The super-region (SR) model of the patent (docs/architecture.md): a networkx.DiGraph
+with START and END.
 
 Body nodes are basic blocks.  A node key is the block's start address (``int``)
 for original code, or a :class:`CloneKey` for a block cloned by inlining.  Edges
@@ -44,7 +45,7 @@ NodeKey = Union[int, CloneKey, str]
 
 
 class EdgeKind(str, enum.Enum):
-    """Kinds of control-flow edge (seed 001 terms)."""
+    """Kinds of control-flow edge (the patent's terms)."""
 
     FLOW = "flow"                 # taken branch or jump between body blocks
     FALLTHROUGH = "fallthrough"   # sequential flow into the next block
@@ -152,9 +153,6 @@ class BasicBlock:
 
     def contains(self, addr: int) -> bool:
         return self.start <= addr < self.end
-
-    def is_boundary(self, addr: int) -> bool:
-        return any(a == addr for a, _ in self.insns)
 
     def first_patchable(self, min_len: int = 5) -> int | None:
         """Address of the first instruction at least ``min_len`` bytes long, if any."""
@@ -296,7 +294,8 @@ class SuperRegion:
             if bb.is_clone:
                 style.append("filled")
             attrs = f' style="{",".join(style)}"' if style else ""
-            label = f"{_fmt(k)}\\n{bb.size}B {bb.term.value}\\nsamples={bb.samples:g} n={bb.count:g}"
+            label = (f"{_fmt(k)}\\n{bb.size}B {bb.term.value}"
+                     f"\\nsamples={bb.samples:g} n={bb.count:g}")
             lines.append(f'  "{_fmt(k)}" [label="{label}"{attrs}];')
         for u, v, d in self.g.edges(data=True):
             lbl = f'{d["kind"].value if hasattr(d["kind"], "value") else d["kind"]} {d["count"]:g}'

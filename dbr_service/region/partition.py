@@ -1,4 +1,4 @@
-"""PARTITION-CODE (seed 001, fig. 11): one SR per connected component, then
+"""PARTITION-CODE (patent fig. 11): one SR per connected component, then
 CONNECT-TERMINALS so START reaches every block and every block reaches END.
 
 Discovery puts everything it found into one SR.  Calls are two pseudo edges

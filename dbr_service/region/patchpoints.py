@@ -1,4 +1,4 @@
-"""PATCH-POINT-SELECTION (seed 001, fig. 12): the fewest patches that cover
+"""PATCH-POINT-SELECTION (patent fig. 12): the fewest patches that cover
 every loop, each as far out as possible; then split and move the entry edges.
 
 *Covered.*  Original code enters the SR only along its entry edges.  With patch
@@ -33,7 +33,21 @@ the tail.  Old entry edges go; each patch gets an entry edge counting the flow
 that reaches it from original code.  Blocks START no longer reaches are removed
 here (not only in PRUNE-CODE) so that the SR verifies after this pass.
 Invariant: every entry target starts with a >= 5-byte instruction, is known to
-execute, not unpatchable and not a clone.
+execute, not unpatchable and not a clone -- or is an entry site.
+
+*Entry sites* (docs/architecture.md, "Invariants" 3).  A block at a known function
+entry (``functions``: :class:`~dbr_service.region.functions.FunctionEntries`, else
+``sr.info["function_entries"]``) whose first instruction is shorter than 5 bytes
+may be patched at its start when its first k instructions together span at least 5
+bytes and nothing known branches into bytes 1..4: no other block starts or
+overlaps there, and no block's branch target, fall-through or exit lies there
+(discovery splits a block at every target it knows, so such a target would also
+have cut the entry block short).  Never in a clone, never an unpatchable block.  The
+site is then the block start, unsplit; ``sr.info["entry_sites"]`` maps it to its
+inner instruction boundaries (addresses), which go to the agent with the patch
+(SITE_F_ENTRY): the agent installs it with the int3 protocol once its census finds
+no thread inside.  An entry site is preferred to splitting the block before a later
+5-byte instruction: it catches every call at the door.
 """
 
 from __future__ import annotations
@@ -42,8 +56,10 @@ from collections import Counter
 from dataclasses import replace
 
 from dbr_service.region import graphs
+from typing import Callable, Container
+
 from dbr_service.region.loops import PATCH_LEN, Loop, dfs_preorder, is_patchable, loop_forest
-from dbr_service.region.model import END, START, EdgeKind, NodeKey, SuperRegion, TermKind
+from dbr_service.region.model import END, START, CloneKey, EdgeKind, NodeKey, SuperRegion, TermKind
 from dbr_service.region.prune import remove_unreachable
 
 
@@ -79,23 +95,72 @@ class _Coverage:
         return b in self._to_cycle[patches]
 
 
-def choose_patch_blocks(sr: SuperRegion, counters: Counter | None = None) -> list[NodeKey]:
-    """The blocks to patch (before splitting), in selection order."""
+def entry_site_inner(sr: SuperRegion, k: NodeKey,
+                     functions: Container[int] | None) -> list[int] | None:
+    """The inner instruction boundaries of an entry site at block ``k``'s start (see
+    the module docstring), or None when ``k`` cannot hold one."""
+    if functions is None or k in (START, END) or isinstance(k, CloneKey):
+        return None
+    bb = sr.block(k)
+    if bb.is_clone or bb.unpatchable or not bb.known_exec or not bb.insns or \
+            bb.insns[0][0] != bb.start or bb.insns[0][1] >= PATCH_LEN or bb.start not in functions:
+        return None
+    inner: list[int] = []
+    end = bb.start
+    for a, n in bb.insns:
+        if a >= bb.start + PATCH_LEN:
+            break
+        if a > bb.start:
+            inner.append(a)
+        end = a + n
+    if end - bb.start < PATCH_LEN:
+        return None                  # the block ends before 5 bytes
+    lo, hi = bb.start + 1, bb.start + PATCH_LEN
+    for ok, ob in sr.blocks():
+        if ok != k and not ob.is_clone and ob.start < hi and bb.start < ob.end:
+            return None              # another decoded entry overlaps the site
+        if any(lo <= t < hi for t in ob.targets) or \
+                (ob.fallthrough is not None and lo <= ob.fallthrough < hi):
+            return None
+    for _, exits in sr.exit_edges():
+        if any(lo <= t < hi for t in exits):
+            return None
+    return inner
+
+
+def _entry_sites(sr: SuperRegion, functions: Container[int] | None) -> dict[NodeKey, list[int]]:
+    if functions is None:
+        return {}
+    out = {}
+    for k in sr.body_nodes():
+        inner = entry_site_inner(sr, k, functions)
+        if inner is not None:
+            out[k] = inner
+    return out
+
+
+def choose_patch_blocks(sr: SuperRegion, counters: Counter | None = None, *,
+                        patchable: Callable[[NodeKey], bool] | None = None) -> list[NodeKey]:
+    """The blocks to patch (before splitting), in selection order; ``patchable``
+    (default :func:`is_patchable`) says which blocks may hold a patch."""
     counters = counters if counters is not None else Counter()
+    if patchable is None:
+        def patchable(b: NodeKey) -> bool:
+            return is_patchable(sr, b)
     forest = loop_forest(sr)
     order = [k for k in dfs_preorder(sr.g) if k not in (START, END)]
     cov = _Coverage(sr)
     P: list[NodeKey] = []
     root_own = forest.root.own_blocks
     for b in order:
-        if b in root_own and is_patchable(sr, b) and cov.leads_to_cycle(b, frozenset(P)):
+        if b in root_own and patchable(b) and cov.leads_to_cycle(b, frozenset(P)):
             P.append(b)
             counters["root-patches"] += 1
 
     def nested(lp: Loop) -> None:
         own = lp.own_blocks
         for b in order:
-            if b in own and is_patchable(sr, b) and b in cov.state(frozenset(P))[1]:
+            if b in own and patchable(b) and b in cov.state(frozenset(P))[1]:
                 P.append(b)
                 counters["loop-patches"] += 1
         for child in lp.children:
@@ -110,7 +175,7 @@ def choose_patch_blocks(sr: SuperRegion, counters: Counter | None = None) -> lis
             P.remove(p)
             counters["minimised-away"] += 1
     if not P:
-        first = next((b for b in order if is_patchable(sr, b)), None)
+        first = next((b for b in order if patchable(b)), None)
         if first is not None:
             P.append(first)
             counters["fallback-patches"] += 1
@@ -170,15 +235,25 @@ def _entry_inflow(sr: SuperRegion, P: list[NodeKey]) -> dict[NodeKey, float]:
 
 
 def select_patch_points(sr: SuperRegion, counters: Counter | None = None, *,
-                        transfer_only: bool = False) -> bool:
+                        transfer_only: bool = False,
+                        functions: Container[int] | None = None,
+                        entry_sites: bool = True) -> bool:
     """PATCH-POINT-SELECTION on one SR.  Returns False when the SR has no
     patchable block at all (the caller drops it) -- unless ``transfer_only``: then
     the SR is kept with its entry edges as they are, marked
     ``info["transfer_only"]`` and without patch points; threads enter it only when
     the agent moves them there from its original code (a loop that runs once, long:
-    a worker's only call, a dlopened library's loop with no 5-byte instruction)."""
+    a worker's only call, a dlopened library's loop with no 5-byte instruction).
+
+    ``functions``: the known function entries (default ``sr.info["function_entries"]``,
+    if any), for entry sites; without them (or with ``entry_sites`` False) there are
+    none."""
     counters = counters if counters is not None else Counter()
-    P = choose_patch_blocks(sr, counters)
+    if functions is None:
+        functions = sr.info.get("function_entries")        # type: ignore[assignment]
+    esites = _entry_sites(sr, functions) if entry_sites else {}
+    P = choose_patch_blocks(sr, counters,
+                            patchable=lambda b: b in esites or is_patchable(sr, b))
     if not P:
         if transfer_only and sr.entry_edges():
             counters["transfer-only"] += 1
@@ -190,21 +265,36 @@ def select_patch_points(sr: SuperRegion, counters: Counter | None = None, *,
         return False
     inflow = _entry_inflow(sr, P)
     sr.g.remove_edges_from([(START, v) for v in list(sr.g.successors(START))])
+    chosen: dict[int, list[int]] = {}
     for p in P:
-        q = split_for_patch(sr, p)
-        if q != p:
-            counters["blocks-split"] += 1
+        if p in esites:
+            q = p                        # patched at its start, unsplit
+            chosen[sr.block(p).start] = esites[p]
+            counters["entry-sites"] += 1
+        else:
+            q = split_for_patch(sr, p)
+            if q != p:
+                counters["blocks-split"] += 1
         sr.add_edge(START, q, EdgeKind.ENTRY, inflow[p])
     counters["patch-points"] += len(P)
     counters["unreachable-removed"] += remove_unreachable(sr)
     sr.info["patch_points"] = sorted(sr.block(v).start for v, _ in sr.entry_edges())
+    sr.info["entry_sites"] = {a: chosen[a] for a in sr.info["patch_points"] if a in chosen}
     sr.info["loops"] = loop_forest(sr)
     return True
 
 
 def check_entry_invariant(sr: SuperRegion) -> None:
-    """Raise AssertionError unless every entry target is a valid patch site."""
+    """Raise AssertionError unless every entry target is a valid patch site: one
+    instruction of >= 5 bytes, or an entry site whose recorded inner boundaries are
+    the block's instruction starts inside its first 5 bytes."""
+    esites = sr.info.get("entry_sites") or {}
     for v, _ in ([] if sr.transfer_only else sr.entry_edges()):
         bb = sr.block(v)
         assert not bb.is_clone and not bb.unpatchable and bb.known_exec, (sr.id, v)
-        assert bb.insns[0][1] >= PATCH_LEN, (sr.id, v, bb.insns[0])
+        if bb.start in esites:               # type: ignore[operator]
+            inner = [a for a, _ in bb.insns if bb.start < a < bb.start + PATCH_LEN]
+            assert list(esites[bb.start]) == inner and inner, (sr.id, v)    # type: ignore[index]
+            assert bb.size >= PATCH_LEN, (sr.id, v)
+        else:
+            assert bb.insns[0][1] >= PATCH_LEN, (sr.id, v, bb.insns[0])

@@ -1,4 +1,4 @@
-"""The region-selection pass manager (DESIGN "The region-selection pipeline").
+"""The region-selection pass manager (docs/architecture.md, "Region selection").
 
 ``run_pipeline`` takes the single SR hot-code discovery produced and runs the
 registered passes in order (:data:`PASSES`).  The manager times every pass,
@@ -41,14 +41,25 @@ class RegionConfig:
     max_discovery_blocks: int | None = None
     #: A block/call is hot when its (estimated) execution count reaches this.
     hot_threshold: float = 1.0
-    #: A region needs a loop with at least this many iterations per entry.
+    #: A region needs a loop with at least this many iterations per entry ...
     min_loop_trip_count: float = 4.0
+    #: ... or be a hot function: patched at a function entry, with at least this many
+    #: samples in its blocks (region/prune.py; None: loops only).
+    function_threshold: float | None = None
     #: A region needs at least this many bytes of body code (clones included).
     min_region_size: int = 16
     #: Inlining: growth allowed per SR as a ratio of its body bytes (1.0 = double).
     inline_budget: float = 1.0
     #: Indirect jumps with more known targets than this exit (no compare cascade).
     max_cascade_targets: int = MAX_CASCADE_TARGETS
+    #: Patch-point selection may choose entry sites (region/patchpoints.py).  Off by
+    #: default: discovery sees only the code around hot samples, and a branch from
+    #: code it never decoded into bytes 1..4 of a function's entry (glibc's
+    #: ``__mempcpy_*`` jumps to ``__memcpy_*+3``) lands in the middle of the jump.
+    entry_sites: bool = False
+    #: Absolute table jumps with a masked index jump through a copy of their table in
+    #: replacement code, whatever their width (codegen/tables.py); else as above.
+    translate_tables: bool = True
     #: Inlining: growth always allowed per SR, in bytes, whatever its size.
     inline_min_budget_bytes: int = 256
     #: Keep an SR that has no patchable block as *transfer-only*: no patch points,
@@ -60,6 +71,9 @@ class RegionConfig:
     #: Keep direct calls that are not inlined as real calls to the original callee
     #: (same module, no PLT stub: region/inline.py); else they exit to original code.
     real_calls: bool = False
+    #: With ``real_calls``: most targets of an indirect call promoted to compare + direct
+    #: real call (region/inline.py, codegen/calls.py); 0: indirect calls exit as before.
+    icp_max_targets: int = 3
     #: Counts were measured (LBR, instrumentation): skip COMPUTE-FALL-THROUGH-ONLY.
     measured_counts: bool = False
     #: Verify every SR after every pass.
@@ -151,7 +165,8 @@ class PartitionPass(RegionPass):
     name = "partition-code"
 
     def run_region(self, sr, ctx):
-        dispatch.cut_wide_dispatch(sr, ctx.config.max_cascade_targets, self.counters)
+        dispatch.cut_wide_dispatch(sr, ctx.config.max_cascade_targets, self.counters,
+                                   ctx.mem, ctx.config.translate_tables)
         return partition.partition_code(sr, self.counters)
 
 
@@ -202,7 +217,8 @@ class InlineHotCallsPass(Pass):
 
     def run(self, regions, ctx):
         c = ctx.config
-        real = {"real_calls": c.real_calls, "mem": ctx.mem, "patched": ctx.patched}
+        real = {"real_calls": c.real_calls, "mem": ctx.mem, "patched": ctx.patched,
+                "icp_targets": c.icp_max_targets}
         if c.inline:
             inline.inline_hot_calls(regions, hot_threshold=c.hot_threshold,
                                     inline_budget=c.inline_budget,
@@ -222,7 +238,8 @@ class PatchPointSelectionPass(RegionPass):
 
     def run_region(self, sr, ctx):
         return [sr] if patchpoints.select_patch_points(
-            sr, self.counters, transfer_only=ctx.config.transfer_only) else []
+            sr, self.counters, transfer_only=ctx.config.transfer_only,
+            entry_sites=ctx.config.entry_sites) else []
 
 
 class PruneCodePass(RegionPass):
@@ -232,13 +249,15 @@ class PruneCodePass(RegionPass):
         config = ctx.config
         return prune.prune_code(sr, hot_threshold=config.hot_threshold,
                                 min_loop_trip_count=config.min_loop_trip_count,
-                                min_region_size=config.min_region_size, counters=self.counters)
+                                min_region_size=config.min_region_size, counters=self.counters,
+                              function_threshold=config.function_threshold)
 
 
-#: Passes run in the order they are registered here (seed 001, fig. 3):
+#: Passes run in the order they are registered here (patent fig. 3; docs/architecture.md):
 #: partition first (after cutting the edges of indirect jumps that code generation
-#: leaves as exits, so every pass sees the graph the code will have), so every later pass sees one routine-sized, single-component
-#: SR whose START reaches everything; fall-through counts next, because the
+#: leaves as exits, so every pass sees the graph the code will have), so every later
+#: pass sees one routine-sized, single-component SR whose START reaches everything;
+#: fall-through counts next, because the
 #: inliner's hotness test and count scaling need block counts; inlining before
 #: patch-point selection, because the inliner needs whole routines and is not
 #: to be hampered by patch constraints (clones are unpatchable anyway); prune
@@ -286,8 +305,11 @@ def run_pipeline(first_sr: SuperRegion, mem: Any, config: RegionConfig, *,
 
 
 def select_regions(samples: Any, mem: Any, config: RegionConfig, *, branch_samples: Any = None,
-                   patched: Any = None) -> PipelineResult:
-    """Hot-code discovery from aggregated samples, then :func:`run_pipeline`."""
+                   patched: Any = None, functions: Any = None) -> PipelineResult:
+    """Hot-code discovery from aggregated samples, then :func:`run_pipeline`.
+    ``functions``: the client's known function entries (region/functions.py
+    FunctionEntries), to which the direct call targets discovery saw are added; they
+    let patch-point selection choose entry sites."""
     from dbr_service.region.discovery import hot_code_discovery  # written alongside
 
     t0 = time.perf_counter()
@@ -295,8 +317,15 @@ def select_regions(samples: Any, mem: Any, config: RegionConfig, *, branch_sampl
                                branch_samples=branch_samples, patched=patched,
                                seed_min=config.seed_min_samples,
                                max_blocks=config.max_discovery_blocks)
+    if functions is not None:
+        from dbr_service.region.functions import call_targets
+
+        functions.add(call_targets(first))
+        first.info["function_entries"] = functions
     took = time.perf_counter() - t0
     res = run_pipeline(first, mem, config, patched=patched)
+    for sr in res.regions:
+        sr.info.pop("function_entries", None)   # holds the worker's file look-ups
     res.timings = {"hot-code-discovery": took, **res.timings}
     return res
 

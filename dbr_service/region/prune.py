@@ -1,4 +1,4 @@
-"""PRUNE-CODE (seed 001, fig. 8): keep only hot code worth a patch.
+"""PRUNE-CODE (patent fig. 8): keep only hot code worth a patch.
 
 1. Remove blocks START no longer reaches (patch-point selection moved entries).
 2. Remove cold tails: blocks that are not hot (count < ``hot_threshold``) and
@@ -12,6 +12,15 @@
    block sizes, clones included), regions with no loop whose estimated trip
    count reaches ``min_loop_trip_count`` (loopless ones included), and regions
    left without a patch point.  ``sr.info["loops"]`` = the final loop forest.
+
+*Hot functions* (``function_threshold``, a sample count; None: off).  In a flat
+profile no loop is hot and no single block reaches ``hot_threshold``, yet a few
+hundred functions hold the time; their copies, calling each other for real, are the
+hot text.  An SR patched at a known function entry (``sr.info["function_entries"]``)
+whose blocks hold at least ``function_threshold`` samples is a *hot function*: its
+cold tails are the blocks below FUNCTION_TAIL_SHARE of its hottest block's count
+(instead of ``hot_threshold``), and a part that keeps the function entry's patch
+point is kept without a hot loop (``info["hot_function"]``).
 """
 
 from __future__ import annotations
@@ -53,12 +62,34 @@ def remove_cold_tails(sr: SuperRegion, hot_threshold: float) -> set[NodeKey]:
     return cold
 
 
+#: A hot function's blocks below this share of its hottest block's count are cold.
+FUNCTION_TAIL_SHARE = 0.02
+
+
+def function_entry_points(sr: SuperRegion) -> list[int]:
+    """``sr``'s patch points that are known function entries."""
+    functions = sr.info.get("function_entries")
+    if not functions:
+        return []
+    return [a for a in sr.entry_points() if a in functions]
+
+
 def prune_code(sr: SuperRegion, *, hot_threshold: float, min_loop_trip_count: float,
-               min_region_size: int, counters: Counter | None = None) -> list[SuperRegion]:
+               min_region_size: int, counters: Counter | None = None,
+               function_threshold: float | None = None) -> list[SuperRegion]:
     """PRUNE-CODE on one SR; returns the surviving SRs (zero or more)."""
     counters = counters if counters is not None else Counter()
     counters["unreachable-removed"] += remove_unreachable(sr)
-    counters["cold-removed"] += len(remove_cold_tails(sr, hot_threshold))
+    fn_entries: set[int] = set()
+    tail_threshold = hot_threshold
+    if function_threshold is not None and not sr.transfer_only:
+        blocks = [sr.block(k) for k in sr.body_nodes()]
+        if sum(b.samples for b in blocks) >= function_threshold:
+            fn_entries = set(function_entry_points(sr))
+        if fn_entries:
+            hottest = max(b.count for b in blocks)
+            tail_threshold = min(hot_threshold, max(1e-9, FUNCTION_TAIL_SHARE * hottest))
+    counters["cold-removed"] += len(remove_cold_tails(sr, tail_threshold))
     kept = []
     for part in separate_connected_components(sr):
         if len(part) == 0:
@@ -71,9 +102,13 @@ def prune_code(sr: SuperRegion, *, hot_threshold: float, min_loop_trip_count: fl
             counters["dropped-no-patch-point"] += 1
         elif body_bytes(part) < min_region_size:
             counters["dropped-small"] += 1
-        elif not any(lp.trip_count >= min_loop_trip_count for lp in forest.loops()):
-            counters["dropped-no-hot-loop"] += 1
-        else:
+        elif any(lp.trip_count >= min_loop_trip_count for lp in forest.loops()):
             kept.append(part)
+        elif fn_entries & set(part.entry_points()):
+            part.info["hot_function"] = True
+            counters["kept-hot-functions"] += 1
+            kept.append(part)
+        else:
+            counters["dropped-no-hot-loop"] += 1
     counters["kept"] += len(kept)
     return kept

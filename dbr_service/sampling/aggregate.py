@@ -1,7 +1,7 @@
 """Aggregation of samples by (client, IP): hot IPs, per-thread counts, branch counts.
 
-The control thread feeds every sample of a snapshot window in here (DESIGN.md "One
-cycle" step 2); region selection reads the hot IPs and, where the source has them, the
+The control thread feeds every sample of a snapshot window in here (docs/architecture.md,
+"One cycle" 2); region selection reads the hot IPs and, where the source has them, the
 branch counts.  Samples that land in replacement code are mapped back to original
 addresses by the ``attribute`` hook the code generator provides, so later passes see one
 program.

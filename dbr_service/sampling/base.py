@@ -1,7 +1,7 @@
 """The one interface every sampling source implements, and the sample it produces.
 
 A source is opened on one client process, told about its threads, switched on and off
-around snapshot windows (DESIGN.md "One cycle" step 2) and drained without blocking.
+around snapshot windows (docs/architecture.md, "One cycle" 2) and drained without blocking.
 Sources keep their own counters so ``dbr ctl status`` can show what each one did.
 """
 

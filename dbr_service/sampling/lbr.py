@@ -1,13 +1,14 @@
-"""Edge profiles from sampled taken-branch stacks (seed 002, LBR-style records).
+"""Edge profiles from sampled taken-branch stacks (LBR-style records; the edge-profiling
+reference of docs/architecture.md, "Where the design comes from").
 
 A branch stack is the last N taken branches ``(from, to)`` at the moment of a sample.
 Every pair is a taken edge.  Between two consecutive taken branches the program ran
 straight through: from the target of the older one to the source of the newer one, so
 that address range is a *fall-through range* (every conditional branch inside it was
 not taken).  Region selection later disassembles those ranges to recover the not-taken
-edges, which is the seed's "full branch trace".
+edges, which is the reference's "full branch trace".
 
-Uniformity (seed 002 [0046]–[0049]): every stack contributes the same number of
+Uniformity (as the reference requires): every stack contributes the same number of
 branches, its newest ``cbt_size`` ones (the chopped branch trace), so that edge counts
 stay proportional to execution counts when stacks are sampled at branch-count intervals.
 """

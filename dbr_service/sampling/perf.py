@@ -82,7 +82,6 @@ PERF_RECORD_SAMPLE = 9
 
 PERF_EVENT_IOC_ENABLE = 0x2400   # _IO('$', 0)
 PERF_EVENT_IOC_DISABLE = 0x2401  # _IO('$', 1)
-PERF_EVENT_IOC_RESET = 0x2403    # _IO('$', 3)
 
 PERF_FLAG_FD_CLOEXEC = 1 << 3
 
@@ -636,10 +635,6 @@ class PerfSource(SamplingSource):
         self._require_open()
         self._ioctl_all(PERF_EVENT_IOC_DISABLE)
         self.enabled = False
-
-    def reset(self) -> None:
-        """Zero the counters (not the rings) of every event."""
-        self._ioctl_all(PERF_EVENT_IOC_RESET)
 
     # -- reading ----------------------------------------------------------------------------
 

@@ -1,0 +1,65 @@
+"""Known function entries of a client, for entry sites (region/patchpoints.py).
+
+An entry site patches the first few instructions of a function, so its address must
+be a function entry: only then do callers arrive at its first byte and nothing else
+in the function branches back into its first five bytes.  :class:`FunctionEntries`
+answers ``addr in entries`` (run-time addresses) from
+
+* addresses given to it: direct call targets discovery saw (:func:`call_targets`);
+* each module's ``.eh_frame``: an address where an FDE starts (through
+  ``module_at``, ``codegen.frames.CfiSource.module_at``: file, bias, parsed CFI);
+* the same module's ELF symbol table (``.symtab``, else ``.dynsym``; dbr_service/
+  symbols.py): a defined function symbol's value.
+
+A look-up that fails (no module file, unreadable CFI) says no.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from dbr_service.codegen.cfi import CfiError
+from dbr_service.region.model import SuperRegion, TermKind
+from dbr_service.symbols import symbols_of
+
+
+def call_targets(sr: SuperRegion) -> set[int]:
+    """Targets of the direct calls among ``sr``'s blocks (clones included: their
+    targets are the original's)."""
+    return {t for _, bb in sr.blocks() if bb.term is TermKind.CALL for t in bb.targets}
+
+
+class FunctionEntries:
+    """``addr in entries``: whether ``addr`` is known to be a function's entry."""
+
+    def __init__(self, addrs: Iterable[int] = (),
+                 module_at: Callable[[int], Any] | None = None) -> None:
+        self._addrs = set(addrs)
+        self._module_at = module_at
+
+    def add(self, addrs: Iterable[int]) -> None:
+        self._addrs.update(addrs)
+
+    def __contains__(self, addr: object) -> bool:
+        if not isinstance(addr, int):
+            return False
+        if addr in self._addrs:
+            return True
+        if self._module_at is None:
+            return False
+        try:
+            mod = self._module_at(addr)
+        except (CfiError, OSError):
+            return False
+        link = addr - mod.bias
+        fde = mod.eh.find(link)
+        if fde is not None and fde.start == link:
+            return True
+        return link in symbols_of(mod.path).starts()
+
+    def __deepcopy__(self, memo: dict) -> "FunctionEntries":
+        return self          # read-only for the passes; its module look-up holds locks
+
+    def __repr__(self) -> str:
+        return f"FunctionEntries({len(self._addrs)} addresses, " \
+               f"{'with' if self._module_at else 'no'} module look-up)"
