@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"all workloads: {total['code_bytes']} bytes in {1e3 * total['emit_s']:.1f} ms "
               f"of emission = {total['bytes_per_s'] / 1e3:.0f} kB/s", flush=True)
     path = write_results("codegen_rate", {"machine": machine(), "version": code_version(),
-                                          "window_s": QUICK_WINDOW_S if args.quick else WINDOW_S, "workloads": rows,
-                                          "total": total, "quick": args.quick})
+                                          "window_s": QUICK_WINDOW_S if args.quick else WINDOW_S,
+                                          "workloads": rows, "total": total, "quick": args.quick})
     print(f"written {path}")
     return 0 if ok or not rows else 1
 

@@ -1,5 +1,6 @@
 """Shared benchmark machinery: alternate A/B runs, take medians, report ratios,
-record the machine, write results under bench/results/."""
+record the machine, write results under bench/results/.  The statistics are
+``bench/stats.py``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import statistics
 import subprocess
 import time
@@ -124,45 +124,11 @@ def write_results(stem: str, payload: dict) -> Path:
     return path
 
 
-# ---------------------------------------------------------------- issue 6 additions
-
-def spread(xs: Sequence[float]) -> dict:
-    """Median with its spread: n, min, q1, median, q3, max (IQR = q3 - q1)."""
-    xs = sorted(xs)
-    if not xs:
-        return {"n": 0}
-    if len(xs) >= 2:
-        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-    else:
-        q1 = q3 = xs[0]
-    return {"n": len(xs), "min": xs[0], "q1": q1, "median": statistics.median(xs), "q3": q3,
-            "max": xs[-1]}
-
-
-def ratio_ci(pairs: Sequence[tuple[float, float]], level: float = 0.95,
-             resamples: int = 4000, seed: int = 1) -> tuple[float, float] | None:
-    """Bootstrap confidence interval of median(a) / median(b) over paired rounds
-    ``(a, b)``: rounds are resampled whole, so what hit both runs of a round (load,
-    drift) stays paired.  Percentile method, fixed seed (the same data give the same
-    interval).  None with fewer than 5 rounds: too few to say anything."""
-    pairs = [(a, b) for a, b in pairs if b > 0]
-    if len(pairs) < 5:
-        return None
-    rng = random.Random(seed)
-    n = len(pairs)
-    stats = []
-    for _ in range(resamples):
-        sample = [pairs[rng.randrange(n)] for _ in range(n)]
-        mb = statistics.median(b for _, b in sample)
-        stats.append(statistics.median(a for a, _ in sample) / mb)
-    stats.sort()
-    tail = (1.0 - level) / 2
-    return stats[int(tail * (resamples - 1))], stats[int((1 - tail) * (resamples - 1))]
-
+# ------------------------------------------------------- command lines, machine, code
 
 def program_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """``-- PROG [ARG ...]`` of an A/B harness's command line (``args.prog``, an
-    argparse.REMAINDER), checked with its ``--runs``: at least ratio_ci's floor of 5
+    argparse.REMAINDER), checked with its ``--runs``: at least stats.ratio_ci's floor of 5
     rounds (fewer say nothing).  Usage errors exit 2."""
     prog = args.prog[1:] if args.prog[:1] == ["--"] else args.prog
     if not prog:
@@ -170,19 +136,6 @@ def program_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
     if args.runs < 5:
         ap.error("--runs must be at least 5")
     return prog
-
-
-def verdict(ci: tuple[float, float] | None, limit: float) -> str:
-    """Whether a ratio is within ``limit`` (e.g. 1.01), from its confidence interval:
-    ``met`` (the whole interval at or under), ``missed`` (the whole interval over),
-    ``undecided`` (the interval spans the limit: more or quieter rounds needed)."""
-    if ci is None:
-        return "undecided"
-    if ci[1] <= limit:
-        return "met"
-    if ci[0] > limit:
-        return "missed"
-    return "undecided"
 
 
 def _read(path: str) -> str | None:

@@ -1,17 +1,8 @@
 """Where dbr stands against the alternatives, per workload (issue 6).
 
-Configurations, side by side on every workload of ``bench/suite.py``:
-
-* ``native``       the program as is (the baseline of every ratio);
-* ``dbr``          ``dbr run --embedded`` with default settings;
-* ``dbr-sampling`` ``dbr run --embedded`` with patching disabled (sampling only), when
-                   the configuration has a key for that;
-* ``perf``         ``perf record -F <dbr's sampling rate> -e cpu-clock`` (temp file,
-                   deleted): the profiling anchor;
-* ``valgrind``     ``valgrind --tool=none``: the floor cost of a DBI framework; its own
-                   native/valgrind A/B pair, few runs (small inputs in quick mode);
-* ``pgo``          C workloads only: the source rebuilt with -fprofile-generate, a
-                   training run, -fprofile-use.
+The configurations of ``bench/configs.py`` (native, dbr, dbr-host, dbr-preload,
+thread-only, dbr-sampling, perf, valgrind, pgo), side by side on every workload of
+``bench/suite.py``; one run is ``bench/runner.py``'s ``run_once``.
 
 All the configurations of a workload run in alternation (round i starts at config i
 mod k, so drift and periodic load hit every config alike) after one warm-up run of
@@ -27,24 +18,23 @@ usage: python -m bench.compare [--quick] [--runs N] [--configs a,b] [WORKLOAD...
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
 import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from bench import suite
-from bench.common import Results, ratio_ci, spread, tree_cpu_s
+from bench.common import Results
+from bench.configs import Config, Native, default_configs, select_configs
+from bench.runner import Run, describe_exit, last_line, run_once
+from bench.stats import by_patch, ratio_ci, spread
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,630 +45,6 @@ def log(msg: str) -> None:
 
 def warn(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------ one run
-
-@dataclass
-class Run:
-    wall: float
-    exit_code: int          # waitstatus_to_exitcode: negative = killed by that signal
-    digest: str
-    cpu_s: float            # user + sys of the process tree (wait4 rusage)
-    maxrss_kb: int          # largest RSS of any process of the tree
-    timed_out: bool = False
-    stderr_tail: str = ""
-    extra: dict = field(default_factory=dict)
-    pid: int = 0
-    hung: list = field(default_factory=list)  # on a timeout: what each thread was doing
-    round: int = -1         # index of its recorded round in alternate()'s result (-1: none)
-
-
-def digest_outputs(run_dir: Path, outputs: list[str]) -> str:
-    h = hashlib.sha256()
-    for name in ["stdout", *outputs]:
-        p = run_dir / name
-        h.update(name.encode() + b"\0")
-        if p.exists():
-            with open(p, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-        else:
-            h.update(b"\0MISSING\0")
-    return h.hexdigest()
-
-
-def run_once(argv: list[str], env: dict[str, str], run_dir: Path, outputs: list[str],
-             timeout: float) -> Run:
-    """One timed run in a fresh ``run_dir`` (its cwd; stdout goes to run_dir/stdout).
-    Wall time from just before the spawn to the return of wait4; rusage from wait4
-    covers the child and every descendant it waited for."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    res: dict[str, Any] = {}
-    with open(run_dir / "stdout", "wb") as out, open(run_dir.parent / "stderr", "wb") as err:
-        t0 = time.perf_counter()
-        p = subprocess.Popen(argv, env=env, cwd=run_dir, stdin=subprocess.DEVNULL, stdout=out,
-                             stderr=err, start_new_session=True)
-
-        def waiter() -> None:
-            _, status, ru = os.wait4(p.pid, 0)
-            res.update(t=time.perf_counter(), status=status, ru=ru)
-
-        th = threading.Thread(target=waiter, daemon=True)
-        th.start()
-        try:
-            th.join(timeout)
-        except BaseException:  # interrupted (SIGINT/SIGTERM): take the run down with us
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            th.join(10)
-            raise
-        timed_out = th.is_alive()
-        hung = session_threads(p.pid) if timed_out else []
-        if timed_out:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the session we created for it
-            except ProcessLookupError:
-                pass
-            th.join(30)
-    if "status" not in res:
-        raise RuntimeError(f"could not reap {argv[0]} (pid {p.pid})")
-    p.returncode = os.waitstatus_to_exitcode(res["status"])  # reaped: keep Popen from waiting
-    ru = res["ru"]
-    tail = (run_dir.parent / "stderr").read_bytes()[-2000:].decode(errors="replace")
-    return Run(wall=res["t"] - t0, exit_code=p.returncode,
-               digest=digest_outputs(run_dir, outputs), cpu_s=ru.ru_utime + ru.ru_stime,
-               maxrss_kb=ru.ru_maxrss, timed_out=timed_out, stderr_tail=tail, pid=p.pid,
-               hung=hung)
-
-
-def session_threads(sid: int) -> list[dict]:
-    """Every thread of the processes in session ``sid``, as /proc shows it: name,
-    state, kernel wait channel and /proc/TID/syscall (the syscall it waits in, or
-    "running", with its user stack pointer and pc) -- what a timed-out run was doing,
-    recorded before it is killed."""
-    out: list[dict] = []
-    for pid in sorted(int(d) for d in os.listdir("/proc") if d.isdigit()):
-        try:
-            st = Path(f"/proc/{pid}/stat").read_text()
-            if int(st.rsplit(")", 1)[1].split()[3]) != sid:   # field 6: session
-                continue
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-                errors="replace").strip()[:200]
-            for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
-                base = Path(f"/proc/{pid}/task/{tid}")
-                tst = (base / "stat").read_text()
-                rest = tst.rsplit(")", 1)[1].split()
-                item = {"pid": pid, "tid": tid, "cmd": cmd,
-                        "comm": tst[tst.index("(") + 1:tst.rindex(")")], "state": rest[0],
-                        "utime_ticks": int(rest[11]), "stime_ticks": int(rest[12])}
-                for name in ("wchan", "syscall"):
-                    with contextlib.suppress(OSError):
-                        item[name] = (base / name).read_text().strip()
-                out.append(item)
-        except (OSError, ValueError, IndexError):
-            continue                       # gone meanwhile
-    return out
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    if code > 128 and code - 128 < 65:
-        try:
-            return f"exit {code} ({signal.Signals(code - 128).name}?)"
-        except ValueError:
-            pass
-    return f"exit {code}"
-
-
-# ------------------------------------------------------------------ configurations
-
-class Config:
-    """How one configuration wraps a workload's command."""
-
-    name = "?"
-    what = ""
-    separate = False  # measured in its own A/B pair against native (valgrind)
-
-    def __init__(self) -> None:
-        self.reason: str | None = None  # None: available
-
-    def check(self, ctx: suite.Ctx, env: dict[str, str], tmp: Path) -> str | None:
-        """None when usable here, else the reason it is unavailable."""
-        return None
-
-    def applies(self, w: suite.Workload, prep: suite.Prepared) -> str | None:
-        return None
-
-    def command(self, argv: list[str], prep: suite.Prepared, work: Path) -> list[str]:
-        return argv
-
-    def environ(self, env: dict[str, str]) -> dict[str, str]:
-        """The environment of the run (the workload's; configurations may add to it)."""
-        return env
-
-    def collect(self, work: Path, run: Run | None = None) -> dict:
-        return {}
-
-
-class Native(Config):
-    name, what = "native", "the program as built / installed"
-
-
-class Pgo(Config):
-    name, what = "pgo", "gcc -fprofile-generate, training run, -fprofile-use (C workloads)"
-
-    def applies(self, w, prep):
-        return None if prep.pgo_argv else "not applicable: no source to rebuild"
-
-    def command(self, argv, prep, work):
-        assert prep.pgo_argv
-        return prep.pgo_argv
-
-
-def _dbr_exe() -> str:
-    venv = Path(sys.executable).parent / "dbr"
-    return str(venv) if venv.exists() else (shutil.which("dbr") or str(venv))
-
-
-class Dbr(Config):
-    """``dbr run --embedded --quiet --report FILE [-o ...] -- PROG``."""
-
-    name, what = "dbr", "dbr run --embedded, default settings"
-
-    def __init__(self, overrides: list[str] | None = None, flags: list[str] | None = None):
-        super().__init__()
-        self.overrides = list(overrides or [])
-        self.flags = list(flags or [])
-
-    def prefix(self, report: Path) -> list[str]:
-        pre = [_dbr_exe(), "run", "--embedded", "--quiet", *self.flags, "--report", str(report)]
-        for o in self.overrides:
-            pre += ["-o", o]
-        return pre + ["--"]
-
-    def check(self, ctx, env, tmp):
-        exe = _dbr_exe()
-        if not os.path.exists(exe):
-            return "unavailable: no dbr command in the venv"
-        p = subprocess.run([exe, "run", "--help"], env=env, capture_output=True, text=True,
-                           timeout=120)
-        if p.returncode != 0:
-            return f"unavailable: `dbr run` is not implemented yet ({_last(p.stderr)})"
-        report = tmp / f"smoke-{self.name}.json"
-        true = shutil.which("true") or "/bin/true"
-        try:
-            t0 = time.perf_counter()
-            p = subprocess.run(self.prefix(report) + [true], env=env, capture_output=True,
-                               text=True, timeout=120)
-            self.what += f"; `dbr run ... -- true` takes {time.perf_counter() - t0:.2f} s"
-        except subprocess.TimeoutExpired:
-            return "unavailable: `dbr run -- true` did not finish within 120 s"
-        if p.returncode != 0:
-            return f"unavailable: `dbr run -- true` exited {p.returncode}: {_last(p.stderr)}"
-        if not report.exists():
-            return "unavailable: `dbr run --report` wrote no report"
-        return None
-
-    def command(self, argv, prep, work):
-        rep = work / f"report-{self.name}.json"
-        rep.unlink(missing_ok=True)
-        return self.prefix(rep) + argv
-
-    def collect(self, work, run=None):
-        import json
-
-        rep = work / f"report-{self.name}.json"
-        try:
-            data = json.loads(rep.read_text())
-        except (OSError, ValueError) as exc:
-            return {"report_error": f"no readable report: {exc}"}
-        rep.unlink(missing_ok=True)
-        return {"report": summarize_report(data)}
-
-
-def summarize_report(data: dict) -> dict:
-    """The numbers the table needs from one dbr.run/1 report."""
-    clients = data.get("clients") or []
-    totals = data.get("totals") or {}
-    ttfp = [c["time_to_first_patch_s"] for c in clients
-            if isinstance(c.get("time_to_first_patch_s"), (int, float))]
-    samples = totals.get("samples", sum(c.get("samples", 0) or 0 for c in clients))
-    in_repl = totals.get("samples_in_replacement",
-                         sum(c.get("samples_in_replacement", 0) or 0 for c in clients))
-    after = sum(c.get("samples_after_first_patch", 0) or 0 for c in clients)
-    regions = [r for c in clients for r in (c.get("regions") or [])]
-    out = {
-        "clients": len(clients),
-        "samples": samples,
-        "samples_in_replacement": in_repl,
-        "samples_after_first_patch": after,
-        "share_in_replacement": (in_repl / samples) if samples else None,
-        "share_after_first_patch": (in_repl / after) if after else None,
-        "time_to_first_patch_s": min(ttfp) if ttfp else None,
-        "patches_installed": totals.get("patches_installed",
-                                        sum(c.get("patches_installed", 0) or 0 for c in clients)),
-        "patches_removed": sum(c.get("patches_removed", 0) or 0 for c in clients),
-        "regions_installed": totals.get("regions_installed"),
-        "code_bytes": sum(r.get("code_bytes", 0) or 0 for r in regions),
-        "code_bytes_installed": sum(r.get("code_bytes", 0) or 0 for r in regions
-                                    if r.get("state") == "installed"),
-        "exit_code": data.get("exit_code"),
-        "prog_wall_s": data.get("wall_s"),  # PROG alone, as timed by dbr run
-        "region_status": next((c.get("region_status") for c in clients
-                               if c.get("region_status")), None),
-    }
-    # Service cost, if the report carries it (field names not fixed by the schema).
-    for key in ("service", "embedded_service"):
-        svc = data.get(key)
-        if isinstance(svc, dict):
-            for k in ("cpu_s", "peak_rss_kb", "peak_rss_bytes", "max_rss_kb"):
-                if isinstance(svc.get(k), (int, float)):
-                    out[f"service_{k}"] = svc[k]
-    return out
-
-
-def _last(text: str, n: int = 200) -> str:
-    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
-    return (lines[-1] if lines else "no message")[-n:]
-
-
-def sampling_only_override() -> tuple[str | None, str]:
-    """The ``-o`` that turns patching off, from the service's configuration keys."""
-    try:
-        from dbr_service.config import Config as SvcConfig
-
-        keys = set(SvcConfig.keys())
-    except Exception as exc:  # noqa: BLE001 - any import problem makes it unavailable
-        return None, f"unavailable: cannot read dbr_service.config ({exc!r})"
-    for key, value in (("patching", "false"), ("enable_patching", "false"),
-                       ("install_patches", "false"), ("patch", "false"),
-                       ("sampling_only", "true"), ("dry_run", "true"), ("observe_only", "true")):
-        if key in keys:
-            return f"{key}={value}", ""
-    return None, ("unavailable: dbr_service/config.py has no key that disables patching "
-                  "(looked for patching, enable_patching, install_patches, sampling_only, "
-                  "dry_run, observe_only)")
-
-
-class DbrSampling(Dbr):
-    name, what = "dbr-sampling", "dbr run --embedded, patching disabled (sampling only)"
-
-    def check(self, ctx, env, tmp):
-        override, why = sampling_only_override()
-        if override is None:
-            return why
-        self.overrides = [override]
-        self.what = f"dbr run --embedded -o {override}"
-        return super().check(ctx, env, tmp)
-
-
-def sampling_rate_hz() -> tuple[int, str]:
-    try:
-        from dbr_service.config import Config as SvcConfig
-
-        period = SvcConfig().sample_period_us
-        return max(1, round(1e6 / period)), f"dbr's default sample_period_us={period}"
-    except Exception:  # noqa: BLE001
-        return 1000, "dbr_service.config not importable: 1000 Hz assumed"
-
-
-class Perf(Config):
-    name = "perf"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rate, self.rate_note = sampling_rate_hz()
-        self.what = (f"perf record --no-bpf-event -F {self.rate} -e cpu-clock -o TMP "
-                     f"({self.rate_note}; continuous, while dbr samples in windows)")
-        self.opts = ["--no-bpf-event"]
-
-    def check(self, ctx, env, tmp):
-        self.exe = shutil.which("perf", path=ctx.path if ctx.path is not None
-                                else os.environ.get("PATH"))
-        if not self.exe:
-            return "unavailable: perf not found on PATH"
-        out = tmp / "smoke.perf"
-        # Fixed cost of perf record on `true`, without and with --no-bpf-event (perf
-        # synthesises an event per loaded BPF program at start: ~1 s on some hosts, a
-        # set-up cost unrelated to sampling, which would swamp 1-2 s workloads).
-        self.fixed: dict[str, float] = {}
-        for label, opts in (("default", []), ("--no-bpf-event", ["--no-bpf-event"])):
-            t0 = time.perf_counter()
-            p = subprocess.run([self.exe, "record", "-q", *opts, "-F", str(self.rate), "-e",
-                                "cpu-clock", "-o", str(out), "--", "true"], env=env,
-                               capture_output=True, text=True, timeout=60)
-            self.fixed[label] = time.perf_counter() - t0
-            out.unlink(missing_ok=True)
-            if p.returncode != 0:
-                if opts:  # an old perf without the option: plain perf record
-                    self.opts = []
-                    self.what = self.what.replace(" --no-bpf-event", "")
-                    continue
-                return f"unavailable: perf record refused: {_last(p.stderr)}"
-        self.what += ("; `perf record -- true` takes " + ", ".join(
-            f"{v:.2f} s {k}" for k, v in self.fixed.items()))
-        return None
-
-    def command(self, argv, prep, work):
-        out = work / "perf.data"
-        out.unlink(missing_ok=True)
-        return [self.exe, "record", "-q", *self.opts, "-F", str(self.rate), "-e", "cpu-clock",
-                "-o", str(out), "--", *argv]
-
-    def collect(self, work, run=None):
-        out = work / "perf.data"
-        size = out.stat().st_size if out.exists() else 0
-        out.unlink(missing_ok=True)
-        return {"perf_data_bytes": size}
-
-
-class Valgrind(Config):
-    name, what = "valgrind", "valgrind --tool=none (own A/B pair with native, few runs)"
-    separate = True
-
-    def check(self, ctx, env, tmp):
-        self.exe = shutil.which("valgrind", path=ctx.path if ctx.path is not None
-                                else os.environ.get("PATH"))
-        return None if self.exe else "unavailable: valgrind not found on PATH"
-
-    def command(self, argv, prep, work):
-        return [self.exe, "--tool=none", "-q", *argv]
-
-
-class HostService:
-    """A ``dbr service`` with default settings and a private DBR_RUNTIME_DIR, started once
-    and left running for the whole benchmark, as on a host that runs it all the time."""
-
-    def __init__(self, overrides: list[str] | None = None) -> None:
-        self.rt: str | None = None
-        self.proc: subprocess.Popen | None = None
-        self.overrides = list(overrides or [])
-
-    def start(self, env: dict[str, str]) -> str | None:
-        """None once it serves, else why it is unavailable."""
-        import atexit
-        import tempfile
-
-        self.rt = tempfile.mkdtemp(prefix="dbr-bench-host-")
-        args = [_dbr_exe(), "service"] + [a for o in self.overrides for a in ("-o", o)]
-        self.proc = subprocess.Popen(args, env=dict(env, DBR_RUNTIME_DIR=self.rt),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        atexit.register(self.stop)
-        deadline = time.monotonic() + 30
-        while not os.path.exists(os.path.join(self.rt, "control.sock")):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                return "unavailable: the host dbr service did not start"
-            time.sleep(0.05)
-        time.sleep(1.0)  # let its worker pool start, as on a host that runs all the time
-        return None
-
-    def cpu_s(self) -> float | None:
-        """user+sys of the service and its worker processes so far (common.tree_cpu_s)."""
-        return tree_cpu_s(self.proc.pid)
-
-    def patched(self, pid: int) -> bool | None:
-        """Whether this service installed code in the client ``pid`` (asked after it
-        ended, while the service keeps its session): False when it has no session for
-        it (the run was born late, or ended before the service heard of it), None when
-        the service cannot be asked."""
-        if not self.rt or not pid:
-            return None
-        from dbr_service.cmd_run import collect_report
-        from dbr_service.ctlclient import ControlClient
-
-        try:
-            clients = collect_report(ControlClient(self.rt), pid)
-        except Exception:  # noqa: BLE001 - a service that does not answer: unknown
-            return None
-        return any(c.get("time_to_first_patch_s") is not None for c in clients or [])
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if self.rt:
-            shutil.rmtree(self.rt, ignore_errors=True)
-
-
-class DbrHost(Dbr):
-    """``dbr run`` attached to a host service that is already running (default settings),
-    as on a deployed host: the embedded service's start-up is not in the figure."""
-
-    name, what = "dbr-host", "dbr run with a running host `dbr service` (default settings)"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.host = HostService()
-
-    def prefix(self, report: Path) -> list[str]:
-        return [_dbr_exe(), "run", "--quiet", "--report", str(report), "--"]
-
-    def environ(self, env):
-        return dict(env, DBR_RUNTIME_DIR=self.host.rt or "")
-
-    def check(self, ctx, env, tmp):
-        why = self.host.start(env)
-        return why or super().check(ctx, self.environ(env), tmp)
-
-
-class DbrPreload(Config):
-    """PROG itself with the agent in its environment (``LD_PRELOAD``) under a running host
-    service with default settings: how programs run on a host where dbr is deployed
-    (a unit's ``Environment=LD_PRELOAD=...``), timed by the same spawn-to-wait4 clock as
-    native, with no ``dbr run`` process around it.  What dbr did comes from the
-    service's ``report`` verb for the run's pid, asked after the run (not timed)."""
-
-    name = "dbr-preload"
-    what = ("PROG with LD_PRELOAD=libdbr_agent.so under a running host `dbr service` "
-            "(default settings), no `dbr run`: the deployed form, timed like native")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.host = HostService()
-        self.agent = ""
-        self._cpu: float | None = None
-
-    def check(self, ctx, env, tmp):
-        try:
-            import dbr_agent
-
-            self.agent = dbr_agent.agent_path()
-        except (OSError, subprocess.CalledProcessError) as exc:
-            return f"unavailable: the agent is not built ({exc})"
-        why = self.host.start(env)
-        self._cpu = None if why else self.host.cpu_s()
-        return why
-
-    def environ(self, env):
-        from dbr_service.cmd_run import child_env
-
-        return child_env(self.agent, Path(self.host.rt or ""), env)
-
-    def collect(self, work, run=None):
-        if run is None or not run.pid or not self.host.rt:
-            return {}
-        from dbr_service.cmd_run import collect_report
-        from dbr_service.ctlclient import ControlClient
-        from dbr_service.report import run_report
-
-        clients = collect_report(ControlClient(self.host.rt), run.pid)
-        cpu, before = self.host.cpu_s(), self._cpu
-        self._cpu = cpu
-        if not clients:
-            # no session: the service never heard of this run (born late), so no code
-            return {"report_error": f"the host service has no session for pid {run.pid}",
-                    "patched": False}
-        rep = run_report([], run.exit_code, run.wall, clients, service="host",
-                         runtime_dir=self.host.rt)
-        out = summarize_report(rep)
-        if cpu is not None and before is not None:
-            # the service's CPU since the previous run's report: this run's share (the
-            # service serves nobody else)
-            out["service_cpu_s"] = cpu - before
-            out["service_cpu_source"] = ("host service CPU from one run's report to the "
-                                         "next (psutil)")
-        return {"report": out}
-
-
-THREAD_ONLY_C = r"""
-/* A preloaded library that starts one idle thread and does nothing else: the control
-   for the agent's own thread (glibc leaves its single-threaded fast paths for good once
-   a process has a second thread, whatever that thread does). */
-#include <pthread.h>
-#include <unistd.h>
-static void *idle(void *arg) { (void)arg; for (;;) pause(); return 0; }
-__attribute__((constructor)) static void start(void)
-{
-    pthread_t t;
-    if (pthread_create(&t, 0, idle, 0) == 0)
-        pthread_detach(t);
-}
-"""
-
-
-class ThreadOnly(Config):
-    """Control for the agent's thread: PROG with a preloaded library whose only act is
-    to start one idle thread (built here with gcc).  The difference between this and
-    native is what any in-process agent thread costs, not dbr's work."""
-
-    name = "thread-only"
-    what = "control: LD_PRELOAD of a library that only starts one idle thread"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lib = ""
-
-    def check(self, ctx, env, tmp):
-        cc = shutil.which("gcc") or shutil.which("cc")
-        if not cc:
-            return "unavailable: no C compiler"
-        src, lib = tmp / "thread_only.c", tmp / "libthread_only.so"
-        src.write_text(THREAD_ONLY_C)
-        p = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src),
-                            "-lpthread"], capture_output=True, text=True, timeout=120)
-        if p.returncode != 0:
-            return f"unavailable: cannot build the control library: {_last(p.stderr)}"
-        self.lib = str(lib)
-        return None
-
-    def environ(self, env):
-        from dbr_service.cmd_run import preload_env
-
-        return preload_env(env, self.lib)
-
-
-class DbrPreloadSampling(DbrPreload):
-    """``dbr-preload`` with the host service's patching off: the agent and the sampling
-    of a deployed host without any replacement code.  Next to ``dbr-preload`` it tells
-    what the installed regions themselves gain or cost."""
-
-    name = "dbr-preload-sampling"
-    what = "dbr-preload with the host service's patching disabled (agent + sampling only)"
-
-    def check(self, ctx, env, tmp):
-        override, why = sampling_only_override()
-        if override is None:
-            return why
-        self.host = HostService([override])
-        self.what = f"dbr-preload, host service with -o {override}"
-        return super().check(ctx, env, tmp)
-
-
-class DbrPreloadYoung(DbrPreload):
-    """``dbr-preload`` with ``min_client_age_s=0``: programs sampled from the service's
-    first snapshot after they start, as before 2026-11-25 (night).  Next to
-    ``dbr-preload`` it tells what leaving sub-second programs alone saves them."""
-
-    name = "dbr-preload-young"
-    what = "dbr-preload with -o min_client_age_s=0 (young programs sampled too)"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.host = HostService(["min_client_age_s=0"])
-
-
-class DbrPreloadPthread(DbrPreload):
-    """``dbr-preload`` with the agent's thread made by pthread_create
-    (``DBR_AGENT_THREAD=pthread``), as before 2026-11-25: glibc then leaves its
-    single-threaded paths (stdio and malloc locks) for good.  Next to ``dbr-preload``
-    it tells what hiding the agent's thread from glibc saves."""
-
-    name = "dbr-preload-pthread"
-    what = "dbr-preload with DBR_AGENT_THREAD=pthread (the agent's thread known to glibc)"
-
-    def environ(self, env):
-        return {**super().environ(env), "DBR_AGENT_THREAD": "pthread"}
-
-
-def default_configs() -> list[Config]:
-    return [Native(), Dbr(), DbrHost(), DbrPreload(), ThreadOnly(), DbrSampling(), Perf(),
-            Valgrind(), Pgo()]
-
-
-EXTRA_CONFIGS: dict[str, Callable[[], Config]] = {
-    "dbr-aggressive": lambda: _named(Dbr(flags=["--aggressive"]), "dbr-aggressive",
-                                     "dbr run --embedded --aggressive"),
-    "dbr-preload-sampling": DbrPreloadSampling,
-    "dbr-preload-pthread": DbrPreloadPthread,
-    "dbr-preload-young": DbrPreloadYoung,
-}
-
-
-def _named(c: Config, name: str, what: str) -> Config:
-    c.name, c.what = name, what
-    return c
 
 
 # Issue 5's target: "no workload slower than native by more than 1 %" with default
@@ -736,7 +102,7 @@ def _check_run(cell: Cell, r: Run, ref_code: int, ref_digest: str, wname: str) -
     elif r.exit_code != ref_code:
         cell.status = "crashed"
         cell.message = (f"{describe_exit(r.exit_code)} (native: {describe_exit(ref_code)}): "
-                        f"{_last(r.stderr_tail)}")
+                        f"{last_line(r.stderr_tail)}")
     elif r.digest != ref_digest:
         cell.status = "FAILURE"
         cell.message = "output differs from native (stdout/output-file hash mismatch)"
@@ -842,26 +208,6 @@ def run_patched(r: Run | None) -> bool | None:
     return rep.get("time_to_first_patch_s") is not None
 
 
-def by_patch(pairs: list[tuple[float, float]], patched: list[bool | None]) -> dict:
-    """The paired rounds split by whether the dbr run had code installed: for each side,
-    its rounds, the ratio of medians and its interval.  With default settings only some
-    runs are patched (short runs are born late).  Not the code's own effect: a run gets
-    code only if it lasts until the service's first job ends, so runs the machine slowed
-    are patched more often (xz, run BY: patched 1.026, unpatched 0.993), and a program
-    under two services, one with ``patching=false`` (bench.service_ab), measures that."""
-    out: dict[str, Any] = {}
-    for key, want in (("patched", True), ("unpatched", False)):
-        side = [pr for pr, p in zip(pairs, patched) if p is want]
-        if not side:
-            continue
-        nb = statistics.median(b for _, b in side)
-        ci = ratio_ci(side)
-        out[key] = {"rounds": len(side),
-                    "ratio": statistics.median(a for a, _ in side) / nb if nb else None,
-                    "ratio_ci95": list(ci) if ci else None}
-    return out
-
-
 def _med(xs: list) -> float | None:
     xs = [x for x in xs if isinstance(x, (int, float))]
     return statistics.median(xs) if xs else None
@@ -926,8 +272,8 @@ def run_workload(w: suite.Workload, configs: list[Config], ctx: suite.Ctx, st: S
     ref = run_once(prep.argv, wenv, work / "run", prep.outputs, timeout=max(600, st.min_timeout))
     if ref.timed_out or ref.exit_code != 0:
         why = "timed out" if ref.timed_out else describe_exit(ref.exit_code)
-        warn(f"!! {w.name}: native run crashed: {why}: {_last(ref.stderr_tail)}")
-        row.update(status="crashed", message=f"native run {why}: {_last(ref.stderr_tail)}")
+        warn(f"!! {w.name}: native run crashed: {why}: {last_line(ref.stderr_tail)}")
+        row.update(status="crashed", message=f"native run {why}: {last_line(ref.stderr_tail)}")
         return row
     row["native_reference_wall_s"] = ref.wall
     timeout = max(st.min_timeout, st.timeout_factor * ref.wall)
@@ -1075,25 +421,6 @@ def one_line(row: dict) -> str:
     return "  ".join(parts)
 
 
-def select_configs(spec: str | None) -> list[Config]:
-    cfgs = default_configs()
-    if not spec:
-        return cfgs
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    known = {c.name: c for c in cfgs}
-    out: list[Config] = [known["native"]]
-    for n in names:
-        if n == "native":
-            continue
-        if n in known:
-            out.append(known[n])
-        elif n in EXTRA_CONFIGS:
-            out.append(EXTRA_CONFIGS[n]())
-        else:
-            raise SystemExit(f"unknown config {n!r}: {', '.join([*known, *EXTRA_CONFIGS])}")
-    return out
-
-
 def _terminated(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -1103,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller inputs, fewer runs")
     ap.add_argument("--runs", type=int, help="recorded runs per config (default 5, quick 3)")
-    ap.add_argument("--configs", help="comma list (native always included); extra: "
-                    + ", ".join(EXTRA_CONFIGS))
+    ap.add_argument("--configs", help="comma list (native always included) of: "
+                    + ", ".join(c.name for c in default_configs()))
     ap.add_argument("workloads", nargs="*", help="subset of the workloads")
     args = ap.parse_args(argv)
     # SIGTERM as SIGINT: unwind, so the current run is killed, the partial results are
@@ -1117,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown workload(s) {sorted(unknown)}; known: {[w.name for w in ws]}")
         ws = [w for w in ws if w.name in args.workloads]
     st = Settings.for_mode(args.quick, args.runs)
-    results = Results.open(quick=args.quick, command=["python", "-m", "bench.compare",
-                                                      *(argv if argv is not None else sys.argv[1:])])
+    given = argv if argv is not None else sys.argv[1:]
+    results = Results.open(quick=args.quick, command=["python", "-m", "bench.compare", *given])
     rc = 1
     try:
         rc = run_suite(ws, select_configs(args.configs), suite.Ctx(quick=args.quick), st,

@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 import dbr_agent
-from bench.common import machine, program_of, ratio_ci, write_results
+from bench.common import machine, program_of, write_results
+from bench.stats import versus
 from dbr_service.paths import QUIET_FILE, program_key, program_quiet_file, write_ms_file
 
 
@@ -83,15 +84,14 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run([exe, *prog[1:]], env=dict(base, **cfgs[name]), check=True,
                                stdout=subprocess.DEVNULL, start_new_session=True)
                 walls[name].append(time.monotonic() - t)
-    native = statistics.median(walls["native"])
     rows = {}
     for name, w in walls.items():
-        ci = ratio_ci(list(zip(w, walls["native"])))
-        paired = statistics.median(a / b for a, b in zip(w, walls["native"]))
-        rows[name] = {"median_s": statistics.median(w), "ratio": statistics.median(w) / native,
-                      "ci": ci, "paired": paired}
+        v = versus(w, walls["native"])
+        ci = v["ci95"]
+        rows[name] = {"median_s": statistics.median(w), "ratio": v["ratio"], "ci": ci,
+                      "paired": v["paired"]}
         print(f"{name:9s} median {statistics.median(w):.4f} s  over native "
-              f"{rows[name]['ratio']:.4f} [{ci[0]:.4f}-{ci[1]:.4f}]  paired {paired:.4f}")
+              f"{v['ratio']:.4f} [{ci[0]:.4f}-{ci[1]:.4f}]  paired {v['paired']:.4f}")
     path = write_results("preload_floor", {"prog": [exe, *prog[1:]], "runs": args.runs,
                                            "machine": machine(), "configs": rows,
                                            "walls": walls})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.common import verdict
+from bench.stats import verdict
 
 CONFIG_ORDER = ["dbr", "dbr-host", "dbr-preload", "thread-only", "dbr-aggressive", "dbr-sampling",
                 "perf", "valgrind", "pgo"]
@@ -54,7 +54,8 @@ def markdown(data: dict) -> str:
         f" — command `{' '.join(data.get('command', []))}`",
         f"* machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, kernel "
         f"{m.get('kernel', '?')}, {m.get('pmu_note', '')}; CPU governor: "
-        f"{m.get('cpu_governor', '?')}; memory {_f((m.get('memtotal_kb') or 0) / 1048576, '{:.1f}')} GiB",
+        f"{m.get('cpu_governor', '?')}; "
+        f"memory {_f((m.get('memtotal_kb') or 0) / 1048576, '{:.1f}')} GiB",
         f"* dbr measured: commit {data.get('code', {}).get('commit', '?')}, "
         f"{data.get('code', {}).get('uncommitted_files', '?')} uncommitted file(s) under "
         "dbr_service/, dbr_agent/, shared/",
@@ -187,7 +188,8 @@ def _compare_md(c: dict) -> list[str]:
             "peak RSS likewise (else ru_maxrss of the largest process of that tree).", "",
             "*prog ratio*: PROG's own wall time as `dbr run` timed it (start-up of dbr run and "
             "its embedded service, report collection and shutdown excluded) / native.", "",
-            "| workload | config | prog ratio | CPU ratio | first patch s (runs patched) | samples | "
+            "| workload | config | prog ratio | CPU ratio | first patch s (runs patched) "
+            "| samples | "
             "in replacement (after 1st patch) | patches (removed) | code bytes installed "
             "(generated) | service CPU s | peak RSS MB | region status (last run) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -212,8 +214,10 @@ def _compare_md(c: dict) -> list[str]:
                 f"{d.get('reports', '–')}) | {_f(d.get('samples'), '{:.0f}')} | "
                 f"{_f(d.get('share_in_replacement'), '{:.1%}')} "
                 f"({_f(d.get('share_after_first_patch'), '{:.1%}')}) | "
-                f"{_f(d.get('patches_installed'), '{:.0f}')} ({_f(d.get('patches_removed'), '{:.0f}')}) | "
-                f"{_f(d.get('code_bytes_installed'), '{:.0f}')} ({_f(d.get('code_bytes'), '{:.0f}')}) | "
+                f"{_f(d.get('patches_installed'), '{:.0f}')} "
+                f"({_f(d.get('patches_removed'), '{:.0f}')}) | "
+                f"{_f(d.get('code_bytes_installed'), '{:.0f}')} "
+                f"({_f(d.get('code_bytes'), '{:.0f}')}) | "
                 f"{_f(d.get('service_cpu_s'), '{:.2f}')} | "
                 f"{_f(rss / 1024 if rss else None, '{:.0f}')} | {d.get('region_status') or '–'} |")
     if not any_dbr:
@@ -242,13 +246,15 @@ def _scaling_md(s: dict) -> list[str]:
         cpu = lv.get("service_cpu_s")
         lat = lv.get("ctl_latency_ms") or {}
         ttfp = lv.get("time_to_first_patch_s") or {}
+        rss_kb = lv.get("service_peak_rss_kb")
         out.append(
             f"| {lv.get('clients')} | {lv.get('status')} | {_f(cpu, '{:.2f}')} "
             f"({_f(lv.get('service_cpu_share'), '{:.0%}')}) | "
-            f"{_f(lv.get('service_peak_rss_kb', 0) / 1024 if lv.get('service_peak_rss_kb') else None, '{:.0f}')} | "
+            f"{_f(rss_kb / 1024 if rss_kb else None, '{:.0f}')} | "
             f"{lv.get('clients_patched', '–')}/{lv.get('clients_seen', '–')} | "
             f"{_f(ttfp.get('median'))} ({_f(ttfp.get('max'))}) | "
-            f"{_f(lat.get('median'), '{:.1f}')} ({_f(lat.get('p90'), '{:.1f}')}, {lat.get('n', 0)}) | "
+            f"{_f(lat.get('median'), '{:.1f}')} "
+            f"({_f(lat.get('p90'), '{:.1f}')}, {lat.get('n', 0)}) | "
             f"{_f((lv.get('dbr_ctl_command_ms') or {}).get('median'), '{:.0f}')} | "
             f"{_f((lv.get('client_wall_s') or {}).get('median'))} |")
     out.append("")

@@ -20,7 +20,6 @@ import argparse
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Results, spread
+from bench.common import Results
+from bench.stats import spread
 from bench.suite import SRC
 
 DBR = str(Path(sys.executable).parent / "dbr")
@@ -304,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
               else [1, 8] if args.quick else [1, 8, 32, 64])
     seconds = args.seconds or (3.0 if args.quick else 6.0)
     extra = ["--aggressive"] if args.aggressive else []
-    results = Results.open(quick=args.quick, command=["python", "-m", "bench.scaling",
-                                                      *(argv if argv is not None else sys.argv[1:])])
+    given = argv if argv is not None else sys.argv[1:]
+    results = Results.open(quick=args.quick, command=["python", "-m", "bench.scaling", *given])
     section: dict[str, Any] = {"method": METHOD, "levels": [], "client_seconds": seconds,
                                "service_args": extra or ["(defaults)"], "status": "running"}
     rc = 0
@@ -334,10 +334,12 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"-- {n} client(s), {seconds:.0f} s each")
                 lv = run_level(n, seconds, spin, agent, tmp, extra)
                 section["levels"].append(lv)
-                log(f"   {lv.get('status')}: service CPU {lv.get('service_cpu_s', float('nan')):.2f} s, "
+                log(f"   {lv.get('status')}: "
+                    f"service CPU {lv.get('service_cpu_s', float('nan')):.2f} s, "
                     f"peak RSS {(lv.get('service_peak_rss_kb') or 0) / 1024:.0f} MB, "
                     f"patched {lv.get('clients_patched', 0)}/{lv.get('clients_seen', 0)}, "
-                    f"status rtt median {(lv.get('ctl_latency_ms') or {}).get('median', float('nan')):.1f} ms")
+                    "status rtt median "
+                    f"{(lv.get('ctl_latency_ms') or {}).get('median', float('nan')):.1f} ms")
                 if lv.get("status") != "ok":
                     rc = 1
                 results.update("scaling", section)

@@ -3,7 +3,8 @@
 Each round runs the program natively, with the agent preloaded under service A, and
 under service B (both started once, each with its own runtime dir, as a deployed
 host's service would be), in an order rotated from round to round, timed like
-``bench.compare`` (spawn to wait4).  Reports each configuration's median over native,
+``bench.compare`` (``bench.runner.run_once``: spawn to wait4).  Reports each
+configuration's median over native,
 the paired median, B over A with a 95 % bootstrap interval (rounds resampled whole),
 and the CPU the services spent per run (their processes and workers, psutil).  Each
 service is asked after every run whether it installed code in it; where some runs of
@@ -31,8 +32,9 @@ import tempfile
 from pathlib import Path
 
 import dbr_agent
-from bench.common import machine, program_of, ratio_ci, write_results
-from bench.compare import HostService, by_patch, run_once
+from bench.common import machine, program_of, write_results
+from bench.runner import HostService, run_once
+from bench.stats import by_patch, versus
 from dbr_service.cmd_run import preload_env
 
 
@@ -106,12 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         for svc in services.values():
             svc.stop()
         shutil.rmtree(work, ignore_errors=True)
-    nat = statistics.median(walls["native"])
     rows = {}
     for n in names:
-        rows[n] = {"median_s": statistics.median(walls[n]),
-                   "ratio": statistics.median(walls[n]) / nat,
-                   "paired": statistics.median(x / y for x, y in zip(walls[n], walls["native"]))}
+        v = versus(walls[n], walls["native"])
+        rows[n] = {"median_s": statistics.median(walls[n]), "ratio": v["ratio"],
+                   "paired": v["paired"]}
         if cpu.get(n):
             rows[n]["service_cpu_mean_s"] = statistics.mean(cpu[n])
         print(f"{n:7s} median {rows[n]['median_s'] * 1e3:8.1f} ms  over native "
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows[n][f"ratio_{key}"], rows[n][f"ratio_{key}_ci95"] = side["ratio"], ci
                 print(f"        its {side['rounds']} {key} rounds over native "
                       f"{side['ratio']:.4f}" + (f" [{ci[0]:.4f}-{ci[1]:.4f}]" if ci else ""))
-    lo, hi = ratio_ci(list(zip(walls["B"], walls["A"])))   # as bench.compare's verdicts
-    ba = statistics.median(walls["B"]) / statistics.median(walls["A"])
+    b_a = versus(walls["B"], walls["A"])   # interval as bench.compare's verdicts
+    ba, (lo, hi) = b_a["ratio"], b_a["ci95"]
     print(f"B over A {ba:.4f} [{lo:.4f}-{hi:.4f}]  "
           f"(A: {' '.join(args.a + args.env_a) or 'defaults'}; "
           f"B: {' '.join(args.b + args.env_b) or 'defaults'})")

@@ -47,8 +47,9 @@ from pathlib import Path
 
 import dbr_agent
 from bench import suite
-from bench.common import Results, machine, ratio_ci, spread, write_results
-from bench.compare import HostService
+from bench.common import Results, machine, write_results
+from bench.runner import HostService
+from bench.stats import paired_ratios, spread, versus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,7 +166,8 @@ def _client_info(rt: Path, pid: int) -> dict:
 
 
 def _paired(xs: list[float], ys: list[float]) -> dict:
-    r = [y / x for x, y in zip(xs, ys) if x]
+    """Median, min and max of the per-round ratios ys / xs."""
+    r = paired_ratios(ys, xs)
     return {"median": statistics.median(r), "min": min(r), "max": max(r)} if r else {}
 
 
@@ -235,12 +237,13 @@ def main(argv: list[str] | None = None) -> int:
                             f"{c} {wall[c][-1]:.2f}s" for c in configs), flush=True)
                 row = {"argv0": cmd[0], "configs": {}}
                 for c in configs:
+                    vw = versus(wall[c], wall["native"])
                     row["configs"][c] = {
                         "wall_s": spread(wall[c]), "cpu_s": spread(cpu[c]),
-                        "wall_ratio": statistics.median(wall[c]) / statistics.median(wall["native"]),
+                        "wall_ratio": vw["ratio"],
                         "cpu_ratio": statistics.median(cpu[c]) / statistics.median(cpu["native"]),
                         "wall_paired": _paired(wall["native"], wall[c]),
-                        "wall_ci95": ratio_ci(list(zip(wall[c], wall["native"]))),
+                        "wall_ci95": vw["ci95"],
                         "cpu_paired": _paired(cpu["native"], cpu[c]),
                         "wall_all": wall[c], "cpu_all": cpu[c]}
                     if c in info:
@@ -273,8 +276,8 @@ def _verdicts(sv: list[dict]) -> str:
 def _markdown(res: dict) -> str:
     out = [f"# steady state: {res['seconds']:.0f} s runs, {res['runs']} alternated rounds "
            f"(medians; paired ratio range in brackets)", "",
-           "| workload | config | wall s | wall ratio | 95 % interval | CPU ratio | windows sampled "
-           "| samples | interval at end s | patches | last speed check |",
+           "| workload | config | wall s | wall ratio | 95 % interval | CPU ratio "
+           "| windows sampled | samples | interval at end s | patches | last speed check |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for w, row in res["workloads"].items():
         for c, v in row["configs"].items():

@@ -152,7 +152,8 @@ class CProg:
                    *[str(SRC / s) for s in self.sources], *link, *self.libs])
 
     def _build(self, ctx: Ctx, d: Path) -> None:
-        ctx.log(f"   building {self.name} (-O2, and PGO: instrumented, training run, -fprofile-use)")
+        ctx.log(f"   building {self.name} "
+                "(-O2, and PGO: instrumented, training run, -fprofile-use)")
         self._compile(ctx, d / "native", [])
         # PGO: instrumented build, a training run on a smaller input, then the
         # optimised build with the same output path (gcc names .gcda files after it).

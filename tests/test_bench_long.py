@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from bench.long import report, runner, stats, tools
+from bench import stats
+from bench.long import report, runner, tools
 from bench.long import main as long_main
 from bench.long.workloads import Ctx, Skip
 

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from bench import compare, suite
-from bench.common import Results, ratio_ci, spread, verdict
+from bench import compare, configs, runner, suite
+from bench.common import Results
+from bench.stats import ratio_ci, spread, verdict
 
 SH = "/bin/sh"
 
 
-class Wrapped(compare.Config):
+class Wrapped(configs.Config):
     """A fake configuration: runs the program through ``sh -c``, optionally adding output."""
 
     def __init__(self, name: str, suffix: str = ""):
@@ -31,7 +32,7 @@ class Wrapped(compare.Config):
         return [SH, "-c", f'"$@"{extra}', "sh", *argv]
 
 
-class Missing(compare.Config):
+class Missing(configs.Config):
     name, what = "missing", "a tool that is not installed"
 
     def check(self, ctx, env, tmp):
@@ -62,12 +63,12 @@ def ran(tmp_path, capsys):
         suite.Workload("peek", "test", "reads latest.json", peek),
         zstd,
     ]
-    configs = [compare.Native(), Wrapped("same"), Wrapped("differs", suffix="EXTRA"),
-               Missing()]
+    cfgs = [configs.Native(), Wrapped("same"), Wrapped("differs", suffix="EXTRA"),
+            Missing()]
     ctx = suite.Ctx(quick=True, cache=tmp_path / "cache", path=str(empty_path),
                     log=lambda m: None)
     st = compare.Settings(quick=True, runs=3, warmup=1, min_timeout=20)
-    rc = compare.run_suite(workloads, configs, ctx, st, results)
+    rc = compare.run_suite(workloads, cfgs, ctx, st, results)
     results.finish()
     out = capsys.readouterr()
     data = json.loads(results.json_path.read_text())
@@ -128,12 +129,12 @@ def test_missing_tool_skips_and_crash_is_reported_with_partial_results(ran):
     assert seen["benchmarks"]["compare"]["status"] == "running"
 
 
-def _run(wall: float) -> compare.Run:
-    return compare.Run(wall=wall, exit_code=0, digest="d", cpu_s=wall, maxrss_kb=1)
+def _run(wall: float) -> runner.Run:
+    return runner.Run(wall=wall, exit_code=0, digest="d", cpu_s=wall, maxrss_kb=1)
 
 
 def test_ratio_and_pgo_share_arithmetic():
-    nat, b = compare.Cell(compare.Native()), compare.Cell(Wrapped("b"))
+    nat, b = compare.Cell(configs.Native()), compare.Cell(Wrapped("b"))
     nat.runs = [_run(x) for x in (1.0, 2.0, 3.0)]
     b.runs = [_run(x) for x in (1.5, 3.0, 4.5)]
     rounds = [[("native", 1.0), ("b", 1.5)], [("b", 3.0), ("native", 2.0)],
@@ -197,7 +198,7 @@ def _report_of_one(nat: compare.Cell, cj: dict, rounds: list) -> str:
 
 
 def test_cell_json_carries_the_interval_and_the_report_judges_by_it():
-    nat, b = compare.Cell(compare.Native()), compare.Cell(Wrapped("dbr-preload"))
+    nat, b = compare.Cell(configs.Native()), compare.Cell(Wrapped("dbr-preload"))
     pairs = _noisy_pairs(1.05, 21, 0.01, 5)
     nat.runs = [_run(n) for _, n in pairs]
     b.runs = [_run(x) for x, _ in pairs]
@@ -213,7 +214,7 @@ def test_cell_json_carries_the_interval_and_the_report_judges_by_it():
 
 def test_rounds_split_by_whether_the_dbr_run_was_patched():
     # patched runs cost 5 %, unpatched ones nothing: the split shows it, the mix hides it
-    nat, b = compare.Cell(compare.Native()), compare.Cell(Wrapped("dbr-preload"))
+    nat, b = compare.Cell(configs.Native()), compare.Cell(Wrapped("dbr-preload"))
     pairs = _noisy_pairs(1.0, 40, 0.005, 6)
     rounds = []
     for i, (x, n) in enumerate(pairs):
@@ -256,7 +257,7 @@ def test_summarize_dbr_report():
                                     {"code_bytes": 50, "state": "removed"}]}],
            "totals": {"samples": 100, "samples_in_replacement": 30, "patches_installed": 2,
                       "regions_installed": 1}}
-    s = compare.summarize_report(rep)
+    s = configs.summarize_report(rep)
     assert s["share_in_replacement"] == pytest.approx(0.3)
     assert s["share_after_first_patch"] == pytest.approx(0.5)
     assert s["time_to_first_patch_s"] == 0.4 and s["code_bytes"] == 150
@@ -303,21 +304,21 @@ def test_preload_and_thread_only_configs(tmp_path):
     # before the program ends, or the service never knew it
     prog = [SH, "-c", "grep -h '^Threads:' /proc/$$/status; sleep 0.3"]
     prep = suite.Prepared(prog)
-    control = compare.ThreadOnly()
+    control = configs.ThreadOnly()
     assert control.check(ctx, env, tmp_path) is None
     # the control library in a program that never makes a thread of its own: 2 threads
-    r = compare.run_once([SH, "-c", "sleep 0.2 & pid=$!; sleep 0.05; "
+    r = runner.run_once([SH, "-c", "sleep 0.2 & pid=$!; sleep 0.05; "
                           "grep -h '^Threads:' /proc/$pid/status; wait"],
                          control.environ(env), tmp_path / "run", [], timeout=30)
     assert r.exit_code == 0
     assert (tmp_path / "run" / "stdout").read_text().split() == ["Threads:", "2"]
-    preload = compare.DbrPreload()
+    preload = configs.DbrPreload()
     try:
         assert preload.check(ctx, env, tmp_path) is None, "the host service must start"
         penv = preload.environ(env)
         assert penv["LD_PRELOAD"].endswith("libdbr_agent.so")
         assert penv["DBR_RUNTIME_DIR"] == preload.host.rt
-        r = compare.run_once(preload.command(prog, prep, tmp_path), penv, tmp_path / "run",
+        r = runner.run_once(preload.command(prog, prep, tmp_path), penv, tmp_path / "run",
                              [], timeout=30)
         assert r.exit_code == 0 and r.pid > 0
         extra = preload.collect(tmp_path, r)
@@ -384,47 +385,31 @@ def test_sigterm_takes_down_the_run_and_the_host_service_and_keeps_the_results(t
         p.wait(10)
 
 
-def test_preload_sampling_config_runs_its_host_service_with_patching_off(tmp_path):
-    """dbr-preload-sampling: the same deployed form, its host service told not to patch
-    (the key comes from the service's configuration, as for dbr-sampling)."""
+def test_a_host_service_runs_with_its_overrides(tmp_path):
+    """bench.runner.HostService passes its ``-o KEY=VALUE`` settings to the service it
+    starts (here the sampling-only key dbr-sampling uses), and stop() ends it."""
     import os
 
     from dbr_service.ctlclient import ControlClient
 
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
-    ctx = suite.Ctx(quick=True, cache=tmp_path / "cache", log=lambda m: None)
-    [cfg] = [c for c in compare.select_configs("dbr-preload-sampling") if c.name != "native"]
+    override = configs.sampling_only_override()[0]
+    host = runner.HostService([override])
     try:
-        assert cfg.check(ctx, env, tmp_path) is None, "the host service must start"
-        key, value = compare.sampling_only_override()[0].split("=")
-        got = ControlClient(cfg.host.rt).result("config_get", {"key": key})
+        assert host.start(env) is None, "the host service must start"
+        key, value = override.split("=")
+        got = ControlClient(host.rt).result("config_get", {"key": key})
         assert str(got[key]).lower() == value, got
-        assert cfg.environ(env)["LD_PRELOAD"].endswith("libdbr_agent.so")
     finally:
-        cfg.host.stop()
-    assert cfg.host.proc.poll() is not None
-
-
-def test_preload_pthread_config_asks_the_agent_for_a_pthread(tmp_path):
-    """dbr-preload-pthread: dbr-preload's environment plus DBR_AGENT_THREAD=pthread (the
-    agent as before its thread was hidden from glibc), so the two can be compared."""
-    import dbr_agent
-
-    [cfg] = [c for c in compare.select_configs("dbr-preload-pthread") if c.name != "native"]
-    cfg.agent = dbr_agent.agent_path()
-    env = cfg.environ({"PATH": "/usr/bin:/bin"})
-    assert env["DBR_AGENT_THREAD"] == "pthread"
-    assert env["LD_PRELOAD"].endswith("libdbr_agent.so")
-    plain = compare.DbrPreload()
-    plain.agent = cfg.agent
-    assert "DBR_AGENT_THREAD" not in plain.environ({"PATH": "/usr/bin:/bin"})
+        host.stop()
+    assert host.proc.poll() is not None
 
 
 def test_a_timed_out_run_records_what_its_threads_were_doing(tmp_path):
     """Before a run over its time is killed, every thread of its session is recorded
     (state, wait channel, syscall): the evidence for chasing a hang later."""
-    r = compare.run_once([SH, "-c", "sleep 30 & wait"], {"PATH": "/usr/bin:/bin"},
+    r = runner.run_once([SH, "-c", "sleep 30 & wait"], {"PATH": "/usr/bin:/bin"},
                          tmp_path / "run", [], timeout=0.5)
     assert r.timed_out and r.wall < 20
     comms = {t["comm"] for t in r.hung}
@@ -432,7 +417,7 @@ def test_a_timed_out_run_records_what_its_threads_were_doing(tmp_path):
     sleeper = next(t for t in r.hung if t["comm"] == "sleep")
     assert sleeper["state"] == "S" and sleeper["pid"] != r.pid
     assert "syscall" in sleeper and sleeper["syscall"] != "running"
-    cell = compare.Cell(compare.Native())
+    cell = compare.Cell(configs.Native())
     compare._check_run(cell, r, 0, "", "test")
     assert cell.status == "timeout" and cell.hung == r.hung
     assert compare.cell_json(cell, None, [])["hung_threads"] == r.hung

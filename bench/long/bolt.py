@@ -94,8 +94,8 @@ def optimise(target: str, out_dir: Path, record: Callable[[Path], str | None],
             p2b_flags = ["--allow-stripped"]
             notes.append("stripped binary: --allow-stripped (functions from .eh_frame)")
             continue
-        return _save(done, BoltResult(None, f"BOLT refused (perf2bolt): {_tail(p.stdout + p.stderr)}",
-                                      notes, time.monotonic() - t0))
+        why = f"BOLT refused (perf2bolt): {_tail(p.stdout + p.stderr)}"
+        return _save(done, BoltResult(None, why, notes, time.monotonic() - t0))
     else:
         return _save(done, BoltResult(None, "BOLT refused (perf2bolt)", notes,
                                       time.monotonic() - t0))

@@ -87,7 +87,8 @@ def publish(directory: Path) -> int:
              f"{m.get('loadavg_start', '?')} at the start, {m.get('loadavg_end', '?')} at the "
              "end_\n\n"
              + report.table(data) + "\nThe program's own CPU time (user + sys; redis: per request "
-             "served) over native's, median [min–max] over the same pairs:\n\n" + report.cpu_table(data) + END)
+             "served) over native's, median [min–max] over the same pairs:\n\n"
+             + report.cpu_table(data) + END)
     DOC.write_text(head + block + tail)
     log(f"publish: table -> {DOC}, plots -> {', '.join(str(img / p.name) for p in plots)}")
     return 0
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-pairs", type=int, default=None,
                     help="rounds of the server workload (default 2; --quick 1)")
     ap.add_argument("--only", default="", help="workloads: " + ",".join(WORKLOADS))
-    ap.add_argument("--configs", default=",".join(runner.CONFIGS),
+    ap.add_argument("--configs", default=",".join(runner.DEFAULT_CONFIGS),
                     help="configurations (native always runs): " + ",".join(runner.CONFIGS))
     ap.add_argument("--setup", action="store_true",
                     help="install what it needs (apt packages, the lupa sdist) and exit")

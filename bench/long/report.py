@@ -7,11 +7,25 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.long import stats
+from bench import stats
 
-RATIO_CONFIGS = ["dbr-default", "dbr-aggressive", "bolt", "pgo"]
-LABEL = {"dbr-default": "dbr default", "dbr-aggressive": "dbr --aggressive", "bolt": "BOLT",
+RATIO_CONFIGS = ["dbr-default", "dbr-aggressive", "dbr-nocalls", "dbr-aggressive-nocalls",
+                 "dbr-nofunctions", "bolt", "pgo"]
+DBR = ("dbr-default", "dbr-aggressive", "dbr-nocalls", "dbr-aggressive-nocalls",
+       "dbr-nofunctions")
+LABEL = {"dbr-default": "dbr default", "dbr-aggressive": "dbr --aggressive",
+         "dbr-nocalls": "dbr default, no real calls",
+         "dbr-aggressive-nocalls": "dbr --aggressive, no real calls",
+         "dbr-nofunctions": "dbr default, no hot functions", "bolt": "BOLT",
          "pgo": "gcc PGO"}
+#: Configurations older results files hold without naming them.
+_LEGACY = ["dbr-default", "dbr-aggressive", "bolt", "pgo"]
+
+
+def shown(data: dict) -> list[str]:
+    """The configurations of RATIO_CONFIGS this run measured, in table order."""
+    have = data.get("configs") or _LEGACY
+    return [c for c in RATIO_CONFIGS if c in have]
 
 
 def _med(xs) -> float | None:
@@ -100,7 +114,7 @@ def summarize_workload(w: dict) -> dict:
         out["configs"][cfg] = cs
     bolt = (out["configs"].get("bolt") or {}).get("ratio", {}).get("median")
     bolt_cpu = (out["configs"].get("bolt") or {}).get("cpu_ratio", {}).get("median")
-    for cfg in ("dbr-default", "dbr-aggressive"):
+    for cfg in DBR:
         c = out["configs"].get(cfg)
         if c and "ratio" in c:
             c["share_of_bolt_gain"] = stats.share_of_gain(c["ratio"].get("median"), bolt)
@@ -113,7 +127,7 @@ def summarize(data: dict) -> dict:
     sums = {name: summarize_workload(w) for name, w in (data.get("workloads") or {}).items()
             if w.get("runs")}
     geo = {}
-    for cfg in RATIO_CONFIGS:
+    for cfg in shown(data):
         meds = [s["configs"].get(cfg, {}).get("ratio", {}).get("median") for s in sums.values()]
         meds = [m for m in meds if m]
         if meds:
@@ -167,15 +181,19 @@ def table(data: dict, summary: dict | None = None) -> str:
     every configuration that does not apply and why."""
     summary = summary or summarize(data)
     notes: list[str] = []
-    head = ("| workload | native | dbr default | dbr --aggressive | BOLT | gcc PGO | "
-            "service CPU / program CPU (default; aggr.) | first patch s (default; aggr.) | "
-            "samples in replacement code (default; aggr.) |")
-    lines = [head, "|" + "---|" * 9]
+    cfgs = shown(data)
+    dbrs = [c for c in cfgs if c in DBR]
+    which = "; ".join(LABEL[c].replace("dbr ", "") for c in dbrs)
+    head = ("| workload | native | " + " | ".join(LABEL[c] for c in cfgs) +
+            f" | service CPU / program CPU ({which}) | first patch s ({which}) | "
+            f"samples in replacement code ({which}) |")
+    blank = " |" * (len(cfgs) + 4)
+    lines = [head, "|" + "---|" * (len(cfgs) + 5)]
     for name, w in (data.get("workloads") or {}).items():
         if name not in summary["workloads"]:
             why = w.get("reason") or w.get("status", "not run")
             lines.append(f"| {name} | {why if len(why) < 40 else f'skipped ({_note(notes, why)})'}"
-                         " | | | | | | | |")
+                         + blank)
             continue
         s = summary["workloads"][name]
         cf = s["configs"]
@@ -187,8 +205,8 @@ def table(data: dict, summary: dict | None = None) -> str:
         nf = (cf.get("native") or {}).get("failures") or {}
         if nf:
             nat += "; " + ", ".join(f"**{n} {k}**" for k, n in nf.items())
-        cells = [_ratio_cell(cf.get(c), notes) for c in RATIO_CONFIGS]
-        d = [(cf.get(c) or {}).get("dbr") or {} for c in ("dbr-default", "dbr-aggressive")]
+        cells = [_ratio_cell(cf.get(c), notes) for c in cfgs]
+        d = [(cf.get(c) or {}).get("dbr") or {} for c in dbrs]
         svc = "; ".join(_num(x.get("service_over_program_cpu")) for x in d)
         ttfp = "; ".join(_num(x.get("time_to_first_patch_s")) for x in d)
         share = "; ".join(_pct(x.get("share_in_replacement")) for x in d)
@@ -197,7 +215,7 @@ def table(data: dict, summary: dict | None = None) -> str:
     g = summary.get("geomean") or {}
     lines.append("| **geomean** | | " + " | ".join(
         (f"x{g[c]['geomean']:.3f} ({g[c]['workloads']})" if c in g else "–")
-        for c in RATIO_CONFIGS) + " | | | |")
+        for c in cfgs) + " | | | |")
     out = "\n".join(lines) + "\n"
     if notes:
         out += "\n" + "\n".join(f"({i}) {n}" for i, n in enumerate(notes, 1)) + "\n"
@@ -209,11 +227,12 @@ def cpu_table(data: dict, summary: dict | None = None) -> str:
     server: CPU time per request served): what the program itself did, without the
     waits that other load (and on 2 cores the service's CPU) add to its wall time."""
     summary = summary or summarize(data)
-    lines = ["| workload | " + " | ".join(LABEL[c] for c in RATIO_CONFIGS) + " |",
-             "|" + "---|" * (len(RATIO_CONFIGS) + 1)]
+    cfgs = shown(data)
+    lines = ["| workload | " + " | ".join(LABEL[c] for c in cfgs) + " |",
+             "|" + "---|" * (len(cfgs) + 1)]
     for name, s in summary["workloads"].items():
         cells = []
-        for c in RATIO_CONFIGS:
+        for c in cfgs:
             r = (s["configs"].get(c) or {}).get("cpu_ratio") or {}
             cells.append(f"x{r['median']:.3f} [{r['min']:.2f}–{r['max']:.2f}]" if r.get("n")
                          else "–")
@@ -304,13 +323,14 @@ def plots(data: dict, outdir: Path) -> list[Path]:
     names = list(summary["workloads"])
     if names:
         fig, ax = plt.subplots(figsize=(9, 4.5))
-        width = 0.8 / len(RATIO_CONFIGS)
-        for k, cfg in enumerate(RATIO_CONFIGS):
+        cfgs = shown(data)
+        width = 0.8 / len(cfgs)
+        for k, cfg in enumerate(cfgs):
             xs, ys, lo, hi = [], [], [], []
             for i, n in enumerate(names):
                 r = (summary["workloads"][n]["configs"].get(cfg) or {}).get("ratio") or {}
                 if r.get("n"):
-                    xs.append(i + (k - 1.5) * width)
+                    xs.append(i + (k - (len(cfgs) - 1) / 2) * width)
                     ys.append(r["median"])
                     lo.append(r["median"] - r["min"])
                     hi.append(r["max"] - r["median"])
@@ -335,7 +355,8 @@ def plots(data: dict, outdir: Path) -> list[Path]:
             continue
         fig, ax = plt.subplots(figsize=(9, 4.5))
         colors = {"native": "black", "dbr-default": "tab:blue", "dbr-aggressive": "tab:orange",
-                  "bolt": "tab:green", "pgo": "tab:red"}
+                  "dbr-nocalls": "tab:cyan", "dbr-aggressive-nocalls": "tab:brown",
+                  "dbr-nofunctions": "tab:purple", "bolt": "tab:green", "pgo": "tab:red"}
         seen = set()
         for r in w["runs"]:
             sl = [s for s in r.get("slices") or [] if s.get("rps")]

@@ -9,70 +9,51 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.compare import HostService, run_once, summarize_report
+from bench.configs import summarize_report
+from bench.runner import HostService, run_once
 from bench.long import bolt, tools
 from bench.long.workloads import Ctx, Prepared
 
-CONFIGS = ["native", "dbr-default", "dbr-aggressive", "bolt", "pgo"]
+CONFIGS = ["native", "dbr-default", "dbr-aggressive", "dbr-nocalls", "dbr-aggressive-nocalls",
+           "dbr-nofunctions", "bolt", "pgo"]
+#: What runs unless --configs says otherwise; the -nocalls pair is for A/B of real calls,
+#: -nofunctions for A/B of hot functions.
+DEFAULT_CONFIGS = ["native", "dbr-default", "dbr-aggressive", "bolt", "pgo"]
 CONFIG_WHAT = {
     "native": "the program as installed / built",
     "dbr-default": "LD_PRELOAD=libdbr_agent.so under a host `dbr service` with default "
                    "settings started by the bench (private DBR_RUNTIME_DIR): the deployed form",
     "dbr-aggressive": "the same under a host `dbr service --aggressive`",
+    "dbr-nocalls": "dbr default with `-o real_calls=false` (calls leave replacement code)",
+    "dbr-aggressive-nocalls": "dbr --aggressive with `-o real_calls=false`",
+    "dbr-nofunctions": "dbr default with `-o hot_function_threshold=0` (regions need a hot "
+                       "loop)",
     "bolt": "llvm-bolt-19 -reorder-blocks=ext-tsp -reorder-functions=cdsort -split-functions "
             "-split-all-cold, profile from perf record -e cpu-clock + perf2bolt -nl",
     "pgo": "gcc -fprofile-generate, training run, -fprofile-use (programs the bench builds)",
 }
-DBR_CONFIGS = {"dbr-default": [], "dbr-aggressive": ["--aggressive"]}
-
-
-def _dbr_exe() -> str:
-    venv = Path(sys.executable).parent / "dbr"
-    return str(venv) if venv.exists() else (shutil.which("dbr") or str(venv))
+DBR_CONFIGS = {"dbr-default": [], "dbr-aggressive": ["--aggressive"],
+               "dbr-nocalls": ["-o", "real_calls=false"],
+               "dbr-aggressive-nocalls": ["--aggressive", "-o", "real_calls=false"],
+               "dbr-nofunctions": ["-o", "hot_function_threshold=0"]}
 
 
 # ------------------------------------------------------------------ host services
 
 class Service(HostService):
     """A ``dbr service [FLAGS]`` on a private DBR_RUNTIME_DIR, alive for the whole
-    benchmark as on a host that runs it all the time; its log kept per configuration
-    (stop and cpu_s: HostService's)."""
+    benchmark as on a host that runs it all the time (bench.runner.HostService), its
+    log kept per configuration, unavailable unless the agent is built."""
 
     def __init__(self, name: str, flags: list[str], logdir: Path) -> None:
-        self.name, self.flags, self.logdir = name, flags, logdir
-        self.rt: str | None = None
-        self.proc: subprocess.Popen | None = None
-        self.agent = ""
-
-    def start(self, env: dict[str, str]) -> str | None:
-        """None once it serves, else why it is unavailable."""
-        try:
-            import dbr_agent
-
-            self.agent = dbr_agent.agent_path()
-        except Exception as exc:  # noqa: BLE001
-            return f"unavailable: the agent is not built ({exc}); run make build"
-        self.rt = tempfile.mkdtemp(prefix=f"dbr-long-{self.name}-")
-        self.logdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.logdir / f"service-{self.name}.log", "ab")
-        self.proc = subprocess.Popen([_dbr_exe(), "service", *self.flags],
-                                     env=dict(env, DBR_RUNTIME_DIR=self.rt),
-                                     stdout=log, stderr=log, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + 30
-        while not os.path.exists(os.path.join(self.rt, "control.sock")):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                return f"unavailable: `dbr service {' '.join(self.flags)}` did not start"
-            time.sleep(0.05)
-        time.sleep(1.0)  # its worker pool up, as on a host that runs it all the time
-        return None
+        super().__init__(flags=flags, log=logdir / f"service-{name}.log",
+                         prefix=f"dbr-long-{name}-", need_agent=True)
+        self.name, self.logdir = name, logdir
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         from dbr_service.cmd_run import child_env

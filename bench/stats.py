@@ -1,14 +1,38 @@
-"""Statistics of the long benchmark: paired ratios to native, their median and spread,
-a distribution-free interval for the median, geometric means over workloads, and the
-server workload's throughput ratio after the first patch.  Pure functions (no tools,
-no files), so tests/test_bench_long.py checks them in milliseconds."""
+"""Statistics of the benchmarks: the spread of a sample, paired ratios to native with
+their bootstrap and order-statistic intervals, verdicts against a limit, geometric
+means, shares of a reference's gain, and a server's throughput ratio after the first
+patch.  Pure functions (no tools, no files), checked by tests/test_bench_*.py."""
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from typing import Iterable, Sequence
 
+# ------------------------------------------------------------------ one sample
+
+def spread(xs: Sequence[float]) -> dict:
+    """Median with its spread: n, min, q1, median, q3, max (IQR = q3 - q1)."""
+    xs = sorted(xs)
+    if not xs:
+        return {"n": 0}
+    if len(xs) >= 2:
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    else:
+        q1 = q3 = xs[0]
+    return {"n": len(xs), "min": xs[0], "q1": q1, "median": statistics.median(xs), "q3": q3,
+            "max": xs[-1]}
+
+
+def geomean(xs: Iterable[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None and x > 0]
+    if not xs:
+        return None
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+# ------------------------------------------------------------------ paired rounds
 
 def paired_ratios(cfg: Sequence[float | None], native: Sequence[float | None]) -> list[float]:
     """Per pair, config over native (pairs where either side is missing are left out)."""
@@ -18,6 +42,70 @@ def paired_ratios(cfg: Sequence[float | None], native: Sequence[float | None]) -
             continue
         out.append(c / n)
     return out
+
+
+def ratio_ci(pairs: Sequence[tuple[float, float]], level: float = 0.95,
+             resamples: int = 4000, seed: int = 1) -> tuple[float, float] | None:
+    """Bootstrap confidence interval of median(a) / median(b) over paired rounds
+    ``(a, b)``: rounds are resampled whole, so what hit both runs of a round (load,
+    drift) stays paired.  Percentile method, fixed seed (the same data give the same
+    interval).  None with fewer than 5 rounds: too few to say anything."""
+    pairs = [(a, b) for a, b in pairs if b > 0]
+    if len(pairs) < 5:
+        return None
+    rng = random.Random(seed)
+    n = len(pairs)
+    stats = []
+    for _ in range(resamples):
+        sample = [pairs[rng.randrange(n)] for _ in range(n)]
+        mb = statistics.median(b for _, b in sample)
+        stats.append(statistics.median(a for a, _ in sample) / mb)
+    stats.sort()
+    tail = (1.0 - level) / 2
+    return stats[int(tail * (resamples - 1))], stats[int((1 - tail) * (resamples - 1))]
+
+
+def versus(cfg: Sequence[float], native: Sequence[float]) -> dict:
+    """A configuration's alternated rounds against native's (same length, round by
+    round): ``ratio`` (median over median), ``paired`` (median of the per-round
+    ratios) and ``ci95`` (ratio_ci of the rounds, None under 5 of them)."""
+    return {"ratio": statistics.median(cfg) / statistics.median(native),
+            "paired": statistics.median(paired_ratios(cfg, native)),
+            "ci95": ratio_ci(list(zip(cfg, native)))}
+
+
+def by_patch(pairs: list[tuple[float, float]], patched: list[bool | None]) -> dict:
+    """The paired rounds split by whether the dbr run had code installed: for each side,
+    its rounds, the ratio of medians and its interval.  With default settings only some
+    runs are patched (short runs are born late).  Not the code's own effect: a run gets
+    code only if it lasts until the service's first job ends, so runs the machine slowed
+    are patched more often (patched rounds can look slower for that reason alone); a
+    program under two services, one with ``patching=false`` (bench.service_ab), measures
+    the code's own effect."""
+    out: dict = {}
+    for key, want in (("patched", True), ("unpatched", False)):
+        side = [pr for pr, p in zip(pairs, patched) if p is want]
+        if not side:
+            continue
+        nb = statistics.median(b for _, b in side)
+        ci = ratio_ci(side)
+        out[key] = {"rounds": len(side),
+                    "ratio": statistics.median(a for a, _ in side) / nb if nb else None,
+                    "ratio_ci95": list(ci) if ci else None}
+    return out
+
+
+def verdict(ci: tuple[float, float] | None, limit: float) -> str:
+    """Whether a ratio is within ``limit`` (e.g. 1.01), from its confidence interval:
+    ``met`` (the whole interval at or under), ``missed`` (the whole interval over),
+    ``undecided`` (the interval spans the limit: more or quieter rounds needed)."""
+    if ci is None:
+        return "undecided"
+    if ci[1] <= limit:
+        return "met"
+    if ci[0] > limit:
+        return "missed"
+    return "undecided"
 
 
 def _binom_cdf(k: int, n: int) -> float:
@@ -57,13 +145,6 @@ def summarize(ratios: Sequence[float]) -> dict:
     if ci:
         out["ci"] = ci
     return out
-
-
-def geomean(xs: Iterable[float | None]) -> float | None:
-    xs = [x for x in xs if x is not None and x > 0]
-    if not xs:
-        return None
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 #: Below this gain (1 - ratio) a reference's gain is within run-to-run noise and a share
