@@ -496,13 +496,33 @@ def jmp_rel32(site: int, target: int) -> bytes:
 
 
 def make_site(site: int, target: int, orig: bytes, variant: int = P.Variant.INT3,
-              region_id: int = 0) -> P.PatchSite:
-    """A PatchSite record; ``orig`` is the 5 original bytes."""
+              region_id: int = 0, inner: Sequence[int] = ()) -> P.PatchSite:
+    """A PatchSite record; ``orig`` is the 5 original bytes.  ``inner``: the instruction
+    boundaries strictly inside the 5 bytes (addresses) of an entry site, the first
+    instructions of a function (SITE_F_ENTRY: the agent installs it with the int3
+    protocol only, and only when no thread is inside); empty for a site that is one
+    instruction of at least 5 bytes."""
     s = P.PatchSite(site=site, target=target, region_id=region_id, variant=int(variant),
                     len=P.PATCH_LEN)
     for k, b in enumerate(orig[:8]):
         s.orig[k] = b
+    if inner:
+        offs = sorted({a - site for a in inner})
+        if offs[0] < 1 or offs[-1] >= P.PATCH_LEN:
+            raise AgentError(f"entry site {site:#x}: inner boundaries {offs} not in "
+                             f"1..{P.PATCH_LEN - 1}")
+        if int(variant) != P.Variant.INT3:
+            raise AgentError(f"entry site {site:#x}: int3 protocol only")
+        s.flags = P.SITE_F_ENTRY
+        s.inner = sum(1 << k for k in offs)
     return s
+
+
+def site_inner(s: P.PatchSite) -> list[int]:
+    """The inner boundaries (addresses) of an entry site, [] for a one-instruction site."""
+    if not s.flags & P.SITE_F_ENTRY:
+        return []
+    return [s.site + k for k in range(1, P.PATCH_LEN) if s.inner >> k & 1]
 
 
 def listen(path: str, backlog: int = 64, mode: int = 0o666) -> socket.socket:

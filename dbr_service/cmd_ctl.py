@@ -206,7 +206,18 @@ def _state(region: dict[str, Any]) -> str:
         why.append(f"{held['threads_inside']} threads inside")
     if held["threads_unknown"]:
         why.append(f"{held['threads_unknown']} threads unknown")
+    if held.get("callers"):
+        why.append(f"{held['callers']} callers")      # code that calls into this copy
     return f"{region['state']} (retained: {', '.join(why) or 'quarantine'})"
+
+
+def _budget(c: dict[str, Any]) -> str:
+    """A clients row's share of its CPU budget used ("3.1% of 5.0%", "+2 deferred")."""
+    used, limit = c.get("budget_used"), c.get("budget") or 0
+    text = "-" if used is None else (f"{used:.1%} of {limit:.1%}" if limit else f"{used:.1%}")
+    if c.get("deferred_by_budget"):
+        text += f" ({c['deferred_by_budget']} deferred)"
+    return text
 
 
 def render(verb: str, result: Any) -> str:
@@ -224,6 +235,19 @@ def render(verb: str, result: Any) -> str:
                  "host offers: " + ", ".join(
                      f"{k}={'yes' if v.get('available') else 'no'}" for k, v in caps.items()),
                  f"workers: {result['scheduler']}"]
+        cfg = result.get("config") or {}
+        sch = result["scheduler"]
+        if "service_cpu_budget" in cfg:
+            budget = cfg["service_cpu_budget"]
+            lines.append(
+                ("service CPU budget: " + (f"{budget:.1%} of each client's CPU over "
+                                           f"{cfg['service_cpu_window_s']:g} s"
+                                           if budget > 0 else "none")) +
+                f"; jobs' CPU {sch.get('job_cpu_s', 0):.2f} s; deferred by budget "
+                f"{sch.get('deferred_by_budget', 0)}, skipped unchanged "
+                f"{sch.get('skipped_unchanged', 0)}, backing off "
+                f"{sch.get('skipped_backoff', 0)}; decode cache "
+                f"{sch.get('decode_cached', 0)} hits, {sch.get('decode_new', 0)} decoded")
         if result.get("refused_at_limit"):
             lines.append(f"refused at a connection limit: {result['refused_at_limit']} "
                          f"(max_handshakes, max_sessions_per_uid)")
@@ -236,8 +260,11 @@ def render(verb: str, result: Any) -> str:
         if not result:
             return "no clients"
         return table([[c["pid"], c["state"], c["threads"], c["samples"], c["source"],
-                       "yes" if c["paused"] else "", c["regions"], c["exe"]] for c in result],
-                     ["PID", "STATE", "THREADS", "SAMPLES", "SOURCE", "PAUSED", "REGIONS", "EXE"])
+                       "yes" if c["paused"] else "", c["regions"], c.get("jobs_done", 0),
+                       f"{c.get('service_cpu_s', 0):.2f}s", _budget(c), c["exe"]]
+                      for c in result],
+                     ["PID", "STATE", "THREADS", "SAMPLES", "SOURCE", "PAUSED", "REGIONS",
+                      "JOBS", "SVC CPU", "BUDGET USED", "EXE"])
     if verb == "waiting":
         if not result:
             return "no process waiting"

@@ -270,7 +270,7 @@ def _host_listening(runtime_dir: Path) -> bool:
 def _start_embedded(args: argparse.Namespace, embedded: EmbeddedService,
                     warm_delay_s: float = 0.0) -> bool:
     from dbr_service.cmd_service import setup_logging
-    from dbr_service.service import ServiceError
+    from dbr_service.errors import ServiceError
 
     explicit = any(o.startswith("log_level=") for o in args.overrides)
     setup_logging(embedded.sources.load().log_level if explicit else "warning")

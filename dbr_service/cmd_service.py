@@ -40,7 +40,8 @@ def setup_logging(level: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dbr_service.service import Service, ServiceError
+    from dbr_service.errors import ServiceError
+    from dbr_service.service import Service
 
     sources = ConfigSources(file=args.config, overrides=tuple(args.overrides),
                             aggressive=args.aggressive)

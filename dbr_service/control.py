@@ -243,7 +243,7 @@ def verb_regions(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     inst = s.installer
     kept = inst.retained() if inst is not None else {}
     regions = []
-    for r in list(s.regions.values()):
+    for r in list(s.region_book.regions.values()):
         j = r.to_json()
         # a removed region's code stays until censuses find nothing of it in any thread
         held = kept.get(r.info.get("install_id")) if r.state.value == "removed" else None
@@ -261,7 +261,7 @@ def verb_region(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     fmt = args["format"]
     if fmt not in ("json", "dot", "svg"):
         raise Fault(Code.BAD_ARGS, f"region: format must be json, dot or svg, not {fmt!r}")
-    r = s.regions.get(args["id"])
+    r = s.region_book.regions.get(args["id"])
     if r is None:
         raise Fault(Code.NO_REGION, f"pid {s.pid} has no region {args['id']!r} "
                                     f"({s.region_status})")
@@ -286,7 +286,7 @@ def verb_region(service: Service, args: dict[str, Any]) -> dict[str, Any]:
 def verb_unpatch(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Remove one installed region's patches (``id``) or all of a client's."""
     s = _client(service, _int_arg(args["pid"], "pid"))
-    if args["id"] is not None and args["id"] not in s.regions:
+    if args["id"] is not None and args["id"] not in s.region_book.regions:
         raise Fault(Code.NO_REGION, f"pid {s.pid} has no region {args['id']!r}")
     if not s.alive:
         raise Fault(Code.NO_CLIENT, f"client {s.pid} is no longer connected")
@@ -320,9 +320,14 @@ def _set_paused(service: Service, pid: int | None, paused: bool) -> dict[str, An
     released: list[str] = []
     if not paused:   # resume also lifts what `unpatch` held back
         with s.lock:
-            released = sorted(s.operator_held) + (["all"] if s.operator_hold_all else [])
-            s.operator_held.clear()
-            s.operator_hold_all = False
+            book = s.region_book
+            released = sorted(book.operator_held) + (["all"] if book.operator_hold_all else [])
+            book.operator_held.clear()
+            book.operator_hold_all = False
+            # what selection may install changed: the next snapshot gets a job even
+            # when nothing new is hot (snapshots.py _job_due) and not after a backoff
+            s.cadence.activity += 1
+            s.cadence.next_job_mono = 0.0
     return {"pid": s.pid, "paused": paused, "released": released}
 
 

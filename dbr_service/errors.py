@@ -33,3 +33,7 @@ class SamplingError(DbrError):
 
 class MemoryViewError(DbrError):
     """Memory of a client or a binary could not be read."""
+
+
+class ServiceError(DbrError):
+    """The service cannot start (another one runs, the runtime dir is unusable, ...)."""

@@ -38,7 +38,8 @@ def status_field(status_path: str, key: str) -> str | None:
 
 
 def thread_state(stat_path: str) -> str | None:
-    """The state letter of a ``/proc/.../stat`` file (``R``, ``S``, ``Z``...), None if unreadable."""
+    """The state letter of a ``/proc/.../stat`` file (``R``, ``S``, ``Z``...), None if
+    unreadable."""
     rest = stat_fields(stat_path)
     return rest[0] if rest else None
 

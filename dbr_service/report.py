@@ -1,8 +1,9 @@
-"""Run reports: the ``dbr.run/1`` JSON of DESIGN.md "Reports" and its short text form."""
+"""Run reports: the ``dbr.run/1`` JSON (docs/architecture.md, "Reports") and its short text form."""
 
 from __future__ import annotations
 
 import signal
+import time
 from collections import Counter
 
 from typing import TYPE_CHECKING, Any
@@ -35,12 +36,14 @@ def client_report(s: ClientSession) -> dict[str, Any]:
         "patches_removed": s.patches_removed,
         "regions_went_live": s.regions_went_live,
         **s.threads_moved(),
-        "regions": [r.to_json() for r in s.regions.values()],
+        "regions": [r.to_json() for r in s.region_book.regions.values()],
         "sampling_source": s.sampling_source_name,
         "snapshots": s.snapshots,
         "hotspots": find_hotspots(dict(s.ip_counts), s.maps, threshold=cfg.hot_threshold,
                                   top=10),
         "region_status": s.region_status,
+        "jobs_done": s.jobs_done,
+        **s.cpu_budget.to_json(time.monotonic()),
         "speed_checks": list(s.speed_checks),
         "timeline": dict(s.timeline),
         "close_reason": s.close_reason,
@@ -59,6 +62,9 @@ def run_report(program: list[str], exit_code: int, wall_s: float,
         "threads_evicted": sum(c.get("threads_evicted", 0) for c in clients),
         "regions_installed": sum(1 for c in clients for r in c["regions"]
                                  if r["state"] == INSTALLED),
+        "service_cpu_s": round(sum(c.get("service_cpu_s") or 0.0 for c in clients), 3),
+        "client_cpu_s": round(sum(c.get("client_cpu_s") or 0.0 for c in clients), 3),
+        "deferred_by_budget": sum(c.get("deferred_by_budget") or 0 for c in clients),
     }
     return {"schema": SCHEMA, "program": list(program), "exit_code": exit_code,
             "wall_s": round(wall_s, 3), "clients": clients, "totals": totals, **extra}
@@ -100,6 +106,11 @@ def format_report(rep: dict[str, Any]) -> str:
         lines.append(f"dbr:   pid {c['pid']} {c['exe']}: {c['samples']} samples "
                      f"via {c.get('sampling_source') or 'none'}, "
                      f"{c['patches_installed']} patches; regions: {regions_text(c)}")
+        if c.get("client_cpu_s"):
+            lines.append(f"dbr:     service CPU {c.get('service_cpu_s', 0):.2f} s for its "
+                         f"{c['client_cpu_s']:.2f} s ({c['service_cpu_s'] / c['client_cpu_s']:.1%}"
+                         f"); {c.get('jobs_done', 0)} jobs, "
+                         f"{c.get('deferred_by_budget', 0)} deferred by the CPU budget")
         if c.get("time_to_first_patch_s") is not None:
             after = c.get("samples_after_first_patch") or 0
             share = c.get("samples_in_replacement", 0) / after if after else 0.0

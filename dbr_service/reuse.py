@@ -9,9 +9,9 @@ scheduler places the client's own new threads on the other CPUs, beside its busy
 A program that starts 5000 short threads beside one busy thread (0.09 s natively) took
 +34 ms with a thread born per session and +7 ms with one reused (medians of 16 runs on
 2 CPUs; docs/design-notes.md, "Thread notices on request, and session threads that
-are not new").  The agent's own thread has the same cause and another remedy (it is
-born in the real-time class: design-notes, "The agent's thread is born in the
-real-time class").
+are not new").  The agent's own thread has the same cause and other remedies (it is
+made only when the service would look, and quiet at first: design-notes, "The agent's
+thread is made when the service would look" and "Quiet while the program starts").
 
 A reused thread has slept since its last session, so its load has decayed; the few
 milliseconds of a handshake add little.  Threads are born only when every kept thread

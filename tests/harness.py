@@ -14,13 +14,16 @@ import queue
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+import capstone
 import keystone
 
 import pytest
@@ -28,6 +31,7 @@ import pytest
 import dbr_agent
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, CodeBufferHandle, jmp_rel32, listen, make_site
+from dbr_service.codegen.cfi import Fde, Glue
 
 TESTS = Path(__file__).resolve().parent
 PROGS = TESTS / "agent_progs"
@@ -37,8 +41,9 @@ SITE_INSN = bytes.fromhex("69c7e8030000")  # imul eax, edi, 1000 (6 bytes)
 SITE_LEN = len(SITE_INSN)
 
 
-def compile_c(sources: Iterable[str | Path], *, flags: Iterable[str] = (), out_name: str | None = None,
-              shared: bool = False, cc: str = "gcc", link: Iterable[str | Path] = ()) -> Path:
+def compile_c(sources: Iterable[str | Path], *, flags: Iterable[str] = (),
+              out_name: str | None = None, shared: bool = False, cc: str = "gcc",
+              link: Iterable[str | Path] = ()) -> Path:
     """Compile C sources (relative names are under tests/agent_progs); cached by content.
     ``link``: libraries, placed after the sources (the linker drops a shared library
     named before the objects that need it when --as-needed is the default)."""
@@ -273,9 +278,94 @@ def terminate(pid: int) -> None:
 
 __all__ = ["FakeService", "Client", "compile_c", "assemble", "read_mem", "exit_stub",
            "parse_sites", "patch_sites", "jmp_rel32", "make_site", "SITE_INSN", "SITE_LEN",
-           "terminate"]
+           "terminate", "symbols", "relocate_copy", "FakeGen", "stub_gen"]
 
 
+# --------------------------------------------------------------------------- shared
+# by several test modules: symbols of a binary, a copied function's bytes, fake codegen
+# output for the installer.
+
+_CS = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+_CS.detail = True
+
+
+def symbols(path) -> dict[str, tuple[int, int]]:
+    out = subprocess.run(["nm", "-S", "--defined-only", str(path)], capture_output=True,
+                         text=True, check=True).stdout
+    syms = {}
+    for line in out.splitlines():
+        f = line.split()
+        if len(f) == 4 and f[2] in "tTwW":
+            syms[f[3]] = (int(f[0], 16), int(f[0], 16) + int(f[1], 16))
+    return syms
+
+
+def relocate_copy(f: Fde, layout, bias: int) -> bytes:
+    """The copy's bytes for ``layout`` (pieces and 5-byte glue jumps): rel32 branches
+    and rip-relative operands re-aimed (targets in a copied piece go to the copy)."""
+    code = f.image.cursor(f.start).bytes(f.end - f.start)
+    pieces = [it for it in layout if not isinstance(it, Glue)]
+
+    def new_of(o: int) -> int:
+        for lo, hi, ol in pieces:
+            if ol <= o < ol + hi - lo:
+                return lo + o - ol
+        return o + bias
+
+    base = min(it[0] for it in layout)
+    out = bytearray(max(it[1] for it in layout) - base)
+    for it in layout:
+        lo, hi, o = it
+        if isinstance(it, Glue):
+            out[lo - base:hi - base] = b"\xe9" + struct.pack("<i", new_of(o) - hi)
+            continue
+        for insn in _CS.disasm(code[o - f.start:o - f.start + hi - lo], o):
+            b = bytearray(insn.bytes)
+            at = lo + insn.address - o
+            end = at + insn.size
+            if capstone.CS_GRP_BRANCH_RELATIVE in insn.groups:
+                target = new_of(insn.operands[0].imm)
+                if insn.imm_size == 4:
+                    b[insn.imm_offset:insn.imm_offset + 4] = struct.pack("<i", target - end)
+                else:                              # rel8: only within its piece
+                    assert target - end == insn.operands[0].imm - insn.address - insn.size
+            elif insn.disp_size == 4 and "rip" in insn.op_str:
+                target = insn.address + insn.size + insn.disp + bias
+                b[insn.disp_offset:insn.disp_offset + 4] = struct.pack("<i", target - end)
+            out[at - base:end - base] = b
+    return bytes(out)
+
+
+@dataclass
+class FakeGen:
+    """Codegen output for 'relocated first instruction + exit' stubs."""
+
+    code: bytes
+    base: int
+    entries: dict[int, int]
+    addr_map: list[tuple[int, int, int]] = field(default_factory=list)
+    exits: list[tuple[int, int]] = field(default_factory=list)
+    transfers: dict[int, int] = field(default_factory=dict)
+    evictions: dict[int, int] = field(default_factory=dict)
+
+
+def stub_gen(base: int, sites: list[int]) -> FakeGen:
+    code = b""
+    gen = FakeGen(b"", base, {})
+    for s in sites:
+        at = base + len(code)
+        back = jmp_rel32(at + len(SITE_INSN), s + len(SITE_INSN))
+        gen.entries[s] = at
+        gen.addr_map += [(at, at + 6, s), (at + 6, at + 11, s + 6)]
+        gen.exits.append((at + 6, s + 6))
+        code += SITE_INSN + back
+        code += b"\xcc" * (-len(code) % 16)
+    gen.code = code
+    return gen
+
+
+# Kept while tests/test_agent_entry_sites.py imports it; the ``svc`` fixture of every
+# other module comes from conftest.py.
 @pytest.fixture(name="svc")
 def fake_service_fixture():
     """A FakeService for one test, closed (its clients killed) afterwards; import it

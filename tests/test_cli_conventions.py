@@ -135,3 +135,27 @@ def test_the_run_summary_counts_regions_by_their_state():
     text = format_report(run_report(["x"], 0, 1.0, [client]))
     assert "regions: 1 installed, 2 removed" in text and "0 region(s)" not in text
     assert "first patch after 0.30 s; 90% of the 50 samples since then in replacement" in text
+
+
+def test_analyze_says_why_samples_miss_a_pie_binary(tmp_path):
+    """Run-time samples of a PIE analysed at link addresses: exit 2 with the load
+    address to pass; with that --base the same samples are placed."""
+    src = tmp_path / "p.c"
+    src.write_text("int main(int c, char **v) { long s = 0;"
+                   " for (long i = 0; i < c * 1000; i++) s += i; return (int)s; }\n")
+    exe = tmp_path / "p"
+    subprocess.run(["gcc", "-O2", "-pie", "-fPIE", "-o", str(exe), str(src)], check=True)
+    from dbr_service.region.memview import ElfMemoryView
+    text = next(r for r in ElfMemoryView(str(exe)).ranges() if "x" in r.perms)
+    base = 0x555555554000
+    samples = tmp_path / "s.txt"
+    samples.write_text(f"{base + text.start:#x} 10\n")
+    r = subprocess.run(DBR + ["analyze", str(exe), "--samples", str(samples)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "position-independent" in r.stderr and f"--base {base:#x}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    ok = subprocess.run(DBR + ["analyze", str(exe), "--base", hex(base), "--samples",
+                               str(samples)], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert "0 samples not placed" in ok.stdout, ok.stdout

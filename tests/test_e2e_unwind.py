@@ -19,8 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import compile_c
-from test_codegen_cfi import symbols
+from harness import compile_c, symbols
 
 E2E = Path(__file__).resolve().parent / "e2e_progs"
 ARGS = ["600"]      # about 1 s natively on a 2-core Xeon; the first patch comes at ~0.3 s

@@ -23,8 +23,7 @@ from dbr_service import protocol as P
 from dbr_service.errors import AgentError
 from dbr_service.install import Installer, InstallState
 from harness import (SITE_INSN, FakeService, compile_c, exit_stub, parse_sites, patch_sites,
-                     read_mem)
-from test_install import stub_gen
+                     read_mem, stub_gen)
 
 DRIVER = r"""
 import sys, time

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from dbr_service.clients import read_maps
+from dbr_service.procmaps import read_maps
 from dbr_service.procfs import proc_dir, thread_state
 from dbr_service.region.memview import LiveMemoryView
 from harness import compile_c

@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
@@ -148,7 +147,8 @@ def _run_client(runtime_dir: str, extra: dict[str, str] | None = None,
 
 def _hellos(lines: list[str]) -> list[str]:
     return [ln for ln in lines
-            if ln.startswith("datagram") and ln.split()[2] == hex(MAGIC) and ln.split()[3] == str(HELLO)]
+            if ln.startswith("datagram") and ln.split()[2] == hex(MAGIC)
+            and ln.split()[3] == str(HELLO)]
 
 
 def _datagrams(lines: list[str]) -> list[str]:

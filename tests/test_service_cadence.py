@@ -96,16 +96,17 @@ def test_a_region_inside_code_already_replaced_is_covered():
     Once the installed region is removed, the variant is installable."""
     import threading
 
-    from dbr_service.clients import ClientSession, RegionRecord, RegionState
+    from dbr_service.session_regions import RegionBook, RegionRecord, RegionState
 
     live = RegionRecord("r1", "/lib/liblzma.so", [0x19F7], 11, 203,
                         state=RegionState.INSTALLED, orig_ranges=[(0x19A0, 0x1A30)])
     other = RegionRecord("r2", "/lib/libc.so", [0x5000], 3, 50,
                          state=RegionState.INSTALLED, orig_ranges=[(0x5000, 0x5040)])
-    s = SimpleNamespace(lock=threading.RLock(), regions={"r1": live, "r2": other})
+    book = RegionBook(threading.RLock())
+    book.regions = {"r1": live, "r2": other}
 
     def covered(module, entries, rid="r9"):
-        return ClientSession.covered(s, rid, module, entries)
+        return book.covered(rid, module, entries)
 
     assert covered("/lib/liblzma.so", [0x1A17])              # a block further on
     assert covered("/lib/liblzma.so", [0x19A3, 0x1A2F])      # every entry inside
@@ -164,3 +165,45 @@ def test_a_young_client_is_not_sampled():
         kill(early)
         kill(planned)
         svc.stop()
+
+
+def test_jobs_wait_while_nothing_new_is_hot_and_back_off():
+    """Service._job_due: after a client's first jobs, a snapshot whose hot addresses
+    were all hot (at half the threshold) at its last job runs no job, nor does one
+    inside the backoff gap; a change for the client (a region installed, code mapped)
+    ends both; the budget is asked last."""
+    import os
+    import threading
+
+    from dbr_service.cadence import SessionCadence
+    from dbr_service.scheduler import QUICK_JOBS, CpuBudget, Scheduler, hot_addresses
+    from dbr_service.service import Service
+
+    cfg = Config()
+    sched = Scheduler(lambda res, sid: None)
+    svc = SimpleNamespace(config=cfg, scheduler=sched)
+    cadence = SessionCadence(activity=3, job_activity=3,
+                             job_hot_half=hot_addresses({1: 50, 2: 50}, cfg.hot_threshold / 2),
+                             next_job_mono=0.0, jobs_skipped_unchanged=0, jobs_skipped_backoff=0)
+    s = SimpleNamespace(session_id=1, pid=os.getpid(), jobs_done=QUICK_JOBS + 1,
+                        lock=threading.RLock(), cadence=cadence,
+                        cpu_budget=CpuBudget(0.0), session_cpu_s=0.0, control_cpu_s=0.0,
+                        connected_mono=0.0)
+    now = time.monotonic()
+    try:
+        assert not Service._job_due(svc, s, {1: 60, 2: 40}, now)        # nothing new
+        assert s.cadence.jobs_skipped_unchanged == 1 == sched.stats()["skipped_unchanged"]
+        s.cadence.next_job_mono = now + 5
+        assert not Service._job_due(svc, s, {1: 50, 9: 50}, now)        # new, backing off
+        assert s.cadence.jobs_skipped_backoff == 1 == sched.stats()["skipped_backoff"]
+        assert Service._job_due(svc, s, {1: 50, 9: 50}, now + 6)        # the gap is over
+        s.cadence.activity = 4                                           # a change
+        assert Service._job_due(svc, s, {1: 60, 2: 40}, now)
+        s.cadence.activity, s.jobs_done = 3, QUICK_JOBS                  # early jobs: always
+        assert Service._job_due(svc, s, {1: 60, 2: 40}, now)
+        # over budget: this process's CPU against 1000 s of service CPU
+        s.session_cpu_s = 1000.0
+        assert not Service._job_due(svc, s, {1: 60, 9: 40}, now)
+        assert s.cpu_budget.deferred == 1
+    finally:
+        sched.shutdown()

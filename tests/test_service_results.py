@@ -5,24 +5,30 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-from dbr_service.clients import ClientSession, RegionRecord, RegionState
-from dbr_service.scheduler import JobResult
+from dbr_service.cadence import SessionCadence
+from dbr_service.session_regions import RegionBook, RegionRecord, RegionState
+from dbr_service.scheduler import CpuBudget, JobResult
 from dbr_service.service import Service
 
 
 def _session(regions: dict[str, RegionRecord], alive: bool) -> SimpleNamespace:
+    lock = threading.RLock()
+    book = RegionBook(lock)
+    book.regions = regions
+    book.covered = lambda rid, module, entries: False
     s = SimpleNamespace(pid=42, jobs_done=3, hotspots=[], timeline={}, alive=alive,
-                        region_status="", lock=threading.RLock(), regions=regions,
-                        blocked_regions=set(), last_selected=frozenset(), paused=False)
+                        region_status="", lock=lock, region_book=book,
+                        cadence=SessionCadence(), paused=False)
     s.mark = lambda step: None
-    s.region_id = lambda module, entries: ClientSession.region_id(s, module, entries)
-    s.covered = lambda rid, module, entries: False
-    s._region_ids = {}
+    s.cpu_budget = CpuBudget(0.0)
     return s
 
 
 def _apply(s: SimpleNamespace, regions: list[dict]) -> None:
-    svc = SimpleNamespace(config=SimpleNamespace(patching=False),
+    svc = SimpleNamespace(config=SimpleNamespace(patching=False, snapshot_interval_s=1.0,
+                                                 job_backoff_max_s=30.0),
+                          scheduler=SimpleNamespace(
+                              charge=lambda b, res: b.charge_job(res.cpu_s, res.blocks)),
                           _session_by_id=lambda sid: s,
                           _judge_quiet=lambda s, changed: None,
                           events=SimpleNamespace(publish=lambda *a, **k: None))
@@ -41,5 +47,5 @@ def test_a_failed_installation_outlives_a_job_that_selects_nothing():
     stale = RegionRecord("r4", "/bin/crowded", [0x4000], 5, 80)
     s = _session({"r1": failed, "r2": live, "r3": gone, "r4": stale}, alive=False)
     _apply(s, [])
-    assert set(s.regions) == {"r1", "r2", "r3"}
-    assert s.regions["r1"].info["install_error"] == "E_RANGE"
+    assert set(s.region_book.regions) == {"r1", "r2", "r3"}
+    assert s.region_book.regions["r1"].info["install_error"] == "E_RANGE"

@@ -185,7 +185,7 @@ def test_run_starts_prog_without_importing_the_service():
 
 def test_report_installed_state_matches_region_state():
     from dbr_service import report
-    from dbr_service.clients import RegionState
+    from dbr_service.session_regions import RegionState
 
     assert report.INSTALLED == RegionState.INSTALLED.value
 

@@ -12,7 +12,7 @@ import threading
 import pytest
 from service_helpers import agent_path, build_example, kill, spawn_client, symbol_range
 
-from dbr_service.clients import MapEntry
+from dbr_service.procmaps import MapEntry
 from dbr_service.config import Config, ConfigSources
 from dbr_service.errors import SamplingError
 from dbr_service.scheduler import ClientJob, JobResult, Scheduler, auto_workers, find_hotspots
@@ -70,11 +70,12 @@ def test_schedule_hottest_first_and_worker_result():
 @pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 def test_agent_timer_fallback_when_perf_refused(monkeypatch):
     from dbr_service import service as service_mod
+    from dbr_service import snapshots
 
     def refused(session, cfg, kind):
         raise SamplingError("perf_event_open: Permission denied (simulated)")
 
-    monkeypatch.setattr(service_mod, "make_perf_source", refused)
+    monkeypatch.setattr(snapshots, "make_perf_source", refused)
     rdir = tempfile.mkdtemp(prefix="dbr-fallback-")
     env = dict(os.environ, DBR_RUNTIME_DIR=rdir)
     svc = service_mod.Service(ConfigSources(aggressive=True, env=env), embedded=True)

@@ -1,0 +1,56 @@
+"""A client's memory map: lines of /proc/PID/maps, and lookups in them."""
+
+from __future__ import annotations
+
+import bisect
+from typing import NamedTuple
+
+from dbr_service.errors import MemoryViewError
+from dbr_service.procfs import proc_dir
+
+class MapEntry(NamedTuple):
+    """One line of /proc/PID/maps."""
+
+    lo: int
+    hi: int
+    perms: str
+    offset: int
+    path: str
+
+    @property
+    def executable(self) -> bool:
+        return "x" in self.perms
+
+
+def read_maps(pid: int) -> list[MapEntry]:
+    """Parse /proc/PID/maps (sorted by address); MemoryViewError if unreadable."""
+    try:
+        with open(f"{proc_dir(pid)}/maps") as fh:
+            return parse_maps(fh.read())
+    except OSError as exc:
+        raise MemoryViewError(f"cannot read maps of pid {pid}: {exc}") from exc
+
+
+def parse_maps(text: str) -> list[MapEntry]:
+    out = []
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) < 5:
+            continue
+        lo, _, hi = parts[0].partition("-")
+        out.append(MapEntry(int(lo, 16), int(hi, 16), parts[1], int(parts[2], 16),
+                            parts[5] if len(parts) > 5 else ""))
+    return out
+
+
+def find_mapping(maps: list[MapEntry], addr: int) -> MapEntry | None:
+    """The mapping that contains ``addr`` (``maps`` sorted by address)."""
+    k = bisect.bisect_right([m.lo for m in maps], addr) - 1
+    if k >= 0 and maps[k].lo <= addr < maps[k].hi:
+        return maps[k]
+    return None
+
+
+def module_base(maps: list[MapEntry], path: str) -> int:
+    """Load base of a file mapping: lowest address of a mapping of ``path``."""
+    return min((m.lo - m.offset for m in maps if m.path == path), default=0)

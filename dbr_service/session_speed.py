@@ -1,0 +1,188 @@
+"""Speed checks of a session's live regions (dbr_service/speedcheck.py), run on its
+session thread: regions suspended and resumed phase by phase, and the verdict acted on."""
+
+from __future__ import annotations
+
+import time
+
+from dbr_service.errors import AgentError
+from dbr_service.install import HELD, InstallState
+from dbr_service.session_regions import RegionRecord, RegionState
+from dbr_service.speedcheck import CHECK_TRIES, ORIGINAL, SpeedCheck, read_progress
+
+#: Speed checks whose summaries a client keeps (dbr ctl clients, the report).
+SPEED_CHECKS_KEPT = 16
+
+
+class SessionSpeedChecks:
+    """The speed-check part of :class:`dbr_service.clients.ClientSession` (a mixin)."""
+
+    def _in_slow_code(self, module: str, ranges: list[tuple[int, int]]) -> bool:
+        """Whether a region copying ``ranges`` overlaps code whose region a speed
+        check found slower: a variant of it would most likely be slower too."""
+        return any(m == module and lo < b and a < hi
+                   for a, b in ranges for m, lo, hi in self.slow_ranges)
+
+    def speed_candidates(self, settle_s: float, now: float) -> list[str]:
+        """Any thread: ids of the live regions with patch sites that no speed check has
+        judged yet, once the youngest of them has been live for ``settle_s`` (until
+        then the set may still grow) and ``settle_s`` has passed since a check of any
+        of them was abandoned; [] if there are none."""
+        with self.lock:
+            new = [r for r in self.region_book.regions.values()
+                   if r.state is RegionState.INSTALLED
+                   and (r.sites or self._checks_transfer_only())
+                   and "speed_check" not in r.info]
+            if not new or now - max(max(r.installed_mono, r.recheck_mono)
+                                    for r in new) < settle_s:
+                return []
+            return [r.id for r in new]
+
+    def _checks_transfer_only(self) -> bool:
+        """A region without patch sites (entered by TRANSFER only) can be speed-checked:
+        its ORIGINAL phases move threads out (EVICT), its REPLACEMENT phases move them
+        in again (TRANSFER)."""
+        inst = self.installer   # made before any region is installed; its flags are fixed
+        return inst is not None and inst.evict_enabled and inst.transfer_enabled
+
+    def speed_start(self, rids: list[str], pairs: int, phase_s: float, margin: float,
+                    close_sampling: bool = False) -> bool:
+        """Session thread: begin a speed check of the regions ``rids`` still live.  The
+        first phase runs them as installed.  False if none is live, a sampling window
+        is open (its samples would see the phases), or a check is under way.  With
+        ``close_sampling`` (continuous sampling) an open window is closed first and its
+        samples since the last snapshot are dropped; the first snapshot after the
+        check opens a new one."""
+        if close_sampling and self.speed_check is None and self.source is not None:
+            self.end_window(keep_open=False)
+        if self.speed_check is not None or self.source is not None or self.installer is None:
+            return False
+        todo = []
+        for rid in rids:
+            rec = self.region_book.regions.get(rid)
+            reg = None if rec is None else self.installer.regions.get(
+                rec.info.get("install_id", -1))
+            if reg is not None and reg.state is InstallState.INSTALLED and \
+                    (reg.patched_sites or (not reg.sites and self._checks_transfer_only())):
+                todo.append((rid, reg.region_id))
+            elif rec is not None:
+                # nothing to take out (the agent restored its sites itself): not a
+                # candidate again
+                with self.lock:
+                    rec.info["speed_check"] = {"verdict": "not checked", "ratio": None}
+        if not todo:
+            return False
+        chk = SpeedCheck([i for _, i in todo], [r for r, _ in todo], pairs=pairs,
+                         phase_s=phase_s, margin=margin)
+        self.speed_check = chk
+        chk.begin(chk.next_kind() or "", read_progress(self.pid), time.monotonic())
+        if chk.done:
+            self._speed_finish()
+        return True
+
+    def speed_step(self) -> None:
+        """Session thread: end the running phase of the check, set the regions for the
+        next one and begin it; or finish the check."""
+        chk = self.speed_check
+        if chk is None:
+            return
+        chk.end(read_progress(self.pid))
+        kind = chk.next_kind()
+        if kind is not None:
+            try:
+                if self._speed_set(chk, kind):
+                    chk.begin(kind, read_progress(self.pid), time.monotonic())
+                else:
+                    chk.stop("abandoned", "a region of the check was removed meanwhile")
+            except AgentError as exc:
+                # the agent refused an UNPATCH or PATCH: end the check, and put every
+                # region it can back as installed (a session that is gone raises again)
+                chk.stop("abandoned", f"the agent refused a step: {exc}")
+        if chk.done:
+            self._speed_finish()
+
+    def _speed_set(self, chk: SpeedCheck, kind: str) -> bool:
+        """Suspend (ORIGINAL) or resume (REPLACEMENT) every region of the check; False
+        if one of them is gone (map change, evaluation, operator) or failed to resume."""
+        inst = self.installer
+        assert inst is not None
+        for iid in chk.region_ids:
+            reg = inst.regions.get(iid)
+            if reg is None or reg.state not in HELD:
+                return False
+            if kind == ORIGINAL and reg.state is InstallState.INSTALLED:
+                inst.suspend(iid)
+            elif kind != ORIGINAL and reg.state is InstallState.SUSPENDED and \
+                    not self._speed_resume(iid):
+                return False
+        return True
+
+    def _speed_resume(self, iid: int) -> bool:
+        """Patch a suspended region again; False (and its record removed) if the agent
+        refused every site."""
+        reg = self.installer.regions[iid]
+        self.installer.resume(iid)
+        if reg.state is InstallState.INSTALLED:
+            return True
+        rec = self.region_book.record_of(iid)
+        if rec is not None:
+            self._region_removed(rec, reg.why_removed)
+        self._cascaded_removed()
+        return False
+
+    def _speed_finish(self) -> None:
+        """Session thread: act on the verdict.  Regions found slower are removed and
+        their original code is left alone from then on; every other region of the
+        check is patched again (if it is suspended) and stays."""
+        chk, self.speed_check = self.speed_check, None
+        if chk is None or self.installer is None:
+            return
+        inst = self.installer
+        slower = chk.verdict == "slower"
+        why = f"slower than its original code (speed check: {chk.why})"
+        # held before any removal: a region of the check that a removal below takes
+        # along (it called a removed copy) is still blocked as slower
+        held0 = {iid for iid in chk.region_ids
+                 if (r := inst.regions.get(iid)) is not None and r.state in HELD}
+        try:
+            for iid in chk.region_ids:
+                reg = inst.regions.get(iid)
+                rec = self.region_book.record_of(iid)
+                held = iid in held0
+                if held and slower:
+                    # threads inside go back to the original code at once: a loop that
+                    # never passes a site would otherwise run the slower code on
+                    inst.uninstall(iid, why, evict=True)
+                if rec is not None:
+                    with self.lock:   # speed_candidates reads it on the control thread
+                        if reg is not None:
+                            rec.info["evicted"] = reg.evicted
+                        if held and chk.verdict == "abandoned" and \
+                                self._abandoned_again(rec) < CHECK_TRIES:
+                            rec.recheck_mono = time.monotonic()  # not judged: checked later
+                        else:
+                            rec.info["speed_check"] = {"verdict": chk.verdict,
+                                                       "ratio": chk.ratio}
+                if not held:
+                    continue
+                if slower:
+                    if rec is not None:
+                        self.region_book.blocked_regions.add(rec.id)
+                        self.slow_ranges += [(rec.module, lo, hi) for lo, hi in rec.orig_ranges]
+                        self._region_removed(rec, why)
+                elif reg.state is InstallState.SUSPENDED:
+                    self._speed_resume(iid)
+        finally:
+            self._cascaded_removed()
+            summary = chk.summary()
+            with self.lock:
+                self.speed_checks.append(summary)
+            self.service.events.publish("speed-check", pid=self.pid, **summary)
+            self._write_perf_map()
+
+    @staticmethod
+    def _abandoned_again(rec: RegionRecord) -> int:
+        """Count one more abandoned check of a live region; the count so far."""
+        tries = rec.info.get("speed_checks_abandoned", 0) + 1
+        rec.info["speed_checks_abandoned"] = tries
+        return tries

@@ -1,0 +1,33 @@
+"""Fixtures shared by the test modules (pytest finds them here; test modules do not
+import each other: shared helpers are in harness.py, service_helpers.py and the other
+non-test modules of this directory)."""
+
+from __future__ import annotations
+
+import pytest
+from harness import FakeService, compile_c, parse_sites
+
+
+@pytest.fixture(name="svc")
+def fake_service():
+    """A FakeService for one test, closed (its clients killed) afterwards.  Modules
+    that need another ``svc`` (a module-scoped real service) define their own."""
+    s = FakeService()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def client_conn():
+    """tests/agent_progs/storm.c with 4 threads, under a FakeService, connected: (svc,
+    client, its agent connection, its patch sites); the client must exit 0."""
+    svc = FakeService()
+    exe = compile_c(["storm.c"])
+    client = svc.spawn([exe, "4"])
+    sites = parse_sites(client.out.expect("sites"))
+    client.out.expect("ready")
+    conn = svc.accept(pid=client.pid)
+    yield svc, client, conn, sites
+    rc, _ = client.finish()
+    assert rc == 0, client.err.lines
+    svc.close()
