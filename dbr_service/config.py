@@ -91,15 +91,46 @@ class Config:
         "conditional jumps away from a sampled block that discovery follows", min=0, max=64))
     min_loop_trip_count: int = field(default=16, metadata=_doc(
         "super-regions whose loops iterate fewer times than this are dropped", min=0))
+    entry_sites: bool = field(default=False, metadata=_doc(
+        "let a function's first instructions (together 5 bytes or more) be one patch "
+        "site when discovery saw no branch into bytes 1-4; off by default: code "
+        "discovery never decoded may branch there (glibc's __mempcpy_* jumps to "
+        "__memcpy_*+3), and a thread landing there runs the middle of the jump"))
+    hot_function_threshold: float = field(default=0.005, metadata=_doc(
+        "fraction of a client's samples a function patched at its entry needs to be "
+        "kept as a region without a hot loop (its hot blocks copied, calling other "
+        "copies for real); 0: regions need a hot loop", min=0.0, max=1.0))
     min_region_size: int = field(default=16, metadata=_doc(
         "super-regions with fewer bytes of original code are dropped", min=0))
     inline_budget: float = field(default=1.0, metadata=_doc(
         "inlining growth per super-region as a ratio of its body bytes (1.0 = double)",
         min=0.0, max=64.0))
-    real_calls: bool = field(default=False, metadata=_doc(
+    real_calls: bool = field(default=True, metadata=_doc(
         "keep direct calls that are not inlined as real calls in replacement code (to "
-        "the original callee), with unwind information for the copies (a region whose "
-        "CFI cannot be made is installed without its real calls)"))
+        "the original callee), and promote hot same-module targets of indirect calls "
+        "to compare + direct call, with unwind information for the copies (a region "
+        "whose CFI cannot be made is installed without its real calls); false: every "
+        "call not inlined leaves replacement code"))
+    service_cpu_budget: float = field(default=0.05, metadata=_doc(
+        "most service CPU (region jobs in worker processes plus the client's session "
+        "thread) spent on one client, as a fraction of that client's own CPU time over "
+        "service_cpu_window_s; a client over it keeps its installed regions and its "
+        "jobs wait (0: no limit)", min=0.0, max=100.0))
+    service_cpu_window_s: float = field(default=60.0, metadata=_doc(
+        "seconds of the sliding window service_cpu_budget is measured over", min=1.0,
+        max=86400.0))
+    service_cpu_startup_s: float = field(default=0.0, metadata=_doc(
+        "seconds after a client connects during which service_cpu_startup_budget applies "
+        "instead of service_cpu_budget (its first regions come sooner; what it spends "
+        "still counts in the window after)", min=0.0, max=3600.0))
+    service_cpu_startup_budget: float = field(default=1.0, metadata=_doc(
+        "the budget (fraction of the client's CPU) during service_cpu_startup_s (0: "
+        "no limit)", min=0.0, max=100.0))
+    job_backoff_max_s: float = field(default=30.0, metadata=_doc(
+        "longest wait between two region jobs of a client whose jobs keep finding "
+        "nothing new: the wait doubles from snapshot_interval_s after each such job; a "
+        "snapshot whose hot addresses were all (at half the threshold) hot at the last "
+        "job runs no job at all", min=0.0, max=86400.0))
     max_workers: int = field(default=0, metadata=_doc(
         "worker processes (0 = from CPU count and load)", min=0, max=256))
     worker_nice: int = field(default=19, metadata=_doc(
@@ -143,7 +174,7 @@ class Config:
         "slower and when the operator unpatches it; false: they finish there"))
     patch_variant: str = field(default="int3", metadata=_doc(
         "int3 | self-branch | single: the agent's cross-modifying-code protocol "
-        "(DESIGN.md invariant 5); single is opt-in only", choices=PATCH_VARIANTS))
+        "(docs/architecture.md, invariant 5); single is opt-in only", choices=PATCH_VARIANTS))
     speed_check: bool = field(default=True, metadata=_doc(
         "measure whether newly installed regions make the program faster: their patches "
         "are taken out and put back in alternated phases while the program's I/O bytes "
@@ -194,7 +225,8 @@ class Config:
 
     # --------------------------------------------------------------- derived
     def effective_runtime_dir(self, env: Mapping[str, str] | None = None) -> Path:
-        """The runtime directory this configuration means (see DESIGN.md)."""
+        """The runtime directory this configuration means (docs/architecture.md, "Interfaces
+        users rely on": ``DBR_RUNTIME_DIR``)."""
         return resolve_runtime_dir(self.runtime_dir, env)
 
     def effective_allowed_uids(self) -> frozenset[int]:
@@ -224,6 +256,10 @@ AGGRESSIVE: dict[str, Any] = {
     "min_region_size": 5,
     "jumps_from_hot_limit": 6,
     "worker_nice": 0,
+    "service_cpu_startup_s": 10.0,
+    "service_cpu_startup_budget": 0.0,
+    "service_cpu_budget": 0.10,
+    "job_backoff_max_s": 1.0,
 }
 """The ``--aggressive`` preset: hot code is found (and later patched) within a second."""
 

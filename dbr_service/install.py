@@ -1,7 +1,7 @@
 """Installing generated replacement code into one client, and taking it out again.
 
-This is the process-plumbing half of "Replacement code" (DESIGN.md, One cycle
-steps 6-8); ``codegen/`` is the pure half.  Per client:
+This is the process-plumbing half of "Replacement code" (docs/architecture.md, "One
+cycle" 6-8); ``codegen/`` is the pure half.  Per client:
 
 * :class:`CodeSpace` hands out space in code buffers that lie within +-2 GiB of
   the module a region patches (invariant 4), asks the agent for a new buffer
@@ -20,6 +20,32 @@ steps 6-8); ``codegen/`` is the pure half.  Per client:
   invalidates and reclaims.  The unwind information stays while the code does:
   threads may return into code long after its region was unpatched, so it is
   withdrawn (FRAMES_DEL) only when the censuses free the chunk.
+* Entry sites (docs/architecture.md, "Invariants" 3, region/patchpoints.py): a site
+  whose first instruction is shorter than 5 bytes is sent only when region
+  selection named it an entry site, the bytes there still decode to the inner
+  boundaries it named, the agent takes such sites (HELLO_ENTRY_SITES), and no code
+  that may still run (live regions, removed ones whose code is not reclaimed) exits
+  into its bytes 1..4; and a region whose exits lead into an installed entry site's
+  bytes 1..4 is not installed.  The agent answers E_INSIDE while a thread is inside
+  one: threads are moved in (TRANSFER) and the site is tried again, then at each
+  later :meth:`Installer.transfer`.
+* Calls into live copies (codegen/calls.py): a region whose real calls go straight to
+  another region's copy (``calls_into``) depends on that copy.  Its chunk *uses* the
+  copy's chunk, which is not reused while the user's chunk is allocated (live or
+  quarantined: a thread may return into the user's code and call the copy again);
+  its REGION names the copy's dependencies as its own, so the agent's map-change
+  hooks take it out with the copy.  Whatever removes a region (map change,
+  evaluation, speed check, operator, a refused resume) removes the live regions
+  calling its copy first, so that the verdict takes effect; they are queued in
+  :attr:`Installer.cascaded`, which :meth:`Installer.on_map_changed` and
+  ``optimize.Evaluator.apply`` drain into what they return and the session drains
+  after its own removals (:meth:`Installer.pop_cascaded`).  Suspending a region (a
+  speed check) suspends the regions calling its copy too, and resuming it resumes
+  them: the original code runs in the check's ORIGINAL phases, whoever calls it.
+* Removed code still running: a census that finds a thread's PC in a removed
+  region's quarantined code moves it back to original code (EVICT, with the region
+  announced again for the request: the agent forgets a region once it is removed),
+  unless the region went for a map change (its original code may be gone).
 
 Nothing here runs while the installer is not called: the service drives it.
 """
@@ -29,10 +55,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from dbr_service import protocol as P
-from dbr_service.agentconn import AgentConnection, CodeBufferHandle, make_site, result_name
+from dbr_service.agentconn import (AgentConnection, CodeBufferHandle, make_site, result_name,
+                                   site_inner)
 from dbr_service.codegen.frames import records_len
 from dbr_service.errors import AgentError, CodegenError
 
@@ -76,6 +103,10 @@ class Chunk:
     #: Unwind information the agent has for code in the chunk: (region id, address,
     #: length) of each blob FRAMES_ADD named, withdrawn when the chunk is freed.
     frames: list[tuple[int, int, int]] = field(default_factory=list)
+    #: Chunks whose code this chunk's code calls (CodeSpace.link), and how many
+    #: allocated chunks call into this one: it is not freed while any does.
+    uses: list[Chunk] = field(default_factory=list, compare=False, repr=False)
+    users: int = field(default=0, compare=False)
 
 
 @dataclass
@@ -105,6 +136,20 @@ class InstalledRegion:
     cfi_refused: str | None = None
     #: Unwind information blobs named to the agent (FRAMES_ADD).
     frames: int = 0
+    #: Entry sites among ``sites``: site -> its inner instruction boundaries.
+    entry_sites: dict[int, list[int]] = field(default_factory=dict)
+    #: Sites not sent to the agent, and why (an entry site refused here).
+    refused_sites: dict[int, str] = field(default_factory=dict)
+    #: Original-code ranges named to the agent with REGION (what the code depends on).
+    depends: list[tuple[int, int]] = field(default_factory=list)
+    #: Regions whose copies its real calls go to (by region id).
+    calls_into: list[int] = field(default_factory=list)
+    #: Suspended along with this region id (it calls its copy), resumed with it.
+    suspended_for: int | None = None
+    #: Removed because the original code it copies or exits into changed (no EVICT).
+    original_changed: bool = False
+    #: The agent refused an EVICT out of its removed code: not asked again.
+    evict_refused: bool = False
 
     @property
     def patched_sites(self) -> list[P.PatchSite]:
@@ -143,7 +188,8 @@ class _Quarantined:
         """What `dbr ctl regions` shows of a removed region whose code is still kept."""
         return {"stack_refs": self.stack_refs, "threads_inside": self.pcs,
                 "threads_unknown": self.unknown, "clean_censuses": self.clean_censuses,
-                "censuses": self.censuses, "quarantined_s": round(max(0.0, now - self.since), 3)}
+                "censuses": self.censuses, "quarantined_s": round(max(0.0, now - self.since), 3),
+                "callers": self.chunk.users}
 
 
 class CodeSpace:
@@ -197,14 +243,25 @@ class CodeSpace:
         """Code no longer entered: quarantine it until censuses prove nobody is inside."""
         self.quarantine.append(_Quarantined(chunk, self.clock()))
 
+    @staticmethod
+    def link(user: Chunk, used: Chunk) -> None:
+        """``user``'s code calls into ``used``'s: ``used`` is not freed while ``user`` is
+        allocated (installed or quarantined); freeing ``user`` lets it go.  Links are
+        made only to code already installed, so they form no cycle."""
+        if used is not user and not any(u is used for u in user.uses):
+            user.uses.append(used)
+            used.users += 1
+
     def census_ranges(self) -> list[tuple[int, int]]:
         """The ranges the next census asks about: the quarantined chunks, ascending,
-        adjacent ones joined.  Beyond MAX_CENSUS_RANGES the smallest gaps between them
-        are closed: a word in a covering range holds every chunk in it (live code or
-        anything else in the gaps included: conservative, and least so this way)."""
+        one range each (overlapping ones joined).  Adjacent chunks stay apart: a word in
+        a range holds every chunk in it, and a thread parked in the newest copy of a
+        region must not hold the older copies laid out right before it.  Beyond
+        MAX_CENSUS_RANGES the smallest gaps between them are closed (conservative, and
+        least so this way)."""
         spans: list[tuple[int, int]] = []
         for lo, hi in sorted((q.chunk.addr, q.chunk.addr + q.chunk.size) for q in self.quarantine):
-            if spans and lo <= spans[-1][1]:
+            if spans and lo < spans[-1][1]:
                 spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
             else:
                 spans.append((lo, hi))
@@ -227,7 +284,8 @@ class CodeSpace:
         A chunk is held while any thread's PC is inside it, any words of threads'
         stacks or registers are (the census's range totals), or any thread's
         whereabouts are unknown (NO_REPLY, UNKNOWN: every chunk), and when the census
-        did not ask about it.  ``census`` is what AgentConnection.census returns (a
+        did not ask about it; and, even once clean, while a chunk that calls into it
+        (:meth:`link`) is allocated.  ``census`` is what AgentConnection.census returns (a
         CensusResult); a plain list of entries (recorded by hand) has no range totals:
         an entry with refs holds the chunk of its first_ref, and every chunk if it has
         more than one."""
@@ -238,7 +296,7 @@ class CodeSpace:
         failed = getattr(census, "result", P.Result.OK) != P.Result.OK
         unknown = sum(1 for e in census if e.state in (P.CENSUS_NO_REPLY, P.CENSUS_UNKNOWN))
         scattered = ranges is None and any(e.refs > 1 for e in census)
-        keep = []
+        clean = []
         for q in self.quarantine:
             lo, hi = q.chunk.addr, q.chunk.addr + q.chunk.size
             q.pcs = sum(1 for e in census if e.state in (P.CENSUS_OK, P.CENSUS_UNKNOWN)
@@ -255,14 +313,27 @@ class CodeSpace:
             held = failed or unknown or scattered or q.uncovered or q.pcs or q.stack_refs
             q.clean_censuses = 0 if held else q.clean_censuses + 1
             if q.clean_censuses >= 2 and now - q.since >= self.quarantine_s:
-                self._frames_del(q.chunk)
-                q.chunk.buffer.write(q.chunk.addr, b"\xcc" * q.chunk.size)  # int3 fill
-                self.free.append(q.chunk)
+                clean.append(q)
+        # a chunk that code still allocated calls into waits for that code to go; callers
+        # go first, which may let the chunks they call go in the same round
+        progress = True
+        while progress:
+            progress = False
+            for q in [q for q in clean if q.chunk.users == 0]:
+                clean.remove(q)
+                self._free(q.chunk)
+                self.quarantine = [x for x in self.quarantine if x is not q]
                 freed += 1
-            else:
-                keep.append(q)
-        self.quarantine = keep
+                progress = True
         return freed
+
+    def _free(self, chunk: Chunk) -> None:
+        self._frames_del(chunk)
+        chunk.buffer.write(chunk.addr, b"\xcc" * chunk.size)  # int3 fill
+        for u in chunk.uses:
+            u.users -= 1
+        chunk.uses = []
+        self.free.append(chunk)
 
     def _frames_del(self, chunk: Chunk) -> None:
         """Withdraw the chunk's unwind information before its bytes go (nothing runs
@@ -307,6 +378,11 @@ class Installer:
         #: evict=True) move threads out of the region's code into original code.
         self.evict_enabled = evict
         self.threads_evicted = 0
+        #: Threads moved out of removed regions' code found running there by a census.
+        self.threads_evicted_removed = 0
+        #: Regions removed because a region whose copy they call was removed, not yet
+        #: handed to the caller (pop_cascaded).
+        self.cascaded: list[InstalledRegion] = []
         self.read_original = read_original
         self.variant = variant
         self.space = space or CodeSpace(conn)
@@ -344,22 +420,43 @@ class Installer:
     def install(self, chunk: Chunk, gen: Generated, *, name: str = "",
                 exit_ranges: Sequence[tuple[int, int]] = (), module: str | None = None,
                 orig_ranges: Sequence[tuple[int, int]] = (), frames: Sequence[Any] = (),
-                cfi_refused: str | None = None) -> InstalledRegion:
+                cfi_refused: str | None = None,
+                entry_sites: Mapping[int, Sequence[int]] | None = None,
+                calls_into: Sequence[InstalledRegion] = ()) -> InstalledRegion:
         """Write ``gen`` (emitted for ``chunk.addr``) and patch its entry sites.
 
         ``exit_ranges`` tells the agent which original code the region depends on
         (copied blocks and exit targets; default: the exit targets).  ``frames``: the
         unwind information blobs (codegen.cfi.CfiBlob, placed in the chunk after the
         code), written and named to the agent before any site is patched.
-        ``cfi_refused``: why the region was emitted without its real calls."""
+        ``cfi_refused``: why the region was emitted without its real calls.
+        ``entry_sites``: site -> inner boundaries of the entry sites region selection
+        chose (``sr.info["entry_sites"]``; default ``gen.entry_sites`` if any).
+        ``calls_into``: the live regions whose copies ``gen``'s real calls go to
+        (``gen.call_copies``): their chunks are linked to ``chunk`` before its code is
+        written, and their dependencies become the region's."""
         if gen.base != chunk.addr or len(gen.code) > chunk.size:
             self.space.release(chunk)
             raise CodegenError(f"code for {gen.base:#x} ({len(gen.code)} bytes) does not fit "
                                f"chunk {chunk.addr:#x}+{chunk.size}")
+        into = self._exits_into_entry_sites(gen)
+        if into:
+            self.space.release(chunk)
+            raise CodegenError(f"region exits into the bytes of installed entry site "
+                               f"{into:#x}")
+        copies = getattr(gen, "call_copies", {}).values()
+        stray = [a for a in copies if not any(c.state is InstallState.INSTALLED and
+                                              c.contains_code(a) for c in calls_into)]
+        if stray:
+            self.space.release(chunk)
+            raise CodegenError(f"real call into {stray[0]:#x}: no live region's code")
+        for c in calls_into:
+            self.space.link(chunk, c.chunk)
         region_id = self._next_id
         self._next_id += 1
         reg = InstalledRegion(region_id, name or f"r{region_id}", chunk, gen, module=module,
-                              orig_ranges=list(orig_ranges), cfi_refused=cfi_refused)
+                              orig_ranges=list(orig_ranges), cfi_refused=cfi_refused,
+                              calls_into=[c.region_id for c in calls_into])
         self.cfi_refused += cfi_refused is not None
         for b in frames:
             if not chunk.addr + len(gen.code) <= b.at and b.at + len(b.data) <= \
@@ -370,9 +467,11 @@ class Installer:
         for b in frames:
             chunk.buffer.write(b.at, b.data)
         lo, hi = reg.code_range()
-        exits = _merge_ranges(list(exit_ranges) or [(t, t + 1) for _, t in gen.exits])
+        exits = _merge_ranges((list(exit_ranges) or [(t, t + 1) for _, t in gen.exits]) +
+                              [d for c in calls_into for d in c.depends])
         if len(exits) > P.MAX_EXITS:
             exits = [(min(a for a, _ in exits), max(b for _, b in exits))]
+        reg.depends = exits
         try:
             rc = self.conn.region(region_id, lo, hi, exits)
             if rc != P.Result.OK:
@@ -385,9 +484,8 @@ class Installer:
                                      f"{result_name(rc)}")
                 chunk.frames.append((region_id, b.register_at, n))
                 reg.frames += 1
-            reg.sites = [make_site(site, target, self.read_original(site, P.PATCH_LEN),
-                                   self.variant, region_id)
-                         for site, target in sorted(gen.entries.items())]
+            reg.sites = self._make_sites(reg, gen, entry_sites if entry_sites is not None
+                                         else getattr(gen, "entry_sites", None) or {})
             results = self.conn.patch(reg.sites) if reg.sites else []
         except (AgentError, OSError):
             # The client refused or went away mid-install: nothing of this region is
@@ -397,8 +495,12 @@ class Installer:
             raise
         self.regions[region_id] = reg
         reg.results = {s.site: r for s, r in zip(reg.sites, results)}
+        inside = any(r == P.Result.E_INSIDE for r in results)
+        moved = self.transfer(reg) if ok_or_none(results) or inside else 0
+        if inside:
+            self._patch_again(reg, self.INSIDE_TRIES)
+            results = [reg.results[s.site] for s in reg.sites]
         ok = sum(1 for r in results if r == P.Result.OK)
-        moved = self.transfer(reg) if ok or not reg.sites else 0
         if ok == 0 and moved == 0:
             reg.state = InstallState.FAILED
             self._retire(reg, "agent refused every site: " +
@@ -418,19 +520,122 @@ class Installer:
         """TRANSFER: threads stopped in ``reg``'s original code at a point of its
         transfer map continue in its replacement code.  Returns threads moved; a
         refusal or a lost reply moves nobody and is only reported (the patches, if
-        any, bring threads in anyway)."""
+        any, bring threads in anyway).  An installed region's entry sites the agent
+        found a thread inside (E_INSIDE) are then tried again; each one patched now
+        counts in the result too."""
         points = sorted(getattr(reg.gen, "transfers", {}).items())
-        if not self.transfer_enabled or not points or \
-                reg.state not in (InstallState.WRITTEN, InstallState.INSTALLED):
-            return 0
         moved = 0
-        for res in self._batches(self.conn.transfer, reg, points, timeout_ms, "transfer-failed"):
-            if res is None:
+        if self.transfer_enabled and points and \
+                reg.state in (InstallState.WRITTEN, InstallState.INSTALLED):
+            for res in self._batches(self.conn.transfer, reg, points, timeout_ms,
+                                     "transfer-failed"):
+                if res is None:
+                    break
+                moved += res.moved
+            reg.transferred += moved
+            self.threads_transferred += moved
+        late = self._patch_again(reg) if reg.state is InstallState.INSTALLED else 0
+        if late:
+            self._refresh_live()
+            self.patches_installed += late
+            self.on_event("patch-installed", {"region": reg.name, "sites": late})
+        return moved + late
+
+    # ---- entry sites -------------------------------------------------------
+    def _make_sites(self, reg: InstalledRegion, gen: Generated,
+                    entry_sites: Mapping[int, Sequence[int]]) -> list[P.PatchSite]:
+        """The PATCH records of ``gen``'s entries: a site of one >= 5-byte instruction
+        as always; an entry site only as the module docstring says (else refused
+        here, in ``reg.refused_sites``)."""
+        out = []
+        takes = bool(getattr(self.conn.hello, "flags", 0) & P.HELLO_ENTRY_SITES)
+        for site, target in sorted(gen.entries.items()):
+            code = self.read_original(site, 32)
+            inner = decode_inner(code, site)
+            if inner is None:
+                reg.refused_sites[site] = "its instructions do not decode"
+            elif not inner:
+                out.append(make_site(site, target, code[:P.PATCH_LEN], self.variant,
+                                     reg.region_id))
+                continue
+            elif sorted(entry_sites.get(site, ())) != inner:
+                reg.refused_sites[site] = "first instruction shorter than 5 bytes, not a " \
+                                          "chosen entry site"
+            elif not takes:
+                reg.refused_sites[site] = "the agent does not take entry sites"
+            elif self._runs_into(site, reg):
+                reg.refused_sites[site] = "code that may still run exits into its bytes"
+            else:
+                out.append(make_site(site, target, code[:P.PATCH_LEN], P.Variant.INT3,
+                                     reg.region_id, inner=inner))
+                reg.entry_sites[site] = inner
+                continue
+            self.on_event("entry-site-refused", {"region": reg.name, "site": site,
+                                                 "why": reg.refused_sites[site]})
+        return out
+
+    def _runnable(self) -> list[InstalledRegion]:
+        """Regions whose code may still run: live or suspended, or removed with their
+        code not yet reclaimed."""
+        return [r for r in list(self.regions.values())
+                if r.state in HELD or self.space.retained(r.chunk) is not None]
+
+    def _runs_into(self, site: int, reg: InstalledRegion) -> bool:
+        """Whether code that may still run, ``reg``'s included, exits into bytes 1..4 of
+        ``site``.  Eviction points there do not count: EVICT drops every point inside an
+        installed entry site (evict, evict_removed) and the agent refuses one; a thread
+        at such a point stays in the copy until it leaves by an exit.  (A region whose
+        entry site is a function's first instructions always has such points: the copies
+        of those instructions.)"""
+        inside = range(site + 1, site + P.PATCH_LEN)
+        return any(t in inside for r in [*self._runnable(), reg] for _, t in r.gen.exits)
+
+    def _installed_entry_sites(self) -> list[tuple[int, list[int]]]:
+        return [(s.site, site_inner(s)) for r in list(self.regions.values()) if r.state in HELD
+                for s in r.patched_sites + r.suspended_sites if s.flags & P.SITE_F_ENTRY]
+
+    def _inside_entry_site(self, addr: int) -> bool:
+        """Whether ``addr`` lies in bytes 1..4 of an installed (or suspended) entry site."""
+        return any(site < addr < site + P.PATCH_LEN for site, _ in self._installed_entry_sites())
+
+    def _exits_into_entry_sites(self, gen: Generated) -> int | None:
+        """An installed entry site whose bytes 1..4 ``gen`` exits into, or None."""
+        for site, _ in self._installed_entry_sites():
+            if any(site < t < site + P.PATCH_LEN for _, t in gen.exits):
+                return site
+        return None
+
+    #: PATCH rounds for entry sites the agent found a thread inside, each after a
+    #: TRANSFER (by install; transfer() itself tries once).
+    INSIDE_TRIES = 3
+
+    def _patch_again(self, reg: InstalledRegion, tries: int = 1) -> int:
+        """PATCH ``reg``'s entry sites the agent last answered E_INSIDE, up to ``tries``
+        rounds (each after the first after a TRANSFER); returns how many it patched
+        now.  A refusal is only reported."""
+        patched = 0
+        for k in range(tries):
+            again = [s for s in reg.sites if reg.results.get(s.site) == P.Result.E_INSIDE]
+            if not again:
                 break
-            moved += res.moved
-        reg.transferred += moved
-        self.threads_transferred += moved
-        return moved
+            if k and self.transfer_enabled:
+                pts = sorted(getattr(reg.gen, "transfers", {}).items())
+                if pts:
+                    for res in self._batches(self.conn.transfer, reg, pts, 100,
+                                             "transfer-failed"):
+                        if res is None:
+                            break
+                        reg.transferred += res.moved
+                        self.threads_transferred += res.moved
+            try:
+                results = self.conn.patch(again)
+            except (AgentError, OSError) as exc:
+                self.on_event("patch-failed", {"region": reg.name, "why": str(exc)})
+                break
+            for s, r in zip(again, results):
+                reg.results[s.site] = r
+                patched += r == P.Result.OK
+        return patched
 
     def _batches(self, send, reg: InstalledRegion, points: list[tuple[int, int]],
                  timeout_ms: int, failed: str):
@@ -462,7 +667,9 @@ class Installer:
         round).  Threads asleep in a system call are not signalled and stay; they
         leave by the region's exits as always.  A refusal or a lost reply moves
         nobody and is only reported: the region's code stays correct to run."""
-        points = sorted(getattr(reg.gen, "evictions", {}).items())
+        # never into bytes 1..4 of an installed entry site (the agent refuses those)
+        points = sorted((r, o) for r, o in getattr(reg.gen, "evictions", {}).items()
+                        if not self._inside_entry_site(o))
         if not self.evict_enabled or not points or reg.state not in HELD:
             return 0, 0
         moved = left = 0
@@ -491,6 +698,11 @@ class Installer:
         reg = self.regions[region_id]
         if reg.state is not InstallState.INSTALLED:
             raise AgentError(f"region {reg.name} is {reg.state.value}, not installed")
+        # regions calling its copy would run it on: they pause with it
+        for c in self.linkers(reg):
+            if c.state is InstallState.INSTALLED:
+                self.suspend(c.region_id)
+                c.suspended_for = reg.region_id
         sites = reg.patched_sites
         self._unpatch(reg, sites)
         reg.suspended_sites = sites
@@ -502,13 +714,21 @@ class Installer:
     def resume(self, region_id: int) -> InstalledRegion:
         """Patch a suspended region's sites again, and move threads in its original code
         into it (TRANSFER), as at its install.  If the agent refuses every site (the
-        original bytes changed meanwhile, say), the region is retired."""
+        original bytes changed meanwhile, say), the region is retired.  Regions suspended
+        with it (they call its copy) are resumed after it."""
         reg = self.regions[region_id]
         if reg.state is not InstallState.SUSPENDED:
             raise AgentError(f"region {reg.name} is {reg.state.value}, not suspended")
+        reg.suspended_for = None
         sites, reg.suspended_sites = reg.suspended_sites, []
+        # an entry site no longer safe (code installed meanwhile exits into it) stays off
+        sites = [s for s in sites if not (s.flags & P.SITE_F_ENTRY and
+                                          self._runs_into(s.site, reg))]
         results = self.conn.patch(sites) if sites else []
         reg.results.update({s.site: r for s, r in zip(sites, results)})
+        if any(r == P.Result.E_INSIDE for r in results):
+            self._patch_again(reg, self.INSIDE_TRIES)
+            results = [reg.results[s.site] for s in sites]
         if sites and not any(r == P.Result.OK for r in results):
             self._retire(reg, "agent refused every site on resume: " +
                          ", ".join(sorted({result_name(r) for r in results})))
@@ -516,6 +736,9 @@ class Installer:
         reg.state = InstallState.INSTALLED
         self._refresh_live()
         self.transfer(reg)
+        for c in self.linkers(reg):
+            if c.state is InstallState.SUSPENDED and c.suspended_for == reg.region_id:
+                self.resume(c.region_id)
         return reg
 
     def _unpatch(self, reg: InstalledRegion, sites: list[P.PatchSite]) -> int:
@@ -536,8 +759,12 @@ class Installer:
         """Restore every patched site of a region, then quarantine its code.  With
         ``evict``, threads inside its code are first moved back to original code (a
         region removed for being slower: a loop that never passes a site would
-        otherwise run it on)."""
+        otherwise run it on).  A region no longer held is left as it is.  The regions
+        calling its copy go first (:meth:`_cascade`)."""
         reg = self.regions[region_id]
+        if reg.state not in HELD:
+            return reg
+        self._cascade(reg, why, evict)
         if reg.state is InstallState.INSTALLED:
             self.patches_removed += self._unpatch(reg, reg.patched_sites)
             self.on_event("patch-removed", {"region": reg.name, "why": why})
@@ -546,7 +773,39 @@ class Installer:
         self._retire(reg, why)
         return reg
 
+    def linkers(self, reg: InstalledRegion) -> list[InstalledRegion]:
+        """Live or suspended regions whose real calls go to ``reg``'s copy."""
+        return [r for r in list(self.regions.values())
+                if r.state in HELD and reg.region_id in r.calls_into]
+
+    def _cascade(self, reg: InstalledRegion, why: str, evict: bool = False) -> None:
+        """Remove the regions calling ``reg``'s copy (recursively), queued in
+        ``cascaded``: whatever takes ``reg`` out must stop its copy running."""
+        for c in self.linkers(reg):
+            self.uninstall(c.region_id, f"calls the copy of {reg.name}, removed: {why}",
+                           evict=evict)
+            self.cascaded.append(c)
+
+    def pop_cascaded(self) -> list[InstalledRegion]:
+        """Regions removed by :meth:`_cascade` since the last call (their ``why_removed``
+        says why)."""
+        out, self.cascaded = self.cascaded, []
+        return out
+
+    def copy_entries(self) -> dict[int, tuple[int, InstalledRegion]]:
+        """Where real calls may enter live copies: each patched site of an installed
+        region -> (its replacement address, the region).  Only sites a call to the
+        original would pass through today: a refused or restored one is left out."""
+        out: dict[int, tuple[int, InstalledRegion]] = {}
+        for r in list(self.regions.values()):
+            if r.state is InstallState.INSTALLED:
+                for s in r.patched_sites:
+                    if s.site in r.gen.entries:
+                        out.setdefault(s.site, (r.gen.entries[s.site], r))
+        return out
+
     def _retire(self, reg: InstalledRegion, why: str) -> None:
+        self._cascade(reg, why)
         reg.suspended_sites = []
         if reg.state is not InstallState.FAILED:
             reg.state = InstallState.REMOVED
@@ -565,10 +824,16 @@ class Installer:
                 self.uninstall(rid, why)
 
     def affected_by(self, lo: int, hi: int) -> list[InstalledRegion]:
-        """Installed (or suspended) regions with a patch site or an exit target in
-        [lo, hi)."""
+        """Installed (or suspended) regions with a patch site, an exit target or copied
+        code in [lo, hi), then those calling their copies."""
+        out = self._touching(lo, hi)
+        for reg in out:                  # grows while it is walked: callers of callers
+            out += [c for c in self.linkers(reg) if all(c is not x for x in out)]
+        return out
+
+    def _touching(self, lo: int, hi: int) -> list[InstalledRegion]:
         out = []
-        for reg in self.regions.values():
+        for reg in list(self.regions.values()):
             if reg.state not in HELD:
                 continue
             if any(lo <= s.site < hi for s in reg.patched_sites + reg.suspended_sites) or \
@@ -578,19 +843,78 @@ class Installer:
         return out
 
     def on_map_changed(self, lo: int, hi: int) -> list[InstalledRegion]:
-        """Invalidate every region that patches, exits into or copies [lo, hi)."""
-        hit = self.affected_by(lo, hi)
+        """Invalidate every region that patches, exits into or copies [lo, hi), and the
+        regions calling their copies (all of them returned)."""
+        hit = self._touching(lo, hi)
+        for reg in hit:
+            reg.original_changed = True
+        before = len(self.cascaded)
         for reg in hit:
             self.uninstall(reg.region_id, f"map change {lo:#x}-{hi:#x}")
-        return hit
+        more, self.cascaded = self.cascaded[before:], self.cascaded[:before]
+        return hit + [r for r in more if all(r is not x for x in hit)]
 
     def reclaim(self, census_timeout_ms: int = 100) -> int:
         """One census of PCs and stacks for the quarantined code; returns how many
-        chunks became reusable."""
+        chunks became reusable.  Threads it found running in a removed region's code
+        are moved out (:meth:`evict_removed`), so that the space is freed at a later
+        census rather than when they happen to leave."""
         if not self.space.quarantine:
             return 0
         ranges = self.space.census_ranges()
-        return self.space.census_done(self.conn.census(census_timeout_ms, ranges=ranges))
+        freed = self.space.census_done(self.conn.census(census_timeout_ms, ranges=ranges))
+        for q in list(self.space.quarantine):
+            reg = next((r for r in list(self.regions.values()) if r.chunk is q.chunk), None)
+            if q.pcs and reg is not None:
+                self.evict_removed(reg)
+        return freed
+
+    def evict_removed(self, reg: InstalledRegion, timeout_ms: int = 100) -> int:
+        """EVICT threads out of the code of a removed region (threads that returned into
+        it, or never passed an exit).  The agent moves threads only for a region it
+        knows: the region is announced again (REGION, its code range and dependencies)
+        for the request and forgotten after it.  Not for a region removed for a map
+        change (its original code may be gone: its threads leave by its exits as they
+        would have), nor without EVICT, nor once the agent refused it.  Returns threads
+        moved; a refusal is only reported."""
+        points = sorted((r, o) for r, o in getattr(reg.gen, "evictions", {}).items()
+                        if not self._inside_entry_site(o))
+        if not self.evict_enabled or not points or reg.state is not InstallState.REMOVED \
+                or reg.original_changed or reg.evict_refused:
+            return 0
+        lo, hi = reg.code_range()
+        try:
+            rc = self.conn.region(reg.region_id, lo, hi, reg.depends)
+        except (AgentError, OSError) as exc:
+            rc = None
+            self.on_event("evict-failed", {"region": reg.name, "why": str(exc)})
+        if rc != P.Result.OK:
+            reg.evict_refused = True
+            return 0
+        moved = 0
+        try:
+            for _ in range(self.EVICT_TRIES):
+                left, refused = 0, False
+                for res in self._batches(self.conn.evict, reg, points, timeout_ms,
+                                         "evict-failed"):
+                    if res is None:
+                        refused = reg.evict_refused = True
+                        break
+                    moved += res.moved
+                    left = res.left + res.no_reply
+                if refused or left == 0:
+                    break
+        finally:
+            try:
+                self.conn.region_forget(reg.region_id)
+            except AgentError:
+                pass
+        reg.evicted += moved
+        self.threads_evicted += moved
+        self.threads_evicted_removed += moved
+        if moved:
+            self.on_event("evicted-from-removed", {"region": reg.name, "threads": moved})
+        return moved
 
     def retained(self) -> dict[int, dict[str, Any]]:
         """Removed regions whose code is still kept (quarantined), by region id: what
@@ -621,6 +945,35 @@ class Installer:
                 for lo, hi, orig in reg.gen.addr_map:
                     lines.append(f"{lo:x} {hi - lo:x} dbr:{reg.name}@{orig:#x}")
         return lines
+
+
+def ok_or_none(results: Sequence[int]) -> bool:
+    """Some site patched, or none asked for."""
+    return not results or any(r == P.Result.OK for r in results)
+
+
+_CS: Any = None
+
+
+def decode_inner(code: bytes, site: int) -> list[int] | None:
+    """The instruction boundaries strictly inside the first PATCH_LEN bytes of
+    ``code`` (at ``site``): [] when its first instruction is that long, None when
+    the instructions there do not decode that far."""
+    global _CS
+    if _CS is None:
+        import capstone
+        _CS = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    inner: list[int] = []
+    end = site
+    for insn in _CS.disasm(code, site):
+        if insn.address >= site + P.PATCH_LEN:
+            break
+        if insn.address > site:
+            inner.append(insn.address)
+        end = insn.address + insn.size
+        if end >= site + P.PATCH_LEN:
+            return inner
+    return inner if end >= site + P.PATCH_LEN else None
 
 
 def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -1,18 +1,24 @@
-"""From selected super-regions to live replacement code, and back (DESIGN "One cycle",
-steps 5-7): emit each region where the code space has room, install it, and later
+"""From selected super-regions to live replacement code, and back (docs/architecture.md,
+"One cycle" 5-7): emit each region where the code space has room, install it, and later
 judge from fresh samples whether it stays.
 
 Region selection runs in a worker; this runs where the agent session lives (the
 service's control side), because the code buffer and the session belong there.
 Emission is cheap next to selection, so a region is emitted once to learn its size
 and once more at the address it gets.
+
+Real calls whose callee is the entry of a live region (a patched site at the callee's
+first byte) are emitted as calls to that region's copy when it is in rel32 reach
+(codegen/calls.py, "Calls to live copies"); the installer then ties the two regions
+(install.py: reclamation, removal and suspension follow the callee).  A batch of
+regions is installed callees first, so that its callers find their copies live.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from dbr_service.codegen.cfi import CfiBlob, CfiError
 from dbr_service.codegen.emit import GeneratedCode, check_generated, emit_region, far_exit_bound
@@ -42,14 +48,16 @@ def provisional_base(sr: SuperRegion) -> int:
     return (min(points) // PROVISIONAL_ALIGN) * PROVISIONAL_ALIGN
 
 
-def emit_with_frames(installer: Installer, sr: SuperRegion, base: int
+def emit_with_frames(installer: Installer, sr: SuperRegion, base: int,
+                     call_target: Callable[[int], int | None] | None = None
                      ) -> tuple[GeneratedCode, list[CfiBlob], str | None]:
     """Emit ``sr`` at ``base`` and, when it makes real calls, the unwind information
     for its code (codegen/frames.py), placed after the code.  A region whose CFI
     cannot be made (a copied function without an FDE, CFI that does not translate, an
     agent that takes no FRAMES_ADD, a client without a CFI source) is emitted again
-    without real calls: (code, blobs, why real calls were given up, or None)."""
-    gen = emit_region(sr, base)
+    without real calls: (code, blobs, why real calls were given up, or None).
+    ``call_target``: see :func:`~dbr_service.codegen.emit.emit_region`."""
+    gen = emit_region(sr, base, call_target=call_target)
     if not gen.calls:
         return gen, [], None
     try:
@@ -129,10 +137,12 @@ def install_region(installer: Installer, sr: SuperRegion) -> InstalledRegion:
     if installer.transfer_enabled or sr.transfer_only:
         check_original(installer, sr)
     ranges, _ = region_extent(sr)
-    size, reach = placement(installer, sr)
+    size, reach = placement(installer, sr)    # a call to a copy is as long as any call
     chunk = installer.reserve(size, reach)
+    copies = installer.copy_entries()
     try:
-        gen, blobs, cfi_refused = emit_with_frames(installer, sr, chunk.addr)
+        gen, blobs, cfi_refused = emit_with_frames(
+            installer, sr, chunk.addr, call_target=lambda t: copies.get(t, (None,))[0])
         check_generated(gen)
     except DbrError:
         installer.space.release(chunk)
@@ -144,9 +154,13 @@ def install_region(installer: Installer, sr: SuperRegion) -> InstalledRegion:
                            f"{chunk.size} reserved")
     modules = [bb.module for _, bb in sr.blocks() if bb.module]
     depends = ranges + [(t, t + 1) for _, t in gen.exits]
+    called = {c.region_id: c for a in gen.call_copies.values() for _, c in copies.values()
+              if c.contains_code(a)}
     reg = installer.install(chunk, gen, name=sr.id, exit_ranges=depends,
                             module=modules[0] if modules else None, orig_ranges=ranges,
-                            frames=blobs, cfi_refused=cfi_refused)
+                            frames=blobs, cfi_refused=cfi_refused,
+                            entry_sites=sr.info.get("entry_sites"),
+                            calls_into=list(called.values()))
     sr.state = RegionState.INSTALLED if reg.state is InstallState.INSTALLED else sr.state
     return reg
 
@@ -166,7 +180,7 @@ def install_regions(installer: Installer, regions: Iterable[SuperRegion],
     out = InstallOutcome()
     taken = {s.site for r in already if r.state is InstallState.INSTALLED
              for s in r.patched_sites}
-    for sr in regions:
+    for sr in callees_first(regions):
         entries = set(sr.entry_points())
         if entries & taken:
             out.failed.append((sr.id, "entry already patched by an installed region"))
@@ -182,6 +196,39 @@ def install_regions(installer: Installer, regions: Iterable[SuperRegion],
         else:
             out.failed.append((sr.id, reg.why_removed))
     return out
+
+
+def real_call_targets(sr: SuperRegion) -> set[int]:
+    """Original callees of the region's real calls (direct and promoted)."""
+    out: set[int] = set()
+    for s in sr.info.get("inline", {}).get("sites", {}).values():
+        if s.get("decision") == "call" and s.get("callee") is not None:
+            out.add(s["callee"])
+        elif s.get("decision") == "promoted":
+            out.update(s.get("targets", ()))
+    return out
+
+
+def callees_first(regions: Iterable[SuperRegion]) -> list[SuperRegion]:
+    """``regions`` reordered so that a region whose entry another one calls for real
+    comes before it (in the given order otherwise; a cycle is cut anywhere)."""
+    srs = list(regions)
+    entries = [set(sr.entry_points()) for sr in srs]
+    calls = [real_call_targets(sr) for sr in srs]
+    order: list[int] = []
+    seen: set[int] = set()
+
+    def visit(i: int) -> None:
+        seen.add(i)
+        for j in range(len(srs)):
+            if j not in seen and calls[i] & entries[j]:
+                visit(j)
+        order.append(i)
+
+    for i in range(len(srs)):
+        if i not in seen:
+            visit(i)
+    return [srs[i] for i in order]
 
 
 # ---- evaluation -------------------------------------------------------------------------
@@ -208,8 +255,12 @@ class EvalPolicy:
 
     #: Seconds after installation before a region may be judged.
     grace_s: float = 0.5
-    #: Consecutive snapshots with fewer samples than ``cold_samples`` make it cold.
-    cold_snapshots: int = 5
+    #: A region that has had fewer than ``cold_samples`` samples per snapshot for
+    #: ``cold_s`` seconds is cold and taken out.  Minutes, not a few snapshots: a
+    #: program that alternates phases keeps the code of each (an idle region costs
+    #: nothing; taking it out and selecting it again costs the service a job and the
+    #: client two patch rounds).
+    cold_s: float = 60.0
     cold_samples: int = 1
     #: Judged not effective when its original code keeps more than this share of its
     #: samples over at least ``min_samples`` samples.  A region whose hot loop keeps
@@ -227,7 +278,8 @@ class EvalPolicy:
 
 @dataclass
 class _Track:
-    cold_run: int = 0
+    #: When it last had ``cold_samples`` in a snapshot (None: not since installed).
+    warm_at: float | None = None
     in_replacement: int = 0
     in_original: int = 0
     restarts: int = 0
@@ -242,8 +294,9 @@ class Evaluator:
         self.policy = policy or EvalPolicy()
         self.tracks: dict[int, _Track] = {}
 
-    def snapshot(self, samples: Mapping[int, int]) -> list[Health]:
+    def snapshot(self, samples: Mapping[int, int], now: float | None = None) -> list[Health]:
         """Attribute one snapshot's raw sample IPs ({ip: count}) to installed regions."""
+        now = time.monotonic() if now is None else now
         live = [r for r in self.installer.regions.values() if r.state is InstallState.INSTALLED]
         health = {r.region_id: Health(r) for r in live}
         for ip, n in samples.items():
@@ -258,7 +311,8 @@ class Evaluator:
             t = self.tracks.setdefault(h.region.region_id, _Track())
             t.in_replacement += h.in_replacement
             t.in_original += h.in_original
-            t.cold_run = t.cold_run + 1 if h.total < self.policy.cold_samples else 0
+            if h.total >= self.policy.cold_samples:
+                t.warm_at = now
         return list(health.values())
 
     def restart(self, region_id: int) -> bool:
@@ -282,7 +336,7 @@ class Evaluator:
             if now - reg.installed_at < self.policy.grace_s:
                 continue
             total = t.in_replacement + t.in_original
-            if t.cold_run >= self.policy.cold_snapshots:
+            if now - max(reg.installed_at, t.warm_at or 0.0) >= self.policy.cold_s:
                 out.append((reg, "cold"))
             elif total >= self.policy.min_samples and \
                     t.in_original / total > self.policy.ineffective_share:
@@ -290,12 +344,20 @@ class Evaluator:
         return out
 
     def apply(self, now: float | None = None) -> list[tuple[InstalledRegion, str]]:
-        """Uninstall every region the verdicts name; failures are recorded, not raised."""
+        """Uninstall every region the verdicts name; failures are recorded, not raised.
+        The regions removed with them (they called their copies) come too, with their
+        own reasons (taken from Installer.cascaded: whoever removes a region drains
+        what its removal took along)."""
         done = []
+        before = len(self.installer.cascaded)
         for reg, why in self.verdicts(now):
+            if reg.state is not InstallState.INSTALLED:
+                continue             # removed with a region whose copy it calls
             try:
                 self.installer.uninstall(reg.region_id, why)
                 done.append((reg, why))
             except AgentError as exc:
                 reg.why_removed = f"unpatch failed: {exc}"
-        return done
+        more = self.installer.cascaded[before:]
+        del self.installer.cascaded[before:]
+        return done + [(r, r.why_removed) for r in more]

@@ -6,14 +6,15 @@ take now (``max_workers`` or CPU count minus load), and submits :func:`optimize_
 to a process pool; results come back through a callback and are applied on the control
 thread.  The control thread never waits for a worker.
 
-The job, :func:`optimize_client`, is the one place the cycle's worker steps run
-(DESIGN.md "One cycle" 4-5): hot spots now, region selection when
-``dbr_service.region.pipeline`` exists, code generation in the next issue.
+The job, :func:`optimize_client`, is the one place the cycle's worker step runs
+(docs/architecture.md, "One cycle" 4): hot spots and region selection.  Code generation
+and installation run on the client's session thread (optimize.py, install.py).
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import errno
 import importlib
@@ -31,7 +32,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from dbr_service.clients import MapEntry, find_mapping, module_base
+from dbr_service.procmaps import MapEntry, find_mapping, module_base
 
 log = logging.getLogger("dbr.scheduler")
 
@@ -84,14 +85,31 @@ class ClientJob:
     config: dict[str, Any]
     #: Taken branches seen in the snapshot ``{src: {dst: count}}`` (sources with branch info).
     branches: dict[int, dict[int, int]] = field(default_factory=dict)
-    #: Byte ranges of installed patches: discovery stops at them (seed 001).
+    #: Byte ranges of installed patches: discovery stops at them (docs/architecture.md,
+    #: "Region selection").
     patched: list[tuple[int, int]] = field(default_factory=list)
+    #: Blocks discovery may make (None: no bound), so that the job fits what is left
+    #: of the client's CPU budget (CpuBudget.max_blocks).
+    max_blocks: int | None = None
     #: A quick job (:func:`quick_job`): selection takes QUICK_REACH, seeds only from
     #: IPs with QUICK_SEED_MIN samples (all of them when there are at most
     #: QUICK_ALL_SEEDS_MAX) and makes at most QUICK_MAX_BLOCKS blocks, so that the
     #: client's first region comes early.
     quick: bool = False
     submitted: float = field(default_factory=time.time)
+
+    def function_entries(self):
+        """In the worker: the client's known function entries (.eh_frame FDE starts and
+        symbols of its module files, region/functions.py), for entry sites."""
+        from dbr_service.clientfiles import ProcHandle
+        from dbr_service.codegen.frames import CfiSource
+        from dbr_service.region.functions import FunctionEntries
+
+        proc = ProcHandle(self.pid)       # the maps with device and inode: CfiSource
+        maps = [(m.lo, m.hi, m.path, m.dev, m.ino) for m in proc.maps() or []
+                if m.path.startswith("/")]  # reads only the very files the client maps
+        proc.close()
+        return FunctionEntries(module_at=CfiSource(lambda: maps).module_at)
 
     def memory_view(self):
         """In the worker: the live view region selection reads (region/memview.py);
@@ -108,7 +126,7 @@ class JobResult:
     session_id: int
     pid: int
     hotspots: list[dict[str, Any]]
-    #: Regions selected (dicts, see clients.RegionRecord), or None when not run.
+    #: Regions selected (dicts, see session_regions.RegionRecord), or None when not run.
     regions: list[dict[str, Any]] | None = None
     #: Why regions are missing: "not available yet", an error text, ...
     region_status: str = ""
@@ -117,17 +135,37 @@ class JobResult:
     #: The selected super-regions themselves (same order as ``regions``), for codegen
     #: and installation on the service side.
     srs: list[Any] | None = None
+    #: CPU seconds the job took (process time in a worker, thread time inline): what
+    #: the client's service CPU budget is charged.
+    cpu_s: float = 0.0
+    #: Instructions discovery took from the worker's per-module decode cache, and
+    #: those it decoded (region/discovery.py ModuleDecodeCache).
+    decode_cached: int = 0
+    decode_new: int = 0
+    #: Blocks hot-code discovery made (the job's size).
+    blocks: int = 0
 
 
 def optimize_client(job: ClientJob) -> JobResult:
-    """Worker: hot spots → region selection → (code generation, next issue).
+    """Worker: hot spots → region selection (code generation runs on the session thread).
 
     A failure in region selection is recorded in the result; it never raises, so one
     client's trouble cannot disturb the pool or the others.
     """
     from dbr_service.config import Config
 
+    from dbr_service.region.discovery import DECODE_CACHE
+
     t0 = time.monotonic()
+    # a worker runs one job at a time: its process's CPU since the end of its last job
+    # (this job's unpickling and the last result's pickling included) is this job's;
+    # inline, the job shares the service's process, so only its thread's time is
+    global _CPU_MARK
+    clock = time.process_time if _IN_WORKER else time.thread_time
+    c0 = clock()
+    start = _CPU_MARK if _IN_WORKER and _CPU_MARK is not None else c0
+    cached0, new0 = DECODE_CACHE.counts()
+    blocks0 = DECODE_CACHE.blocks
     cfg = Config(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in job.config.items()})
     if _IN_WORKER:
         set_thread_nice(cfg.worker_nice)
@@ -135,8 +173,14 @@ def optimize_client(job: ClientJob) -> JobResult:
     hotspots = find_hotspots(job.samples, job.maps, threshold=cfg.hot_threshold,
                              top=cfg.hotspots_kept)
     regions, status, srs = select_client_regions(job, cfg)
+    cached1, new1 = DECODE_CACHE.counts()
+    c1 = clock()
+    if _IN_WORKER:
+        _CPU_MARK = c1
     return JobResult(job.session_id, job.pid, hotspots, regions, status,
-                     time.monotonic() - t0, os.getpid(), srs=srs)
+                     time.monotonic() - t0, os.getpid(), srs=srs, cpu_s=c1 - start,
+                     decode_cached=cached1 - cached0, decode_new=new1 - new0,
+                     blocks=DECODE_CACHE.blocks - blocks0)
 
 
 #: Discovery reach (conditional jumps from sampled code) of a quick job, at most.
@@ -186,7 +230,7 @@ def quick_job(jobs_done: int, has_regions: bool) -> bool:
 #: Snapshots in a row that changed nothing before a client's sampling backs off.  The
 #: first snapshots after an installation keep the full rate, so its evaluation (grace,
 #: cold and not-effective verdicts) sees as many windows as before; so do a client's
-#: first QUICK_JOBS + 1 jobs (service.py: a quick job that finds nothing is no sign that
+#: first QUICK_JOBS + 1 jobs (results.py: a quick job that finds nothing is no sign that
 #: nothing is left to find).
 QUIET_BEFORE_BACKOFF = 3
 
@@ -204,6 +248,164 @@ def sampling_interval(cfg: Any, quiet: int) -> float:
     return min(cap, base * 2.0 ** min(32, quiet - QUIET_BEFORE_BACKOFF + 1))
 
 
+# --------------------------------------------------------------------------- job cadence
+def hot_addresses(counts: dict[int, int], threshold: float) -> frozenset[int]:
+    """The addresses holding at least ``threshold`` of ``counts``' samples."""
+    total = sum(counts.values())
+    if not total:
+        return frozenset()
+    need = max(1.0, threshold * total)
+    return frozenset(ip for ip, n in counts.items() if n >= need)
+
+
+def newly_hot(counts: dict[int, int], before: frozenset[int], threshold: float) -> bool:
+    """Whether an address is hot (``threshold``) in ``counts`` that was not even half as
+    hot in the last job's input (``before``: hot_addresses at threshold / 2).  Selection
+    grows regions from hot code: when nothing new is hot, a job would select what the
+    last one did.  The half-threshold margin keeps sampling noise at the edge (7 or 8
+    samples of 800) from counting as news."""
+    return not hot_addresses(counts, threshold) <= before
+
+
+def next_job_gap(cfg: Any, gap_s: float, changed: bool) -> float:
+    """Seconds from a client's job to its next one: 0 after a job that changed something,
+    else doubling from ``snapshot_interval_s`` up to ``job_backoff_max_s``."""
+    if changed:
+        return 0.0
+    return min(cfg.job_backoff_max_s, max(cfg.snapshot_interval_s, 2.0 * gap_s))
+
+
+# --------------------------------------------------------------------------- CPU budget
+def client_cpu_s(pid: int) -> float | None:
+    """utime + stime of every thread of process ``pid`` (/proc/PID/stat), seconds."""
+    from dbr_service.procfs import stat_fields
+
+    rest = stat_fields(f"/proc/{pid}/stat")
+    try:
+        return (int(rest[14 - 3]) + int(rest[15 - 3])) / os.sysconf("SC_CLK_TCK")
+    except (TypeError, IndexError, ValueError, OSError):
+        return None
+
+
+def budget_limit(cfg: Any, age_s: float) -> float:
+    """The fraction of a client's CPU the service may spend on it at ``age_s`` seconds
+    after its connection (0: no limit)."""
+    if age_s < cfg.service_cpu_startup_s:
+        return cfg.service_cpu_startup_budget
+    return cfg.service_cpu_budget
+
+
+class CpuBudget:
+    """One client's service CPU against its own CPU, over a sliding window.
+
+    Service CPU is the CPU of the client's region jobs (:attr:`JobResult.cpu_s`, charged
+    by :meth:`charge_job`) plus that of its session thread (sampling windows, agent
+    messages, installation) and of the control thread on its windows (fed to
+    :meth:`observe` as a running total).  The client's
+    CPU is its utime + stime (client_cpu_s).  :meth:`observe` records both totals at a
+    time; the window's figures are the totals now less those at the last point at or
+    before ``now - window_s`` (the process's start, with nothing spent, at first).
+    A job may start only if what is left of the window pays for a small job at the
+    client's cost per block (:meth:`allows`), and it may make only as many blocks as
+    what is left pays for (:meth:`max_blocks`), so a client's spending stays near the
+    limit over any window.
+    """
+
+    #: Fewest blocks a budgeted job is given (a smaller one would select little):
+    #: a job starts only when what is left of the budget pays for this many.
+    MIN_JOB_BLOCKS = QUICK_MAX_BLOCKS
+
+    def __init__(self, started_mono: float, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        #: (monotonic s, client CPU s, service CPU s), totals, oldest first.
+        self.points: collections.deque[tuple[float, float, float]] = collections.deque(
+            [(started_mono, 0.0, 0.0)])
+        self.client_cpu_s = 0.0
+        self.session_cpu_s = 0.0
+        self.job_cpu_s = 0.0
+        self.last_job_cpu_s = 0.0
+        self.jobs_charged = 0
+        #: Jobs not started because the client was over its budget.
+        self.deferred = 0
+        self.limit = 0.0
+        #: CPU seconds per discovered block of the client's last job (None: unknown).
+        self.cost_per_block: float | None = None
+
+    @property
+    def service_cpu_s(self) -> float:
+        return self.job_cpu_s + self.session_cpu_s
+
+    def charge_job(self, cpu_s: float, blocks: int = 0) -> None:
+        self.job_cpu_s += max(0.0, cpu_s)
+        self.last_job_cpu_s = max(0.0, cpu_s)
+        self.jobs_charged += 1
+        if blocks > 0:
+            self.cost_per_block = max(0.0, cpu_s) / blocks
+
+    def observe(self, now: float, client_cpu_s: float | None,
+                session_cpu_s: float | None = None) -> None:
+        """Record the totals at ``now`` (None: unknown, the last figure stays)."""
+        if client_cpu_s is not None:
+            self.client_cpu_s = max(self.client_cpu_s, client_cpu_s)
+        if session_cpu_s is not None:
+            self.session_cpu_s = max(self.session_cpu_s, session_cpu_s)
+        self.points.append((now, self.client_cpu_s, self.service_cpu_s))
+        # keep one point at or before the window's start
+        while len(self.points) > 2 and self.points[1][0] <= now - self.window_s:
+            self.points.popleft()
+
+    def in_window(self, now: float) -> tuple[float, float]:
+        """(client CPU, service CPU) in the window ending at ``now``."""
+        start = self.points[0]
+        for p in self.points:
+            if p[0] > now - self.window_s:
+                break
+            start = p
+        return (max(0.0, self.client_cpu_s - start[1]),
+                max(0.0, self.service_cpu_s - start[2]))
+
+    def used(self, now: float) -> float | None:
+        """Service CPU over client CPU in the window (None before the client used any)."""
+        client, service = self.in_window(now)
+        return service / client if client > 0 else None
+
+    def allowance(self, now: float, limit: float) -> float:
+        """CPU seconds left in the window under ``limit``."""
+        client, service = self.in_window(now)
+        return limit * client - service
+
+    def allows(self, now: float, limit: float) -> bool:
+        """Whether a job may start now under ``limit`` (0: always): what is left pays
+        for a job like the client's last, or for MIN_JOB_BLOCKS blocks at its cost per
+        block if that is less (the job is then cut to fit: :meth:`max_blocks`)."""
+        self.limit = limit
+        if limit <= 0:
+            return True
+        need = self.last_job_cpu_s
+        if self.cost_per_block is not None:
+            need = min(need, self.cost_per_block * self.MIN_JOB_BLOCKS)
+        return self.allowance(now, limit) >= need
+
+    def max_blocks(self, now: float, limit: float) -> int | None:
+        """Blocks a job starting now may make so that its CPU fits what is left (at the
+        client's last cost per block; None: no bound).  A job's cost grows with what
+        discovery reaches: cc1's first full job made ~10 000 blocks in 5.9 s of CPU."""
+        if limit <= 0 or not self.cost_per_block:
+            return None
+        left = self.allowance(now, limit)
+        return max(self.MIN_JOB_BLOCKS, int(left / self.cost_per_block))
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        used = self.used(now)
+        return {"service_cpu_s": round(self.service_cpu_s, 3),
+                "service_job_cpu_s": round(self.job_cpu_s, 3),
+                "service_thread_cpu_s": round(self.session_cpu_s, 3),
+                "client_cpu_s": round(self.client_cpu_s, 3),
+                "budget": self.limit,
+                "budget_used": None if used is None else round(used, 4),
+                "deferred_by_budget": self.deferred}
+
+
 def region_config(cfg: Any, total_samples: int) -> Any:
     """The pipeline's RegionConfig from the service Config.  ``hot_threshold`` is a
     fraction of the client's samples here and a sample count in the pipeline."""
@@ -212,8 +414,11 @@ def region_config(cfg: Any, total_samples: int) -> Any:
     return RegionConfig(jumps_from_hot_limit=cfg.jumps_from_hot_limit,
                         hot_threshold=max(1.0, cfg.hot_threshold * total_samples),
                         min_loop_trip_count=cfg.min_loop_trip_count,
+                        function_threshold=(max(1.0, cfg.hot_function_threshold * total_samples)
+                                            if cfg.hot_function_threshold > 0 else None),
                         min_region_size=cfg.min_region_size, inline_budget=cfg.inline_budget,
-                        transfer_only=cfg.transfer, real_calls=cfg.real_calls)
+                        transfer_only=cfg.transfer, real_calls=cfg.real_calls,
+                        entry_sites=cfg.entry_sites)
 
 
 def select_client_regions(job: ClientJob, cfg: Any
@@ -236,9 +441,13 @@ def select_client_regions(job: ClientJob, cfg: Any
                 rcfg, jumps_from_hot_limit=min(rcfg.jumps_from_hot_limit, QUICK_REACH),
                 seed_min_samples=0.0 if distinct <= QUICK_ALL_SEEDS_MAX else QUICK_SEED_MIN,
                 max_discovery_blocks=QUICK_MAX_BLOCKS)
+        if job.max_blocks is not None:
+            rcfg = dataclasses.replace(rcfg, max_discovery_blocks=min(
+                job.max_blocks, rcfg.max_discovery_blocks or job.max_blocks))
         res = pipeline.select_regions(job.cumulative, job.memory_view(), rcfg,
                                       branch_samples=job.branches or None,
-                                      patched=is_patched if patched else None)
+                                      patched=is_patched if patched else None,
+                                      functions=job.function_entries())
     except Exception as exc:  # per-client: recorded, the service goes on
         tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
         return None, f"region selection failed: {tb}", None
@@ -269,6 +478,9 @@ def auto_workers(cpu_count: int | None = None, load1: float | None = None) -> in
     idle = int(cpus - load1 + 0.5)
     return max(1, min(max(1, cpus - 1), idle))
 
+
+#: In a pool worker: its process time at the end of its last job (optimize_client).
+_CPU_MARK: float | None = None
 
 #: Set in pool worker processes: only they take ``worker_nice`` (a job run on a thread
 #: of the service while the pool is cold keeps the service's priority: a niced thread
@@ -384,6 +596,13 @@ class Scheduler:
         self.completed = 0
         self.failed = 0
         self.skipped_load = 0
+        self.deferred_by_budget = 0
+        #: Jobs not run because nothing new was hot, or while backing off (snapshots.py).
+        self.skipped_unchanged = 0
+        self.skipped_backoff = 0
+        self.job_cpu_s = 0.0
+        self.decode_cached = 0
+        self.decode_new = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[ClientJob | None, int]] = queue.Queue()
         self._closed = False
@@ -452,6 +671,22 @@ class Scheduler:
     @staticmethod
     def _pool_limit(max_workers: int) -> int:
         return max_workers if max_workers > 0 else max(1, (os.cpu_count() or 1) - 1)
+
+    def admit(self, budget: CpuBudget, now: float, limit: float) -> bool:
+        """Whether a client's next job fits its CPU budget (its figures observed just
+        before); a job that does not is counted as deferred, on the client and here."""
+        if budget.allows(now, limit):
+            return True
+        budget.deferred += 1
+        self.deferred_by_budget += 1
+        return False
+
+    def charge(self, budget: CpuBudget, res: JobResult) -> None:
+        """A finished job's CPU, on its client's budget and in the totals."""
+        budget.charge_job(res.cpu_s, res.blocks)
+        self.job_cpu_s += res.cpu_s
+        self.decode_cached += res.decode_cached
+        self.decode_new += res.decode_new
 
     def schedule(self, jobs: list[ClientJob], max_workers: int) -> list[int]:
         """Queue the hottest jobs that fit now; returns the session ids queued."""
@@ -554,6 +789,11 @@ class Scheduler:
         return {"pool_size": self._pool_size, "running": len(self.running),
                 "submitted": self.submitted, "completed": self.completed,
                 "failed": self.failed, "deferred_for_load": self.skipped_load,
+                "deferred_by_budget": self.deferred_by_budget,
+                "skipped_unchanged": self.skipped_unchanged,
+                "skipped_backoff": self.skipped_backoff,
+                "job_cpu_s": round(self.job_cpu_s, 3),
+                "decode_cached": self.decode_cached, "decode_new": self.decode_new,
                 "inline_jobs": self.inline_jobs, "pool_ready": self._pool_ready.is_set()}
 
     def shutdown(self, timeout: float = 1.0) -> None:

@@ -8,8 +8,8 @@ installed), then suspended (their sites restored, their code kept), and so on,
 program's speed falls on both sides alike.  A first phase, with the regions as
 installed, is not counted: it tells whether the program can be measured at all, and
 it absorbs what the last sampling window and selection job left behind (on xz the
-first pair was 10-15 % below the others when it was counted).  Progress is the bytes the process reads
-and writes (``rchar`` + ``wchar`` of /proc/PID/io) per second of its CPU time (the
+first pair was 10-15 % below the others when it was counted).  Progress is the bytes
+the process reads and writes (``rchar`` + ``wchar`` of /proc/PID/io) per second of its CPU time (the
 process CPU clock, which counts every thread, ended ones too): for a program that
 streams data (a compressor, a server) that is work done per CPU second, immune to
 other load on the machine.  A program that does little I/O cannot be measured this

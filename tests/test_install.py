@@ -5,43 +5,15 @@ from __future__ import annotations
 
 import time
 
-from dataclasses import dataclass, field
-
 import pytest
 
 from dbr_service import protocol as P
 from dbr_service.agentconn import jmp_rel32
 from dbr_service.errors import CodegenError
 from dbr_service.install import CodeSpace, InstallState, Installer
-from harness import SITE_INSN, FakeService, compile_c, parse_sites, read_mem
+from harness import SITE_INSN, read_mem, stub_gen
 
 
-@dataclass
-class FakeGen:
-    """Codegen output for 'relocated first instruction + exit' stubs."""
-
-    code: bytes
-    base: int
-    entries: dict[int, int]
-    addr_map: list[tuple[int, int, int]] = field(default_factory=list)
-    exits: list[tuple[int, int]] = field(default_factory=list)
-    transfers: dict[int, int] = field(default_factory=dict)
-    evictions: dict[int, int] = field(default_factory=dict)
-
-
-def stub_gen(base: int, sites: list[int]) -> FakeGen:
-    code = b""
-    gen = FakeGen(b"", base, {})
-    for s in sites:
-        at = base + len(code)
-        back = jmp_rel32(at + len(SITE_INSN), s + len(SITE_INSN))
-        gen.entries[s] = at
-        gen.addr_map += [(at, at + 6, s), (at + 6, at + 11, s + 6)]
-        gen.exits.append((at + 6, s + 6))
-        code += SITE_INSN + back
-        code += b"\xcc" * (-len(code) % 16)
-    gen.code = code
-    return gen
 
 
 class Clock:
@@ -50,20 +22,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-@pytest.fixture
-def client_conn():
-    svc = FakeService()
-    exe = compile_c(["storm.c"])
-    client = svc.spawn([exe, "4"])
-    sites = parse_sites(client.out.expect("sites"))
-    client.out.expect("ready")
-    conn = svc.accept(pid=client.pid)
-    yield svc, client, conn, sites
-    rc, _ = client.finish()
-    assert rc == 0, client.err.lines
-    svc.close()
 
 
 def test_install_uninstall_and_census_gated_reuse(client_conn):
@@ -151,7 +109,8 @@ def test_map_change_invalidates_affected_regions_only(client_conn):
 
 def test_refused_sites_leave_region_failed_and_space_released(client_conn):
     _, client, conn, sites = client_conn
-    inst = Installer(conn, lambda a, n: b"\x90" * n)  # wrong original bytes
+    # wrong original bytes (one 5-byte instruction: the installer sends it as a site)
+    inst = Installer(conn, lambda a, n: (b"\xb8\0\0\0\0" + b"\x90" * n)[:n])
     chunk = inst.reserve(32, reach=[sites[0]])
     reg = inst.install(chunk, stub_gen(chunk.addr, [sites[0]]))
     assert reg.state is InstallState.FAILED

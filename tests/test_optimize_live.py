@@ -5,7 +5,6 @@ later samples land in replacement code, and the output equals the native run's."
 from __future__ import annotations
 
 import subprocess
-import time
 from collections import Counter
 
 import pytest

@@ -12,7 +12,9 @@ import types
 
 import pytest
 
-from dbr_service.clients import ClientSession, RegionRecord, RegionState
+from dbr_service.cadence import SessionCadence
+from dbr_service.clients import ClientSession
+from dbr_service.session_regions import RegionBook, RegionRecord, RegionState
 from dbr_service.install import InstallState
 from dbr_service.speedcheck import (CHECK_TRIES, MIN_CPU_S, MIN_IO_BYTES, ORIGINAL, REPLACEMENT,
                                     Progress, SpeedCheck, read_progress)
@@ -186,21 +188,23 @@ class _Installer:
         self.resumed.append(iid)
         self.regions[iid].state = InstallState.INSTALLED
 
+    def pop_cascaded(self):
+        return []                       # no region here calls another's copy
+
 
 def _session(monkeypatch):
     """A ClientSession with two live regions, r1 (installed) and r2 (suspended, as in a
     check's original phase), and nothing behind it but the fields the check uses."""
     s = ClientSession.__new__(ClientSession)
     s.pid, s.lock, s.installer = 1, threading.RLock(), _Installer()
-    s.speed_check, s.blocked_regions, s.slow_ranges = None, set(), []
-    s.speed_checks, s.activity, s.patches_removed = collections.deque(maxlen=16), 0, 0
+    s.speed_check, s.slow_ranges, s.region_book = None, [], RegionBook(s.lock)
+    s.speed_checks, s.cadence, s.patches_removed = collections.deque(maxlen=16), SessionCadence(), 0
     s.service = types.SimpleNamespace(events=types.SimpleNamespace(publish=lambda *a, **k: None))
     monkeypatch.setattr(s, "_write_perf_map", lambda: None)
-    s.regions = {}
     for iid in (1, 2):
-        s.regions[f"r{iid}"] = RegionRecord(f"r{iid}", "m", [iid], 1, 16,
-                                            state=RegionState.INSTALLED, sites=[iid],
-                                            info={"install_id": iid}, installed_mono=10.0)
+        s.region_book.regions[f"r{iid}"] = RegionRecord(
+            f"r{iid}", "m", [iid], 1, 16, state=RegionState.INSTALLED, sites=[iid],
+            info={"install_id": iid}, installed_mono=10.0)
     return s
 
 
@@ -222,14 +226,14 @@ def test_an_abandoned_check_leaves_its_live_regions_to_a_later_one(monkeypatch):
     assert s.speed_candidates(2.0, 20.0) == ["r1", "r2"]
     # r1 goes (a map change, say) while r2 is suspended for an original phase
     s.installer.regions[1].state = InstallState.REMOVED
-    s.regions["r1"].state = RegionState.REMOVED
+    s.region_book.regions["r1"].state = RegionState.REMOVED
     _abandon(s, ["r1", "r2"])
-    r1, r2 = s.regions["r1"].info, s.regions["r2"].info
+    r1, r2 = s.region_book.regions["r1"].info, s.region_book.regions["r2"].info
     assert r1["speed_check"]["verdict"] == "abandoned"     # gone: its last word
     assert "speed_check" not in r2 and r2["speed_checks_abandoned"] == 1
     assert s.installer.resumed == [2]                      # patched again at once
     assert s.speed_checks[-1]["verdict"] == "abandoned"
-    t = s.regions["r2"].recheck_mono
+    t = s.region_book.regions["r2"].recheck_mono
     assert t > 0
     assert s.speed_candidates(2.0, t + 1.0) == []          # settling again
     assert s.speed_candidates(2.0, t + 2.5) == ["r2"]
@@ -238,7 +242,7 @@ def test_an_abandoned_check_leaves_its_live_regions_to_a_later_one(monkeypatch):
         assert r2["speed_checks_abandoned"] == n
     assert r2["speed_check"]["verdict"] == "abandoned"     # the last try's verdict stays
     assert s.speed_candidates(2.0, time.monotonic() + 100) == []
-    assert s.regions["r2"].state is RegionState.INSTALLED
+    assert s.region_book.regions["r2"].state is RegionState.INSTALLED
 
 
 def test_other_verdicts_are_final_at_once(monkeypatch):
@@ -248,6 +252,6 @@ def test_other_verdicts_are_final_at_once(monkeypatch):
     s.speed_check = chk
     s._speed_finish()
     for rid in ("r1", "r2"):
-        assert s.regions[rid].info["speed_check"]["verdict"] == "unmeasurable"
-        assert "speed_checks_abandoned" not in s.regions[rid].info
+        assert s.region_book.regions[rid].info["speed_check"]["verdict"] == "unmeasurable"
+        assert "speed_checks_abandoned" not in s.region_book.regions[rid].info
     assert s.speed_candidates(2.0, time.monotonic() + 100) == []
