@@ -8,6 +8,7 @@ and a line reader with timeouts for client stdout.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import queue
@@ -267,6 +268,34 @@ def patch_sites(conn: AgentConnection, pid: int, targets: dict[int, int],
                 variant: int = P.Variant.INT3) -> list[P.PatchSite]:
     """PatchSite records for site -> target, with the original bytes read from the client."""
     return [make_site(s, t, read_mem(pid, s, P.PATCH_LEN), variant) for s, t in targets.items()]
+
+
+def count_executions(pid: int, addr: int, seconds: float) -> int:
+    """How often the threads of ``pid`` (those alive now) execute the instruction at
+    ``addr`` during ``seconds``: a hardware execute breakpoint per thread, counting
+    (perf_event_open, PERF_TYPE_BREAKPOINT).  Exact where sampling may never land on
+    a few short instructions."""
+    from dbr_service.sampling.perf import PerfEventAttr, list_tids, perf_event_open
+
+    fds = []
+    try:
+        for tid in list_tids(pid):
+            attr = PerfEventAttr()
+            attr.type = 5                       # PERF_TYPE_BREAKPOINT
+            attr.size = ctypes.sizeof(attr)
+            attr.bp_type = 4                    # HW_BREAKPOINT_X
+            attr.config1 = addr                 # bp_addr
+            attr.config2 = 8                    # bp_len: sizeof(long) for execute
+            attr.exclude_kernel = attr.exclude_hv = 1
+            try:
+                fds.append(perf_event_open(attr, tid))
+            except ProcessLookupError:
+                continue                        # the thread ended meanwhile
+        time.sleep(seconds)
+        return sum(struct.unpack("<Q", os.read(fd, 8))[0] for fd in fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def terminate(pid: int) -> None:

@@ -175,9 +175,11 @@ def _storm(exe, cycles: int) -> None:
         hot = sample_ips(client.pid, 0.8, sample_period_us=500)
         total = sum(hot.values())
         assert total > 50, total
+        # no inlining: step(x, 1) would be inlined into the loop wherever samples make
+        # its recursive call look cold, and the loop's copy must call it for real
         cfg = RegionConfig(hot_threshold=max(1.0, Config().hot_threshold * total),
                            jumps_from_hot_limit=Config().jumps_from_hot_limit,
-                           real_calls=True)
+                           real_calls=True, inline=False)
         res = select_regions(dict(hot), LiveMemoryView(client.pid), cfg)
         # the batch loop's region: in the program, calling step() for real
         calling = [sr for sr in res.regions
