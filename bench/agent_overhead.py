@@ -11,7 +11,7 @@
   host service's does for a program's first second, or for a program born late).
 
 Targets: under 2 ms added start-up, under 0.5 % steady state; the thread start
-figures have none (they are the agent's per-thread cost, for the design notes).
+figures have none (they are the agent's per-thread cost, for docs/decisions/).
 usage: python -m bench.agent_overhead [--quick]
 """
 

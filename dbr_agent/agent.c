@@ -1143,7 +1143,8 @@ static void wait_until(uint64_t until)
  * activity then, on the program's CPUs or the service's threads woken by it,
  * tips where the program's first threads are placed: a thread put beside a busy
  * one waits for the next tick.  Measured with a copy of bench `churn` that
- * times each start and join (design-notes, "Quiet while the program starts"):
+ * times each start and join
+ * (docs/decisions/0006-agent-quiet-while-the-program-starts.md):
  * stalls of over 1 ms in the loop's first 40 ms, per run, were 2.7 natively,
  * 6.9 with the agent's thread born at the program's policy and connecting at
  * once, 4.0-4.7 with it quiet for 30, 60 or 120 ms.  A thread that only exists
@@ -1244,8 +1245,8 @@ static unsigned quiet_ms(int *hinted)
  *
  * A sleeping second thread is what the agent costs a program that is never
  * patched: a library thread that only sleeps costs bench `churn` as much as
- * the agent (design-notes, "churn's cost depends on the program's task group",
- * "The agent's thread is made when the service would look").  The service
+ * the agent (docs/decisions/0002-bench-keeps-the-worst-task-group.md,
+ * docs/decisions/0005-agent-thread-born-when-the-service-would-look.md).  The service
  * does not look at a client younger than min_client_age_s, and finds nothing
  * to sample in one that does not run.  So when its hint (DBR_QUIET_FILE) says
  * how young a client it samples, the hidden thread is not made in the
@@ -1662,8 +1663,8 @@ static void query_sync_core(void)
  * loaded.  A registered process serialises the core whenever one of its threads
  * comes back to a CPU from the idle task, and most clients are never patched: a
  * program that starts and joins threads by the thousand paid 0.2-0.3 % of its time
- * for the registration alone (docs/design-notes.md, "Threads start unwrapped while
- * nothing needs the wrapper").  With more than one thread, the kernel waits for an
+ * for the registration alone (docs/decisions/0008-threads-start-unwrapped.md).
+ * With more than one thread, the kernel waits for an
  * RCU grace period here (10-20 ms on this VM).  Whether it is registered. */
 int dbr_sync_core_ready(void)
 {

@@ -12,10 +12,10 @@
  * (thread.c), and libgcc's registration is not safe to call from it: __register_frame
  * calls malloc, __deregister_frame frees the sorted table with free(), and both take
  * libgcc's object_mutex, a private mutex that glibc locks and unlocks with plain
- * stores and no wake-up while it believes the process has one thread (design-notes,
- * "The agent's thread is hidden from glibc"); finding the functions with dlsym takes
- * the loader's lock, off limits to that thread for the same reason.  Nor from a signal
- * handler on a program thread.
+ * stores and no wake-up while it believes the process has one thread
+ * (docs/decisions/0003-agent-thread-hidden-from-glibc.md); finding the functions with
+ * dlsym takes the loader's lock, off limits to that thread for the same reason.  Nor
+ * from a signal handler on a program thread.
  *
  * How unwinders find the blob instead: the agent defines _Unwind_Find_FDE.  libgcc_s
  * calls it through its PLT for every frame (uw_frame_state_for,

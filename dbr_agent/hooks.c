@@ -507,8 +507,8 @@ static int g_unwrapped_starts;
  * and, when glibc counts the agent's thread, poke it at the last thread's end.  A
  * dormant agent needs none of them, and the wrapper (a slot, a thread-specific key
  * and its destructor at the thread's end) cost a program ~0.18 us of user time a
- * thread, about 1 % of a thread start and join (docs/design-notes.md, "Threads
- * start unwrapped while nothing needs the wrapper").  Called between the caller's
+ * thread, about 1 % of a thread start and join
+ * (docs/decisions/0008-threads-start-unwrapped.md).  Called between the caller's
  * count in g_unwrapped_starts and its start, so that turning either on waits for
  * unwrapped starts under way. */
 static int wrap_needed(void)

@@ -6,8 +6,8 @@
  * arena lock, libstdc++'s shared_ptr counts without atomics
  * (__libc_single_threaded).  pthread_create leaves them for good.  A thread
  * made by pthread_create for the agent would make every client pay for locks
- * it does not need: a getc loop ran 7x slower, malloc/free 5 % (design-notes,
- * "The agent's thread is hidden from glibc").  So the agent makes its
+ * it does not need: a getc loop ran 7x slower, malloc/free 5 %
+ * (docs/decisions/0003-agent-thread-hidden-from-glibc.md).  So the agent makes its
  * thread with clone(2), outside glibc's thread list and count, with a thread
  * control block of its own so that the glibc functions it does call (syscall
  * wrappers and errno, pthread mutexes and condition variables shared with
@@ -182,8 +182,9 @@ static void release(void)
  * queue, then takes that same policy (its nice value it already has) before
  * it does anything else: dbr_thread_settle, first thing on the thread.  Its
  * connection to a service comes RT_PARK_MS later than it would; a program
- * that ends sooner never had a session.  design-notes, "Quiet while the
- * program starts": why this birth was tried and is no longer the default.
+ * that ends sooner never had a session.
+ * docs/decisions/0006-agent-quiet-while-the-program-starts.md: why this birth
+ * was tried and is no longer the default.
  *
  * Off unless DBR_AGENT_RT_BIRTH=1.  The birth needs the creating thread to
  * change its policy and back, and any such change of a program's thread in its
@@ -191,8 +192,8 @@ static void release(void)
  * SCHED_FIFO) cost bench `churn` as many early stalls as the agent did; with
  * the agent's thread born at the program's policy and quiet for its first
  * 50 ms (agent.c, "quiet while the program starts") both churn and `threads`
- * did better than with this birth.  design-notes, "Quiet while the program
- * starts".
+ * did better than with this birth.
+ * docs/decisions/0006-agent-quiet-while-the-program-starts.md.
  *
  * Only when the kernel allows it without a doubt: the creating thread's
  * policy is SCHED_OTHER or SCHED_BATCH (not SCHED_RESET_ON_FORK), and it

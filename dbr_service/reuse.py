@@ -8,10 +8,10 @@ tracking).  For that long the CPU the service's new thread sat on looks busy, an
 scheduler places the client's own new threads on the other CPUs, beside its busy ones.
 A program that starts 5000 short threads beside one busy thread (0.09 s natively) took
 +34 ms with a thread born per session and +7 ms with one reused (medians of 16 runs on
-2 CPUs; docs/design-notes.md, "Thread notices on request, and session threads that
-are not new").  The agent's own thread has the same cause and other remedies (it is
-made only when the service would look, and quiet at first: design-notes, "The agent's
-thread is made when the service would look" and "Quiet while the program starts").
+2 CPUs; docs/decisions/0029-session-threads-reused.md).  The agent's own thread has the
+same cause and other remedies (it is made only when the service would look, and quiet
+at first: docs/decisions/0005-agent-thread-born-when-the-service-would-look.md and
+docs/decisions/0006-agent-quiet-while-the-program-starts.md).
 
 A reused thread has slept since its last session, so its load has decayed; the few
 milliseconds of a handshake add little.  Threads are born only when every kept thread

@@ -219,7 +219,8 @@ class ThreadTracker:
         Only a source with one event per thread (perf) needs them, and only while it is
         open: each notice costs the program a system call and the service a wake-up, and
         a program that starts threads by the thousand would pay for them all the time
-        (4x the native time for 5000 threads, docs/design-notes.md).  They are turned on
+        (4x the native time for 5000 threads,
+        docs/decisions/0009-thread-notices-on-request.md).  They are turned on
         before the source lists /proc/PID/task, so no thread falls between the two.  A
         refusal or a timeout is kept in ``errors``: threads started during the window are
         then sampled from the next one."""

@@ -1,7 +1,7 @@
 """Speed checks: is a client faster with its new regions than without them?
 
 Sample shares cannot tell: a region can keep every sample and still run slower than
-the code it replaces (docs/design-notes.md, "Speed checks").  A check measures the
+the code it replaces (docs/decisions/0028-speed-checks.md).  A check measures the
 program's own progress instead, in alternated phases: the regions patched (as
 installed), then suspended (their sites restored, their code kept), and so on,
 ``pairs`` times each, in the order R O, O R, R O, ... so that a steady drift of the

@@ -1,7 +1,8 @@
 """Sampling cadence: a client whose snapshots change nothing is sampled less often
 (scheduler.sampling_interval), and code mapped in (a dlopen) brings it back to the
 full rate.  The point is cost: sampling is part of what a deployed host costs a
-program that has nothing left to optimize (docs/design-notes.md)."""
+program that has nothing left to optimize
+(docs/decisions/0012-sampling-cadence-quiet-and-young-clients.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Session threads kept from one session to the next (dbr_service/reuse.py).
 
 A thread born per session cost a short program that starts many threads ~30 ms
-(docs/design-notes.md); these tests show the pool's rules: a job runs on an idle kept
-thread when there is one, the longest idle first; threads are born only when none is
-idle; idle threads beyond ``keep`` end after ``idle_s``, and beyond ``max_idle`` at
-once; a failing job does not end its thread; close() ends the idle ones.  Every wait is
-bounded.
+(docs/decisions/0029-session-threads-reused.md); these tests show the pool's rules: a
+job runs on an idle kept thread when there is one, the longest idle first; threads are
+born only when none is idle; idle threads beyond ``keep`` end after ``idle_s``, and
+beyond ``max_idle`` at once; a failing job does not end its thread; close() ends the
+idle ones.  Every wait is bounded.
 """
 
 from __future__ import annotations

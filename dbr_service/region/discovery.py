@@ -1031,8 +1031,8 @@ class HotCodeDiscovery:
             b = e.block
             if n > 1 and self._after_syscall(addr, b):
                 # the kernel's time, sampled at the return address of the system
-                # call: it shows the block ran, not how often (design-notes, "Samples
-                # after a system call": a loop's write looked 1/13 as hot as its body)
+                # call: it shows the block ran, not how often (a loop's write looked
+                # 1/13 as hot as its body; docs/decisions/0014-samples-after-a-system-call.md)
                 self.stats.samples_after_syscall += n - 1
                 n = 1
             b.samples += n

@@ -395,7 +395,7 @@ class SwitchGate:
     A per-thread perf event is taken off its CPU and put back on with its thread: the
     software clock stops and restarts an hrtimer each time, which in a VM reprograms
     the local APIC timer (an exit to the hypervisor).  Measured here (AMD EPYC KVM,
-    docs/design-notes.md "Threads that switch often are not sampled"): about 11 us per
+    docs/decisions/0010-switch-heavy-threads-get-no-perf-event.md): about 11 us per
     switch of the thread, so a thread that gives up its CPU 50 000 times a second ran
     1.5x slower while its event was open, and an event on its busy sibling cost
     nothing.  Such a thread also yields few samples here: 36 for its 0.64 s of CPU
