@@ -1,5 +1,5 @@
 """What a program pays for the agent once it is born late, against what it pays for
-any preloaded library (docs/performance.md, "Programs born late; runs BP-BS").
+any preloaded library (docs/decisions/0007-short-running-programs-born-late.md).
 
 Four configurations of one program, alternated in a random order every round, each
 run in a session of its own (a new autogroup, as bench.compare and a service manager

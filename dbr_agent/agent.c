@@ -1663,9 +1663,9 @@ static void query_sync_core(void)
  * loaded.  A registered process serialises the core whenever one of its threads
  * comes back to a CPU from the idle task, and most clients are never patched: a
  * program that starts and joins threads by the thousand paid 0.2-0.3 % of its time
- * for the registration alone (docs/decisions/0008-threads-start-unwrapped.md).
- * With more than one thread, the kernel waits for an
- * RCU grace period here (10-20 ms on this VM).  Whether it is registered. */
+ * for the registration alone (docs/decisions/0008-threads-start-unwrapped.md).  With
+ * more than one thread, the kernel waits for an RCU grace period here (10-20 ms on
+ * this VM).  Whether it is registered. */
 int dbr_sync_core_ready(void)
 {
     if (!__atomic_load_n(&g_sync_core, __ATOMIC_ACQUIRE) && g_sync_avail &&
