@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml setup.py
 agent:
 	$(MAKE) -C dbr_agent
 
-test: build
+test: build lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 test-long: build

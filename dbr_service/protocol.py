@@ -313,8 +313,8 @@ C_STRUCTS: dict[str, type[_S]] = {
     "dbr_transfer_point": TransferPoint, "dbr_transfer": Transfer,
     "dbr_transfer_result": TransferResult, "dbr_notices": Notices,
     "dbr_sampler_start": SamplerStart, "dbr_sampler_ring": SamplerRing,
-    "dbr_sampler_thread": SamplerThread, "dbr_frames": Frames, "dbr_bye": Bye, "dbr_error": Error, "dbr_ring_header": RingHeader,
-    "dbr_ring_entry": RingEntry,
+    "dbr_sampler_thread": SamplerThread, "dbr_frames": Frames, "dbr_bye": Bye,
+    "dbr_error": Error, "dbr_ring_header": RingHeader, "dbr_ring_entry": RingEntry,
 }
 
 # C #define / enum constant -> Python value; the layout test checks each one too.

@@ -20,7 +20,8 @@ def _probe_source() -> str:
     for cname, cls in protocol.C_STRUCTS.items():
         lines.append(f'printf("size {cname} %zu\\n", sizeof(struct {cname}));')
         for fname, *_ in cls._fields_:
-            lines.append(f'printf("off {cname}.{fname} %zu\\n", offsetof(struct {cname}, {fname}));')
+            lines.append(f'printf("off {cname}.{fname} %zu\\n", '
+                         f'offsetof(struct {cname}, {fname}));')
     for const in protocol.C_CONSTANTS:
         lines.append(f'printf("const {const} %lld\\n", (long long)({const}));')
     lines += ["return 0;", "}"]
