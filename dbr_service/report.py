@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 import signal
 import time
 from collections import Counter
@@ -92,17 +94,52 @@ def regions_text(client: dict[str, Any]) -> str:
     return ", ".join(f"{states[k]} {k}" for k in keys)
 
 
+#: The command line as the summary shows it: at most this many characters.
+PROGRAM_TEXT_MAX = 160
+
+
+def program_text(program: list[str]) -> str:
+    """The command line, shell-quoted on one line (a newline in an argument shows as
+    ``\\n``), cut to :data:`PROGRAM_TEXT_MAX` characters."""
+    text = shlex.join(program).replace("\n", "\\n")
+    return text if len(text) <= PROGRAM_TEXT_MAX else text[:PROGRAM_TEXT_MAX - 3] + "..."
+
+
+def quiet(client: dict[str, Any]) -> bool:
+    """A client dbr did nothing to: no patch and no region (a shell, a short child)."""
+    return not client.get("patches_installed") and not client.get("regions")
+
+
+def folded_clients(clients: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """The clients the summary shows a block for, and one line for the others.
+
+    Every client dbr patched or selected regions for has its block, and so has the
+    client with the most samples (the program itself, in a run of one); the quiet rest
+    (the shell's children of a script, say) are folded into one line."""
+    busiest = max(clients, key=lambda c: c.get("samples", 0), default=None)
+    shown = [c for c in clients if not quiet(c) or c is busiest]
+    rest = [c for c in clients if not any(c is x for x in shown)]
+    if len(rest) < 2:
+        return clients, ""
+    names = Counter(os.path.basename(c.get("exe") or "?") for c in rest)
+    what = ", ".join(f"{n} x{k}" if k > 1 else n for n, k in names.most_common())
+    samples = sum(c.get("samples", 0) for c in rest)
+    return shown, (f"{len(rest)} other clients, nothing hot, not patched: {what} "
+                   f"({samples} samples in all)")
+
+
 def format_report(rep: dict[str, Any]) -> str:
     """A few lines for stderr at the end of `dbr run`."""
     t = rep["totals"]
-    lines = [(f"dbr: {' '.join(rep['program'])} {how_it_ended(rep['exit_code'])} after "
+    lines = [(f"dbr: {program_text(rep['program'])} {how_it_ended(rep['exit_code'])} after "
               f"{rep['wall_s']:.2f} s; {len(rep['clients'])} client(s), {t['samples']} samples, "
               f"{t['patches_installed']} patches, {t['regions_installed']} regions installed")]
     if rep.get("service"):
         lines[0] += f" ({rep['service']} service)"
     if rep.get("note"):
         lines.append(f"dbr:   {rep['note']}")
-    for c in rep["clients"]:
+    shown, folded = folded_clients(rep["clients"])
+    for c in shown:
         lines.append(f"dbr:   pid {c['pid']} {c['exe']}: {c['samples']} samples "
                      f"via {c.get('sampling_source') or 'none'}, "
                      f"{c['patches_installed']} patches; regions: {regions_text(c)}")
@@ -123,4 +160,6 @@ def format_report(rep: dict[str, Any]) -> str:
             off = f"+{h['offset']:#x}" if h.get("offset") is not None else ""
             lines.append(f"dbr:     {h['fraction'] * 100:5.1f}%  {h['ip']:#x}  "
                          f"{h['module'].rsplit('/', 1)[-1]}{off}")
+    if folded:
+        lines.append(f"dbr:   {folded}")
     return "\n".join(lines)

@@ -159,3 +159,34 @@ def test_analyze_says_why_samples_miss_a_pie_binary(tmp_path):
                                str(samples)], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert "0 samples not placed" in ok.stdout, ok.stdout
+
+
+def test_the_run_summary_folds_quiet_clients_into_one_line():
+    """A script's short-lived children (shells, readlink) used to get a line each ('0
+    samples via none'); now the program's block comes first and the quiet rest share
+    one line.  A client dbr patched always keeps its block."""
+    from dbr_service.report import format_report, run_report
+
+    def client(pid, exe, samples, patches=0, regions=()):
+        return {"pid": pid, "exe": exe, "samples": samples, "patches_installed": patches,
+                "samples_in_replacement": 0, "samples_after_first_patch": 0,
+                "sampling_source": "perf" if samples else None, "hotspots": [],
+                "regions": [{"id": r, "state": "installed"} for r in regions]}
+
+    clients = [client(10, "/usr/bin/bash", 1), client(11, "/usr/bin/bash", 0),
+               client(12, "/usr/bin/readlink", 0), client(13, "/usr/bin/python3", 900),
+               client(14, "/usr/bin/bash", 0), client(15, "/opt/worker", 40, 2, ["r1"])]
+    text = format_report(run_report(["sh", "-c", "a\nb"], 0, 2.0, clients))
+    lines = text.splitlines()
+    assert "sh -c 'a\\nb' exited 0" in lines[0], lines[0]
+    assert [ln for ln in lines if "pid " in ln] == [
+        ln for ln in lines if "pid 13 " in ln or "pid 15 " in ln]
+    assert lines[-1] == ("dbr:   4 other clients, nothing hot, not patched: bash x3, "
+                         "readlink (1 samples in all)"), lines[-1]
+    # a run of one quiet program keeps its own block, and nothing is folded
+    one = format_report(run_report(["x"], 0, 1.0, [client(20, "/bin/x", 3)]))
+    assert "pid 20 /bin/x: 3 samples" in one and "other clients" not in one
+    # one quiet child beside the program: shown, not folded
+    two = format_report(run_report(["x"], 0, 1.0, [client(20, "/bin/x", 30),
+                                                   client(21, "/bin/sh", 0)]))
+    assert "pid 21 /bin/sh" in two and "other clients" not in two
