@@ -30,6 +30,9 @@ from dbr_service.paths import (AGENT_SOCKET, QUIET_FILE, agent_quiet, resolve_ru
                                untrusted_dir)
 from dbr_service.report import format_report, run_report
 
+#: Most pairs of `--compare` (dbr_service/compare.py, which is imported only then).
+MAX_PAIRS = 1000
+
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.config import ConfigSources
 
@@ -37,6 +40,7 @@ EPILOG = """examples:
   dbr run -- ./prog arg1 arg2
   dbr run --embedded --aggressive --report out.json -- ./prog
   dbr run -o sampling_source=agent-timer -o sample_period_us=250 -- ./prog
+  dbr run --compare 10 -- ./prog     # 10 alternated pairs: is it faster under dbr?
 """
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -56,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", dest="overrides", metavar="KEY=VALUE", action="append",
                         default=[], help="set a configuration key of the embedded service")
     parser.add_argument("--quiet", action="store_true", help="no report on stderr")
+    parser.add_argument("--compare", metavar="N", type=int,
+                        help="run PROG N times natively and N times under dbr, alternated "
+                             "(after one native warm-up run), outputs discarded and "
+                             "compared, and print dbr's time over native's with its "
+                             "interval; the exit status is PROG's, or 1 if a run's output "
+                             "or status differed")
     parser.add_argument("prog", nargs=argparse.REMAINDER, metavar="-- PROG ARGS",
                         help="the program to run and its arguments")
 
@@ -165,6 +175,10 @@ def run(args: argparse.Namespace) -> int:
     if not prog:
         print("dbr run: no program given (dbr run [OPTIONS] -- PROG ARGS)", file=sys.stderr)
         return 2
+    if args.compare is not None and not 1 <= args.compare <= MAX_PAIRS:
+        print(f"dbr run: --compare takes 1 to {MAX_PAIRS} pairs, not {args.compare}",
+              file=sys.stderr)
+        return 2
     why = report_path_problem(args.report) if args.report else None
     if why:
         print(f"dbr run: --report {args.report}: {why}", file=sys.stderr)
@@ -197,7 +211,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"dbr run: using the host service on {runtime_dir}; --aggressive/-o apply only "
               f"to an embedded service (add --embedded)", file=sys.stderr)
     try:
-        code = _run_prog(args, prog, agent, runtime_dir, embedded)
+        if args.compare is not None:
+            code = _compare(args, prog, agent, runtime_dir, embedded)
+        else:
+            code = _run_prog(args, prog, agent, runtime_dir, embedded)
     finally:
         if embedded is not None:
             embedded.stop()
@@ -365,6 +382,30 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
     if args.report:
         _write_report(args.report, rep)
     return exit_code
+
+
+def _compare(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir: Path,
+             embedded: EmbeddedService | None) -> int:
+    """`--compare N`: dbr_service/compare.py.  The service is up before the first run
+    and serves every dbr run, as on a host where dbr is deployed."""
+    from dbr_service.compare import CompareError, format_compare, run_pairs
+    from dbr_service.ctlclient import ControlClient
+
+    if embedded is not None and not _start_embedded(args, embedded):
+        return 1
+    say = (lambda _t: None) if args.quiet else (lambda t: print(f"dbr: {t}", file=sys.stderr))
+    control = ControlClient(runtime_dir)
+    try:
+        res = run_pairs(prog, args.compare, dict(os.environ), child_env(agent, runtime_dir),
+                        lambda pid: collect_report(control, pid), progress=say)
+    except CompareError as exc:
+        print(f"dbr run: {exc}", file=sys.stderr)
+        return 127
+    print(format_compare(res), file=sys.stderr)
+    if args.report:
+        _write_report(args.report, {"schema": "dbr.compare/1", "program": prog,
+                                    "service": "embedded" if embedded else "host", **res})
+    return 1 if res["mismatches"] else res["exit_code"]
 
 
 def report_path_problem(path: str) -> str | None:
