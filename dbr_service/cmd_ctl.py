@@ -2,7 +2,7 @@
 
 Verbs: status, clients [--all], waiting, hotspots PID [--top N], regions PID,
 region PID ID [--dot FILE | --svg FILE], unpatch PID [ID], pause [PID], resume [PID],
-config get [KEY], config set KEY VALUE, events, shutdown.
+config get [KEY], config set KEY VALUE, events [--follow], shutdown.
 Human-readable tables by default, --json for scripts.  Exit status: 0 ok, 1 the
 service refused the request or did not answer, 2 usage error.
 """
@@ -22,7 +22,8 @@ from dbr_service.speedcheck import verdict_text
 
 EPILOG = """examples:
   dbr ctl status
-  dbr ctl --json clients
+  dbr ctl --json clients               # or: dbr ctl clients --json
+  dbr ctl events --follow
   dbr ctl hotspots 1234 --top 5
   dbr ctl region 1234 r1 --dot r1.dot
   dbr ctl config set snapshot_interval_s 0.5
@@ -56,45 +57,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the raw JSON result")
     parser.add_argument("--timeout", type=float, default=1.5, metavar="S",
                         help="seconds to wait for the service (default 1.5)")
+    # the same two options after the verb (`dbr ctl clients --json`); SUPPRESS keeps
+    # the values given before the verb when they are not repeated
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print the raw JSON result")
+    common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, metavar="S",
+                        help="seconds to wait for the service (default 1.5)")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
-    sub.add_parser("status", help="version, uptime, sampling source, clients, config")
-    p = sub.add_parser("clients", help="connected clients")
+
+    def verb(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[common])
+
+    pid_help = "the client's process id (`dbr ctl clients` lists them)"
+    verb("status", "version, uptime, sampling source, clients, config")
+    p = verb("clients", "connected clients")
     p.add_argument("--all", action="store_true", help="also sessions that ended")
-    sub.add_parser("waiting", help="processes that carry the agent but have no session "
-                   "yet, and why")
-    p = sub.add_parser("hotspots", help="hottest addresses of a client")
-    p.add_argument("pid", type=_pid)
-    p.add_argument("--top", type=_positive, default=20)
-    p = sub.add_parser("regions", help="regions of a client")
-    p.add_argument("pid", type=_pid)
-    p = sub.add_parser("region", help="one region (JSON, or its graph with --dot/--svg)")
-    p.add_argument("pid", type=_pid)
-    p.add_argument("id")
+    verb("waiting", "processes that carry the agent but have no session yet, and why")
+    p = verb("hotspots", "hottest addresses of a client")
+    p.add_argument("pid", type=_pid, help=pid_help)
+    p.add_argument("--top", type=_positive, default=20, metavar="N",
+                   help="how many addresses, hottest first (default 20)")
+    p = verb("regions", "regions of a client")
+    p.add_argument("pid", type=_pid, help=pid_help)
+    p = verb("region", "one region (JSON, or its graph with --dot/--svg)")
+    p.add_argument("pid", type=_pid, help=pid_help)
+    p.add_argument("id", help="the region's id (r1, ...), as `dbr ctl regions PID` lists it")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--dot", metavar="FILE", help="write the region graph as DOT")
     g.add_argument("--svg", metavar="FILE", help="write the region graph as SVG")
-    p = sub.add_parser("unpatch", help="remove a client's patches (one region or all)")
-    p.add_argument("pid", type=_pid)
-    p.add_argument("id", nargs="?")
+    p = verb("unpatch", "remove a client's patches (one region or all); they stay out "
+                        "until `dbr ctl resume PID`")
+    p.add_argument("pid", type=_pid, help=pid_help)
+    p.add_argument("id", nargs="?", help="only this region (r1, ...); default: every region")
     for name in ("pause", "resume"):
-        p = sub.add_parser(name, help=f"{name} sampling of one client or of the service")
-        p.add_argument("pid", type=_pid, nargs="?")
-    p = sub.add_parser("config", help="config get [KEY] | config set KEY VALUE")
+        p = verb(name, f"{name} sampling of one client or of the service" +
+                 ("; resume also allows what `unpatch` held back" if name == "resume" else ""))
+        p.add_argument("pid", type=_pid, nargs="?",
+                       help=pid_help + "; default: the whole service")
+    p = verb("config", "config get [KEY] | config set KEY VALUE")
     csub = p.add_subparsers(dest="op", metavar="OP", required=True)
-    g = csub.add_parser("get")
-    g.add_argument("key", nargs="?")
-    s = csub.add_parser("set")
-    s.add_argument("key")
-    s.add_argument("value")
-    sub.add_parser("events", help="recent events")
-    sub.add_parser("shutdown", help="stop the service")
+    g = csub.add_parser("get", help="one key's value, or every key's",
+                        parents=[common])
+    g.add_argument("key", nargs="?", help="a configuration key (docs/operators.md)")
+    s = csub.add_parser("set", help="change a key the running service can change",
+                        parents=[common])
+    s.add_argument("key", help="a configuration key (docs/operators.md)")
+    s.add_argument("value", help="its new value, as in the configuration file")
+    p = verb("events", "recent events (installs, removals, sessions)")
+    p.add_argument("--follow", "-f", action="store_true",
+                   help="keep printing new events until interrupted (--json: one JSON "
+                        "object a line)")
+    p.add_argument("--since", type=int, default=0, metavar="SEQ",
+                   help="only events after this sequence number")
+    verb("shutdown", "stop the service")
 
 
 def request_of(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """The JSON verb and args of a parsed command line."""
     v = args.verb
-    if v in ("status", "shutdown", "events", "waiting"):
+    if v in ("status", "shutdown", "waiting"):
         return v, {}
+    if v == "events":
+        return v, ({"since": args.since} if args.since else {})
     if v == "clients":
         return v, {"all": args.all}
     if v == "hotspots":
@@ -139,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
     if why:
         print(f"dbr ctl: cannot write {out}: {why}", file=sys.stderr)
         return 2
+    if args.verb == "events" and args.follow:
+        return _follow(client, vargs.get("since", 0), args.json)
     try:
         reply = client.call(verb, vargs)
     except (OSError, TimeoutError) as exc:
@@ -167,6 +194,35 @@ def run(args: argparse.Namespace) -> int:
     elif not (args.verb == "region" and (args.dot or args.svg)):
         print(render(args.verb, result))
     return 0
+
+
+#: Seconds between two polls of `dbr ctl events --follow`.
+FOLLOW_POLL_S = 0.5
+
+
+def _follow(client: ControlClient, since: int, as_json: bool) -> int:
+    """`events --follow`: new events as they come, until interrupted (exit 0) or the
+    service stops answering (exit 1)."""
+    try:
+        while True:
+            try:
+                reply = client.call("events", {"since": since} if since else {})
+            except (OSError, TimeoutError) as exc:
+                print(f"dbr ctl: the service stopped answering: {exc}", file=sys.stderr)
+                return 1
+            if not reply.get("ok"):
+                err = reply.get("error", {})
+                print(f"dbr ctl: events refused: {err.get('message')}", file=sys.stderr)
+                return 1
+            events = reply["result"]
+            for e in events:
+                print(json.dumps(e, sort_keys=True) if as_json else render("events", [e]),
+                      flush=True)
+            if events:
+                since = max(since, max(int(e.get("seq", 0)) for e in events))
+            time.sleep(FOLLOW_POLL_S)
+    except KeyboardInterrupt:
+        return 0
 
 
 # --------------------------------------------------------------------------- tables

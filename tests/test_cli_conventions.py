@@ -190,3 +190,46 @@ def test_the_run_summary_folds_quiet_clients_into_one_line():
     two = format_report(run_report(["x"], 0, 1.0, [client(20, "/bin/x", 30),
                                                    client(21, "/bin/sh", 0)]))
     assert "pid 21 /bin/sh" in two and "other clients" not in two
+
+
+def test_json_after_the_verb_and_events_follow():
+    """`--json` is taken after the verb as before it; `dbr ctl events --follow` prints
+    events as they happen (a client's session, its region's install) and ends with
+    exit 0 on SIGINT; every verb's arguments have help."""
+    from service_helpers import build_example, kill, spawn_client
+
+    for verb in ("hotspots", "regions", "region", "unpatch", "pause", "resume"):
+        r = _dbr("ctl", verb, "--help")
+        assert r.returncode == 0 and "--json" in r.stdout, r.stderr
+        assert "the client's process id" in r.stdout, r.stdout
+    r = _dbr("ctl", "region", "--help")
+    assert "the region's id (r1, ...)" in r.stdout and "--follow" in _dbr(
+        "ctl", "events", "--help").stdout
+    prog = build_example("hotloop")
+    svc = ServiceProc("--aggressive").wait_ready()
+    env = dict(os.environ, DBR_RUNTIME_DIR=svc.dir)
+    follow = client = None
+    try:
+        before, after = _dbr("ctl", "--json", "status", env=env), \
+            _dbr("ctl", "status", "--json", env=env)
+        assert before.returncode == after.returncode == 0, after.stderr
+        assert json.loads(before.stdout)["pid"] == json.loads(after.stdout)["pid"]
+        follow = subprocess.Popen([*DBR, "ctl", "events", "--follow", "--json"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        client = spawn_client(svc.dir, [prog, "20000"])
+        svc.wait_for(lambda: _installed(svc, client.pid), timeout=20, what="a region")
+        time.sleep(1.0)                                   # two polls of --follow
+        follow.send_signal(signal.SIGINT)
+        out, err = follow.communicate(timeout=10)
+        assert follow.returncode == 0 and "Traceback" not in err, err
+        events = [json.loads(line) for line in out.splitlines()]
+        kinds = [e["event"] for e in events]
+        assert "patch-installed" in kinds, kinds
+        seqs = [e["seq"] for e in events]
+        assert seqs == sorted(set(seqs)), seqs              # each event once, in order
+    finally:
+        if follow is not None and follow.poll() is None:
+            follow.kill()
+            follow.wait()
+        kill(client)
+        svc.stop()
