@@ -331,8 +331,10 @@ def render(verb: str, result: Any) -> str:
                 f"{result['snapshots']} snapshots")
         rows = [[f"{h['fraction'] * 100:.1f}%", h["samples"], f"{h['ip']:#x}",
                  h["module"].rsplit("/", 1)[-1],
-                 "" if h["offset"] is None else f"{h['offset']:#x}"] for h in result["hotspots"]]
-        return head + "\n" + table(rows, ["SHARE", "SAMPLES", "IP", "MODULE", "OFFSET"])
+                 "" if h["offset"] is None else f"{h['offset']:#x}", h.get("symbol", "")]
+                for h in result["hotspots"]]
+        return head + "\n" + table(rows, ["SHARE", "SAMPLES", "IP", "MODULE", "OFFSET",
+                                          "FUNCTION"])
     if verb == "regions":
         head = f"pid {result['pid']}: {result['status']}"
         rows = [[r["id"], _state(r), r["blocks"], r["code_bytes"], _calls(r), _speed(r),

@@ -220,6 +220,7 @@ def verb_waiting(service: Service, args: dict[str, Any]) -> list[dict[str, Any]]
 @verb("hotspots", pid=Arg((int,), required=True), top=Arg((int,), default=20))
 def verb_hotspots(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Hottest addresses of one client, from every sample since it connected."""
+    from dbr_service.hotnames import name_hotspots
     from dbr_service.scheduler import find_hotspots
 
     top = _int_arg(args["top"], "top")
@@ -230,10 +231,10 @@ def verb_hotspots(service: Service, args: dict[str, Any]) -> dict[str, Any]:
         counts = dict(s.ip_counts)
         maps = list(s.maps)
         threads = {str(t): n for t, n in sorted(s.thread_samples.items())}
+    hot = find_hotspots(counts, maps, threshold=service.config.hot_threshold, top=top)
+    name_hotspots(hot, maps)
     return {"pid": s.pid, "samples": sum(counts.values()), "snapshots": s.snapshots,
-            "source": s.sampling_source_name, "threads": threads,
-            "hotspots": find_hotspots(counts, maps, threshold=service.config.hot_threshold,
-                                      top=top)}
+            "source": s.sampling_source_name, "threads": threads, "hotspots": hot}
 
 
 @verb("regions", pid=Arg((int,), required=True))

@@ -16,6 +16,9 @@ class MapEntry(NamedTuple):
     perms: str
     offset: int
     path: str
+    #: The file's device (major, minor) and inode; (0, 0) and 0 for anonymous memory.
+    dev: tuple[int, int] = (0, 0)
+    ino: int = 0
 
     @property
     def executable(self) -> bool:
@@ -38,8 +41,13 @@ def parse_maps(text: str) -> list[MapEntry]:
         if len(parts) < 5:
             continue
         lo, _, hi = parts[0].partition("-")
+        major, _, minor = parts[3].partition(":")
+        try:
+            dev, ino = (int(major, 16), int(minor, 16)), int(parts[4])
+        except ValueError:
+            dev, ino = (0, 0), 0
         out.append(MapEntry(int(lo, 16), int(hi, 16), parts[1], int(parts[2], 16),
-                            parts[5] if len(parts) > 5 else ""))
+                            parts[5] if len(parts) > 5 else "", dev, ino))
     return out
 
 

@@ -23,11 +23,14 @@ INSTALLED = "installed"
 
 def client_report(s: ClientSession) -> dict[str, Any]:
     """One client's entry (fixed field names, plus hot spots and the region status)."""
+    from dbr_service.hotnames import name_hotspots
     from dbr_service.scheduler import find_hotspots
 
+    hotspots = find_hotspots(dict(s.ip_counts), s.maps, threshold=s.service.config.hot_threshold,
+                             top=10)
+    name_hotspots(hotspots, s.maps)     # the last maps read while the client lived
     ttfp = (None if s.first_patch_mono is None
             else round(s.first_patch_mono - s.connected_mono, 3))
-    cfg = s.service.config
     return {
         "pid": s.pid, "ppid": s.ppid, "exe": s.exe,
         "samples": s.samples_total,
@@ -41,8 +44,7 @@ def client_report(s: ClientSession) -> dict[str, Any]:
         "regions": [r.to_json() for r in s.region_book.regions.values()],
         "sampling_source": s.sampling_source_name,
         "snapshots": s.snapshots,
-        "hotspots": find_hotspots(dict(s.ip_counts), s.maps, threshold=cfg.hot_threshold,
-                                  top=10),
+        "hotspots": hotspots,
         "region_status": s.region_status,
         "jobs_done": s.jobs_done,
         **s.cpu_budget.to_json(time.monotonic()),
@@ -158,8 +160,9 @@ def format_report(rep: dict[str, Any]) -> str:
                          f"{verdict_text(sc['verdict'], sc.get('ratio'))}")
         for h in c.get("hotspots", [])[:3]:
             off = f"+{h['offset']:#x}" if h.get("offset") is not None else ""
+            name = f"  {h['symbol']}" if h.get("symbol") else ""
             lines.append(f"dbr:     {h['fraction'] * 100:5.1f}%  {h['ip']:#x}  "
-                         f"{h['module'].rsplit('/', 1)[-1]}{off}")
+                         f"{h['module'].rsplit('/', 1)[-1]}{off}{name}")
     if folded:
         lines.append(f"dbr:   {folded}")
     return "\n".join(lines)

@@ -110,3 +110,39 @@ def test_analyze_names_addresses_of_a_pie_at_its_base(progs):
     assert name(0x555555554000 + lo) == " (helper)"
     assert name(0x10) == ""
     assert _namer(str(progs["stripped"]), None)(lo) == ""
+
+
+def test_hot_spots_are_named_only_from_the_file_the_maps_show(progs, tmp_path):
+    """dbr_service/hotnames.py: a hot spot gets ``symbol`` from its module file when
+    that path is a regular file with the maps' device and inode; a file replaced since
+    (another inode), a path that is no regular file or a stripped program: none."""
+    import os
+    import shutil
+
+    from dbr_service.hotnames import name_hotspots
+    from dbr_service.procmaps import MapEntry, parse_maps
+
+    exe = tmp_path / "pie"
+    shutil.copy(progs["pie"], exe)
+    st = os.stat(exe)
+    dev = (os.major(st.st_dev), os.minor(st.st_dev))
+    lo, size = _nm(exe)["helper"]
+    line = f"555555554000-555555556000 r-xp 00000000 {dev[0]:02x}:{dev[1]:02x} {st.st_ino}"
+    [m] = parse_maps(f"{line}    {exe}\n")
+    assert (m.dev, m.ino, m.path) == (dev, st.st_ino, str(exe))
+
+    def named(maps, module=str(exe), offset=lo + 2):
+        h = [{"module": module, "offset": offset, "ip": 0x555555554000}]
+        name_hotspots(h, maps)
+        return h[0].get("symbol")
+
+    assert named([m]) == "helper+0x2"
+    assert named([m], offset=lo) == "helper"
+    assert named([m._replace(ino=st.st_ino + 1)]) is None        # not the mapped file
+    assert named([m._replace(path="/dev/zero")], module="/dev/zero") is None
+    assert named([MapEntry(m.lo, m.hi, m.perms, 0, str(exe))]) is None   # no identity
+    assert named(None) is None and named([m], offset=None) is None
+    s = os.stat(progs["stripped"])
+    stripped = m._replace(path=str(progs["stripped"]), ino=s.st_ino,
+                          dev=(os.major(s.st_dev), os.minor(s.st_dev)))
+    assert named([stripped], module=str(progs["stripped"])) is None

@@ -1,0 +1,57 @@
+"""Function names for a client's hot spots (``dbr ctl hotspots``, `dbr run`'s report).
+
+A hot spot carries its module's path and its offset from the module's lowest mapping
+(scheduler.find_hotspots).  Its ``symbol`` is ``name+0xoff`` from that module file's
+``.symtab`` or ``.dynsym`` (symbols.py), read only when the file at that path is a
+regular file with the device and inode the client's maps show: the service is root,
+and a path in another process's maps names whatever that process chose, or a file
+replaced since it was mapped.  Where no symbol names the address, the hot spot gets
+no ``symbol`` (a stripped program without exported functions)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any, Iterable, Protocol
+
+from dbr_service.symbols import SymbolTable, symbols_of
+
+
+class FileMapping(Protocol):
+    """What a mapping needs for this (clientfiles.Mapping has it)."""
+
+    path: str
+    dev: tuple[int, int]
+    ino: int
+
+
+def mapped_symbols(path: str, dev: tuple[int, int], ino: int) -> SymbolTable | None:
+    """The symbols of ``path`` if it is the file mapped with ``dev`` and ``ino``."""
+    if not path.startswith("/"):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or \
+            (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) != (*dev, ino):
+        return None
+    table = symbols_of(path, st)
+    return table if len(table) else None
+
+
+def name_hotspots(hotspots: list[dict[str, Any]], maps: Iterable[FileMapping] | None) -> None:
+    """Add ``symbol`` to each hot spot the module file mapped at its path names."""
+    files = {m.path: (m.dev, m.ino) for m in maps or () if m.path.startswith("/")}
+    tables: dict[str, SymbolTable | None] = {}
+    for h in hotspots:
+        module, offset = h.get("module"), h.get("offset")
+        if module not in files or offset is None:
+            continue
+        if module not in tables:
+            tables[module] = mapped_symbols(module, *files[module])
+        table = tables[module]
+        hit = table.at_offset(offset) if table is not None else None
+        if hit is not None:
+            name, off = hit
+            h["symbol"] = f"{name}+{off:#x}" if off else name
