@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench.common import code_version, machine_details, results_dir
 from bench.long import report, runner, tools
-from bench.long.workloads import WORKLOADS, Ctx, Skip
+from bench.long.workloads import ON_REQUEST, WORKLOADS, Ctx, Skip
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "performance.md"
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="alternated rounds per workload (default 5; --quick 3)")
     ap.add_argument("--server-pairs", type=int, default=None,
                     help="rounds of the server workload (default 2; --quick 1)")
-    ap.add_argument("--only", default="", help="workloads: " + ",".join(WORKLOADS))
+    ap.add_argument("--only", default="", help="workloads: " + ",".join(WORKLOADS) +
+                    " (" + ",".join(sorted(ON_REQUEST)) + " only when named)")
     ap.add_argument("--configs", default=",".join(runner.DEFAULT_CONFIGS),
                     help="configurations (native always runs): " + ",".join(runner.CONFIGS))
     ap.add_argument("--setup", action="store_true",
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"   {c}: {why}")
         out.save()
         for name, prepare in WORKLOADS.items():
-            if only and name not in only:
+            if (only and name not in only) or (not only and name in ON_REQUEST):
                 continue
             entry: dict = {"status": "preparing"}
             data["workloads"][name] = entry

@@ -301,10 +301,57 @@ def redis(ctx: Ctx) -> Prepared:
         duration_s=REDIS_DURATION[ctx.quick])
 
 
+# ------------------------------------------------------------------ mislaid
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+MISLAID_ITERS = {True: 4_000_000_000, False: 20_000_000_000}
+
+
+def _build_mislaid(out: Path, extra: list[str]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cc = shutil.which("gcc")
+    if not cc:
+        raise Skip("skipped: no gcc to build examples/mislaid.c")
+    p = subprocess.run([cc, "-O2", "-no-pie", "-Wl,-q", *extra, "-o", str(out),
+                        str(EXAMPLES / "mislaid.c")], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise Skip(f"skipped: building examples/mislaid.c failed: {p.stderr.strip()[-300:]}")
+
+
+def mislaid(ctx: Ctx) -> Prepared:
+    """examples/mislaid.c: a loop whose compiled layout contradicts its profile (a branch
+    hint calls the common case rare).  Where layout alone pays: not one of the programs
+    users run, so not in the default set (``--only mislaid``)."""
+    src = EXAMPLES / "mislaid.c"
+    n = MISLAID_ITERS[ctx.quick]
+    d = ctx.cache / f"mislaid-{_key(src.read_text())}"
+    plain = d / "mislaid"
+    if not plain.exists():
+        _build_mislaid(plain, [])
+    pgo = d / "pgo" / "mislaid"
+    if not pgo.exists():
+        prof = d / "profile"
+        _build_mislaid(d / "gen" / "mislaid", [f"-fprofile-generate={prof}"])
+        subprocess.run([str(d / "gen" / "mislaid"), "100000000"], capture_output=True,
+                       timeout=120, check=True)
+        _build_mislaid(pgo, [f"-fprofile-use={prof}", "-Wno-missing-profile"])
+    return Prepared(
+        name="mislaid", kind="batch", binary=str(plain),
+        argv=lambda b: [b, str(n)],
+        what=f"examples/mislaid.c -O2 -no-pie -Wl,-q, {n} iterations (a loop laid out "
+             "against its profile)",
+        bolt_target=str(plain), train_argv=lambda b: [b, "400000000"],
+        train_what="400000000 iterations", pgo_binary=str(pgo),
+        notes=["PGO trained on 100000000 iterations"])
+
+
 WORKLOADS: dict[str, Callable[[Ctx], Prepared]] = {
     "python": python,
     "cc1": cc1,
     "sqlite3": sqlite,
     "lua": lua,
     "redis": redis,
+    "mislaid": mislaid,
 }
+#: Workloads that run only when ``--only`` names them.
+ON_REQUEST = {"mislaid"}
