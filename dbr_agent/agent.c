@@ -1756,6 +1756,7 @@ __attribute__((constructor)) static void dbr_agent_init(void)
     dbr_log("loaded: sync_core %d, census signal %d, sampler signal %d, agent [%#lx,%#lx)", g_sync_avail,
             g_cfg.census_sig, g_cfg.sampler_sig, (unsigned long)g_agent_lo, (unsigned long)g_agent_hi);
     g_quiet_ms = quiet_ms(&g_hinted);
+    dbr_jitdump_open();
     dbr_agent_start_thread(0);
 }
 

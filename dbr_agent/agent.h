@@ -265,4 +265,9 @@ void dbr_sampler_thread_exit(void);   /* calling thread: delete its timer */
 int dbr_sampler_arms_new(void);       /* timers armed for new threads (running, not listed) */
 void dbr_sampler_fork_child(void);
 
+/* ---- jitdump.c ---- */
+/* Constructor: with DBR_JITDUMP=1, /tmp/jit-PID.dump with its header, mapped
+ * executable, for `perf inject --jit`; the service appends the records. */
+void dbr_jitdump_open(void);
+
 #endif /* DBR_AGENT_H */

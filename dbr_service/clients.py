@@ -25,6 +25,7 @@ from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, Received
 from dbr_service.cadence import SessionCadence
 from dbr_service.clientfiles import USER_TOP, PerfMap, ProcHandle, safe_text
+from dbr_service.jitdump import JitDump
 from dbr_service.errors import AgentError, ProtocolError
 from dbr_service.paths import program_key
 from dbr_service.procfs import started_boottime, started_monotonic
@@ -168,6 +169,7 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
         #: The last speed-check command posted (control thread).
         self.speed_fut: Future | None = None
         self._perf_map: PerfMap | None = None
+        self._jitdump: JitDump | None = None
         self._maps_due = 0.0     # monotonic s a deferred maps reread is due (0: none)
         self._maps_read = 0.0    # monotonic s of the last reread
         self._alive_look = time.monotonic()
@@ -388,6 +390,8 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
         self.conn.close()
         if self._perf_map is not None:
             self._perf_map.close()
+        if self._jitdump is not None:
+            self._jitdump.close()
         self.proc.close()
         while True:  # fail whatever is still queued
             try:

@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", dest="overrides", metavar="KEY=VALUE", action="append",
                         default=[], help="set a configuration key of the embedded service")
     parser.add_argument("--quiet", action="store_true", help="no report on stderr")
+    parser.add_argument("--jitdump", action="store_true",
+                        help="let perf name replacement code: PROG's agent makes "
+                             "/tmp/jit-PID.dump and the service records each region there "
+                             "(perf record -k mono, then perf inject --jit)")
     parser.add_argument("--compare", metavar="N", type=int,
                         help="run PROG N times natively and N times under dbr, alternated "
                              "(after one native warm-up run), outputs discarded and "
@@ -314,6 +318,8 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
     # moments, so there the service is up first, as before.
     served = True
     env = child_env(agent, runtime_dir)
+    if args.jitdump:
+        env["DBR_JITDUMP"] = "1"
     if embedded is not None and args.aggressive:
         # up first: its hint (paths.QUIET_FILE, min_client_age_s 0) has the agent's
         # thread connect at once instead of staying quiet while PROG starts
@@ -396,7 +402,10 @@ def _compare(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir:
     say = (lambda _t: None) if args.quiet else (lambda t: print(f"dbr: {t}", file=sys.stderr))
     control = ControlClient(runtime_dir)
     try:
-        res = run_pairs(prog, args.compare, dict(os.environ), child_env(agent, runtime_dir),
+        denv = child_env(agent, runtime_dir)
+        if args.jitdump:
+            denv["DBR_JITDUMP"] = "1"
+        res = run_pairs(prog, args.compare, dict(os.environ), denv,
                         lambda pid: collect_report(control, pid), progress=say)
     except CompareError as exc:
         print(f"dbr run: {exc}", file=sys.stderr)

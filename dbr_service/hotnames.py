@@ -14,6 +14,7 @@ import os
 import stat
 from typing import Any, Iterable, Protocol
 
+from dbr_service.procmaps import MapEntry, find_mapping, module_base
 from dbr_service.symbols import SymbolTable, symbols_of
 
 
@@ -55,3 +56,17 @@ def name_hotspots(hotspots: list[dict[str, Any]], maps: Iterable[FileMapping] | 
         if hit is not None:
             name, off = hit
             h["symbol"] = f"{name}+{off:#x}" if off else name
+
+
+def name_address(addr: int, maps: list[MapEntry]) -> str:
+    """``function+0xoff`` for ``addr`` in a client (checked as above), else
+    ``module+0xoffset``, else the address."""
+    m = find_mapping(maps, addr)
+    if m is None or not m.path.startswith("/"):
+        return f"{addr:#x}"
+    off = addr - module_base(maps, m.path)
+    table = mapped_symbols(m.path, m.dev, m.ino)
+    hit = table.at_offset(off) if table is not None else None
+    if hit is not None:
+        return f"{hit[0]}+{hit[1]:#x}" if hit[1] else hit[0]
+    return f"{os.path.basename(m.path)}+{off:#x}"

@@ -15,7 +15,9 @@ from dbr_service.checked_conn import CheckedConnection
 from dbr_service.clientfiles import PerfMap
 from dbr_service.codegen.frames import CfiSource
 from dbr_service.errors import AgentError
+from dbr_service.hotnames import name_address
 from dbr_service.install import HELD, Installer, InstallState
+from dbr_service.jitdump import JitDump
 from dbr_service.optimize import Evaluator, install_regions, region_extent
 
 log = logging.getLogger("dbr.clients")
@@ -303,10 +305,31 @@ class SessionRegions:
         inst = self.installer
         return ip if inst is None else inst.attribute(ip)[0]
 
+    def _write_jitdump(self) -> None:
+        """A JIT_CODE_LOAD record for every region installed since the last call, when
+        the client's agent made /tmp/jit-PID.dump (DBR_JITDUMP=1; dbr_service/jitdump.py)."""
+        inst = self.installer
+        if inst is None:
+            return
+        if self._jitdump is None:
+            self._jitdump = JitDump(self.pid, self.uid)
+        for reg in list(inst.regions.values()):
+            if reg.state is not InstallState.INSTALLED or reg.region_id in self._jitdump.loaded:
+                continue
+            entry = min(reg.gen.entries, default=None)
+            where = name_address(entry, self.maps) if entry is not None else "?"
+            why = self._jitdump.load(reg.region_id, f"dbr:{where} [{reg.name}]", reg.gen.base,
+                                     bytes(reg.gen.code))
+            if why:
+                self.errors.append(f"jitdump: {why}")
+                log.info("pid %d: jitdump: %s", self.pid, why)
+                return
+
     def _write_perf_map(self) -> None:
         """/tmp/perf-PID.map names replacement code for `perf report`
         (clientfiles.PerfMap: created once, never through a link, never over a map
-        another writer owns, removed when the session ends)."""
+        another writer owns, removed when the session ends); the jitdump records too."""
+        self._write_jitdump()
         if not self.service.config.perf_map or self.installer is None:
             return
         if self._perf_map is None:
