@@ -216,6 +216,11 @@ class SessionRegions:
                 self.service.events.publish("patch-installed", pid=self.pid, region=rid,
                                             sites=len(reg.patched_sites),
                                             code_bytes=reg.gen.size)
+                entry = min(reg.gen.entries, default=None)
+                log.info("pid %d (%s): region %s installed at %s: %d site(s), %d bytes of "
+                         "code, %d real call(s)", self.pid, self.exe, rid,
+                         name_address(entry, self.maps) if entry is not None else "?",
+                         len(reg.patched_sites), reg.gen.size, len(reg.gen.calls))
         for rid, why in out.failed:
             self.errors.append(f"region {rid}: {why}")
         self._write_perf_map()
@@ -256,6 +261,7 @@ class SessionRegions:
             self.patches_removed += len(rec.sites)
         self.service.events.publish("patch-removed", pid=self.pid, region=rec.id,
                                     sites=len(rec.sites), why=why)
+        log.info("pid %d (%s): region %s removed: %s", self.pid, self.exe, rec.id, why)
 
     def _map_changed(self, lo: int, hi: int, req_id: int) -> None:
         """Session thread: unpatch regions that patch, copy or exit into [lo, hi), ACK."""
