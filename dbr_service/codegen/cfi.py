@@ -48,6 +48,7 @@ from typing import NamedTuple
 from dbr_service.codegen.cfi_encoding import (
     ABSPTR, INDIRECT, MASK64, RIP, SDATA4_PCREL, CfiError, Cur, Image, is_absolute, sleb,
     uleb)
+from dbr_service.codegen.cfi_lsda import build_lsda, map_call_sites, parse_lsda
 from dbr_service.codegen.cfi_parse import (
     Cfa, Cie, EhFrame, Fde, FrameTable, Row, Rule, evaluate, function_ranges, load_eh_frame,
     parse_eh_frame)
@@ -225,8 +226,6 @@ def translate(fde: Fde, layout, at: int, *, bias: int = 0,
     absolute (non-pcrel) personality, LSDA, landing-pad or type pointer in a module
     that is relocated (``bias`` != 0 or position-independent); an LSDA it cannot parse
     (pc-relative call-site encoding, uleb type entries, filters without a type table)."""
-    from dbr_service.codegen.cfi_lsda import build_lsda, map_call_sites, parse_lsda
-
     cie, what = fde.cie, f"FDE at {fde.addr:#x}"
     if at % 8:
         raise CfiError(f"blob address {at:#x} not 8-byte aligned (libgcc reads it aligned)")
@@ -343,8 +342,6 @@ def translate(fde: Fde, layout, at: int, *, bias: int = 0,
 def _verify(blob: CfiBlob, run_rows: list[list[Row]], sites: list) -> None:
     """Re-parse the blob as libgcc would and check every row and call site (a cheap guard
     against an encoder bug shipping wrong CFI)."""
-    from dbr_service.codegen.cfi_lsda import parse_lsda
-
     eh = parse_eh_frame(blob.data, blob.at, stop_at_terminator=True)
     got = [[(r.start, r.end, r.state()) for r in evaluate(f).rows] for f in eh.fdes]
     want = [[(r.start, r.end, r.state()) for r in rows] for rows in run_rows]
