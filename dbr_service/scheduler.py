@@ -154,7 +154,7 @@ def optimize_client(job: ClientJob) -> JobResult:
     """
     from dbr_service.config import Config
 
-    from dbr_service.region.discovery import DECODE_CACHE
+    from dbr_service.region.decode import DECODE_CACHE
 
     t0 = time.monotonic()
     # a worker runs one job at a time: its process's CPU since the end of its last job

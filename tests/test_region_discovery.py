@@ -962,7 +962,7 @@ def test_instructions_codegen_cannot_relocate_are_unsupported():
     """Discovery stops before what the relocator refuses, so regions exit there."""
     import capstone
 
-    from dbr_service.region.discovery import InsnKind, _classify
+    from dbr_service.region.decode import InsnKind, _classify
 
     md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
     md.detail = True

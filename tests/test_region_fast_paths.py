@@ -2,9 +2,9 @@
 
 * region/graphs.py (SCCs, cycles, backward reach, condensation sources/sinks on plain
   adjacency) against networkx on random graphs;
-* discovery's per-bytes instruction templates: the same bytes at another address give
-  the Insn a fresh capstone decode gives (direct targets and ``[rip+d]`` literals move
-  with the address, absolute literals do not).
+* the decoder's per-bytes instruction templates (region/decode.py): the same bytes at
+  another address give the Insn a fresh capstone decode gives (direct targets and
+  ``[rip+d]`` literals move with the address, absolute literals do not).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dbr_service.region import discovery as D
+from dbr_service.region import decode as D
 from dbr_service.region import graphs
 from dbr_service.region.memview import MappedRange, MemoryView
 

@@ -146,11 +146,11 @@ def test_second_client_of_a_binary_is_not_decoded_again(monkeypatch):
     instruction from the worker's module cache, decodes none, and selects the same
     code; a patched byte in it is still seen as one."""
     from dbr_service.procmaps import module_base, read_maps
-    from dbr_service.region import discovery
+    from dbr_service.region import decode
     from dbr_service.region.memview import LiveMemoryView
     from dbr_service.scheduler import ClientJob, optimize_client
 
-    monkeypatch.setattr(discovery, "DECODE_CACHE", discovery.ModuleDecodeCache())
+    monkeypatch.setattr(decode, "DECODE_CACHE", decode.ModuleDecodeCache())
     prog = build_example("hotloop")
     lo, hi = symbol_range(prog, "mix")
     procs = [subprocess.Popen([prog, "30000"], stdout=subprocess.DEVNULL) for _ in range(2)]
@@ -176,9 +176,9 @@ def test_second_client_of_a_binary_is_not_decoded_again(monkeypatch):
         # the cache holds the instruction; the job's patches still win
         view = LiveMemoryView(procs[1].pid)
         at = bases[1] + lo
-        dec = discovery.Decoder(view, patched=lambda a: a == at)
+        dec = decode.Decoder(view, patched=lambda a: a == at)
         assert dec.at(at) == "byte of an installed patch"
-        assert not isinstance(discovery.Decoder(view, None).at(at), str)
+        assert not isinstance(decode.Decoder(view, None).at(at), str)
         view.close()
     finally:
         for p in procs:
@@ -191,11 +191,11 @@ def test_code_that_differs_from_its_file_is_not_cached(monkeypatch):
     import signal
 
     from dbr_service.procmaps import module_base, read_maps
-    from dbr_service.region import discovery
+    from dbr_service.region import decode
     from dbr_service.region.memview import LiveMemoryView
 
-    cache = discovery.ModuleDecodeCache()
-    monkeypatch.setattr(discovery, "DECODE_CACHE", cache)
+    cache = decode.ModuleDecodeCache()
+    monkeypatch.setattr(decode, "DECODE_CACHE", cache)
     prog = build_example("hotloop")
     lo, _ = symbol_range(prog, "mix")
     procs = [subprocess.Popen([prog, "30000"], stdout=subprocess.DEVNULL) for _ in range(2)]
@@ -206,12 +206,12 @@ def test_code_that_differs_from_its_file_is_not_cached(monkeypatch):
         with open(f"/proc/{procs[0].pid}/mem", "r+b", buffering=0) as mem:
             mem.seek(base0 + lo)
             mem.write(b"\xcc")                       # an int3 nobody told the job of
-        got = discovery.Decoder(LiveMemoryView(procs[0].pid), None).at(base0 + lo)
+        got = decode.Decoder(LiveMemoryView(procs[0].pid), None).at(base0 + lo)
         assert isinstance(got, str) or got.size == 1
         assert not any(lo in m for m in cache.modules.values())
         base1 = module_base(read_maps(procs[1].pid), os.path.realpath(prog))
         hits = cache.hits
-        ins = discovery.Decoder(LiveMemoryView(procs[1].pid), None).at(base1 + lo)
+        ins = decode.Decoder(LiveMemoryView(procs[1].pid), None).at(base1 + lo)
         assert cache.hits == hits and not isinstance(ins, str) and ins.size > 1
         assert any(lo in m for m in cache.modules.values())   # the file's bytes: entered
     finally:

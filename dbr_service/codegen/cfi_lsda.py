@@ -30,7 +30,8 @@ import bisect
 import struct
 from dataclasses import dataclass
 
-from dbr_service.codegen.cfi import ABSPTR, INDIRECT, OMIT, ULEB, CfiError, Image, uleb
+from dbr_service.codegen.cfi_encoding import (
+    ABSPTR, INDIRECT, OMIT, ULEB, CfiError, Image, uleb)
 
 
 @dataclass(frozen=True)

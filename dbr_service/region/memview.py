@@ -140,7 +140,7 @@ class MemoryView(abc.ABC):
         """For code that any process mapping the same file holds alike: (the file's
         identity, the address its offset 0 is mapped at, the end of the mapping), else
         None.  Decoded instructions are cached by identity and offset across jobs and
-        clients (discovery.ModuleDecodeCache); views that cannot vouch for their bytes
+        clients (decode.ModuleDecodeCache); views that cannot vouch for their bytes
         answer None."""
         return None
 
