@@ -44,11 +44,11 @@ clean:
 	$(MAKE) -C dbr_agent clean
 	rm -rf build *.egg-info
 
-# issue 6: the comparison and scaling benchmarks in quick mode (< 3 min)
+# the comparison and scaling benchmarks in quick mode (< 3 min)
 bench-quick: build
 	$(PY) -m bench --quick compare scaling
 
-# issue 35: long-running programs (15-60 s) under dbr, BOLT and PGO.  bench-setup
+# long-running programs (15-60 s) under dbr, BOLT and PGO.  bench-setup
 # installs what they need (apt: bolt-19 linux-perf redis-server redis-tools sqlite3;
 # PyPI: the lupa sdist, for Lua's sources); bench-long takes about 45 minutes,
 # bench-long-quick under 10.  Results in bench/results/long-<timestamp>/.

@@ -25,14 +25,14 @@ NAMED_ONLY = {
 
 # name -> module with main(argv) -> int, in the order they run.
 BENCHMARKS = [
-    ("agent_overhead", "bench.agent_overhead"),      # issue 2: the agent, never patched
-    ("sampling_overhead", "bench.sampling_overhead"),  # issue 3: what sampling costs
-    ("compare", "bench.compare"),     # issue 6: dbr vs native, PGO, perf, valgrind
-    ("codegen_rate", "bench.codegen_rate"),  # issue 5: replacement-code bytes per second
+    ("agent_overhead", "bench.agent_overhead"),      # the agent, never patched
+    ("sampling_overhead", "bench.sampling_overhead"),  # what sampling costs
+    ("compare", "bench.compare"),     # dbr vs native, PGO, perf, valgrind
+    ("codegen_rate", "bench.codegen_rate"),  # replacement-code bytes per second
     ("pipeline_rate", "bench.pipeline_rate"),  # region selection on cc1: instructions/s
-    ("scaling", "bench.scaling"),     # issue 6: 1..64 clients under one service
-    ("steady_state", "bench.steady_state"),  # issue 5: long runs, sampling backoff
-    ("long", "bench.long.main"),      # issue 35: 15-60 s programs vs BOLT and PGO
+    ("scaling", "bench.scaling"),     # 1..64 clients under one service
+    ("steady_state", "bench.steady_state"),  # long runs, sampling backoff
+    ("long", "bench.long.main"),      # 15-60 s programs vs BOLT and PGO
 ]
 
 

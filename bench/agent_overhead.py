@@ -1,4 +1,4 @@
-"""What the agent costs a client that is never patched (issue 2, item 6).
+"""What the agent costs a client that is never patched.
 
 * start-up: a trivial program with vs. without LD_PRELOAD of the agent (no
   service answering: the agent is dormant), many alternated runs, median delta.

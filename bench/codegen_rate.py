@@ -1,4 +1,4 @@
-"""Code generation throughput: bytes of replacement code emitted per second (issue 5).
+"""Code generation throughput: bytes of replacement code emitted per second.
 
 For each workload of ``bench/suite.py`` (C programs and real programs, same inputs
 as ``compare``): start it natively, sample it with perf cpu-clock for a short window

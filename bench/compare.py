@@ -1,4 +1,4 @@
-"""Where dbr stands against the alternatives, per workload (issue 6).
+"""Where dbr stands against the alternatives, per workload.
 
 The configurations of ``bench/configs.py`` (native, dbr, dbr-host, dbr-preload,
 thread-only, dbr-sampling, perf, valgrind, pgo), side by side on every workload of

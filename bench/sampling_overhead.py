@@ -1,4 +1,4 @@
-"""What sampling costs (issue 3, item 6).
+"""What sampling costs.
 
 * client overhead: a CPU-bound program natively vs. under a host `dbr service` with
   default settings and patching off (sampling only), A/B alternated, median ratio;

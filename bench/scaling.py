@@ -1,4 +1,4 @@
-"""One service, N concurrent clients (issue 6): N = 1, 8, 32, 64 (quick: 1, 8).
+"""One service, N concurrent clients: N = 1, 8, 32, 64 (quick: 1, 8).
 
 For each N: start ``dbr service`` (default settings) with a private DBR_RUNTIME_DIR
 and wait for its READY=1 (NOTIFY_SOCKET; polling the control socket as a fallback);

@@ -1,5 +1,5 @@
 """What a long-running program pays on a deployed host once it has nothing left to
-optimize (issue 5, item 5: "no workload slower than native by more than 1 %").
+optimize (the target: no workload slower than native by more than 1 %).
 
 Each workload runs for tens of seconds, three ways, alternated round by round (round
 i starts at configuration i mod 3, after one unrecorded warm-up round):

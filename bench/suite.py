@@ -1,4 +1,4 @@
-"""The workloads of the comparison benchmark (issue 6) and how to prepare them.
+"""The workloads of the comparison benchmark and how to prepare them.
 
 Two kinds:
 

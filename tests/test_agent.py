@@ -1,8 +1,8 @@
 """libdbr_agent.so driven by the fake service (tests/harness.py).
 
-Covers issue 2's "what it must show" 2-5: live patching of a multi-threaded
-program, the patch storm for every protocol variant and site offset, dlclose,
-fork and service death, the PC census, and refusal of bad input.
+Live patching of a multi-threaded program, the patch storm for every protocol
+variant and site offset, dlclose, fork and service death, the PC census, and refusal
+of bad input.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The comparison benchmark's runner (issue 6) on tiny workloads: JSON structure, ratio
+"""The comparison benchmark's runner on tiny workloads: JSON structure, ratio
 arithmetic, a FAILURE row when a configuration's output differs, a skipped workload
 when its tool is missing from PATH, a crashed workload reported as such while the
 results so far are already on disk."""

@@ -3,7 +3,7 @@
 Each program's output must equal its native run's, byte for byte, whatever dbr
 did.  Where dbr can optimize the program, at least one region must be installed
 and, for the loop-dominated ones at -O2, at least 90% of the samples after the
-first patch must land in replacement code (issue 5; measured 99-100% on this
+first patch must land in replacement code (measured 99-100% on this
 2-core machine).  A region goes live by a patch or, where no patch point runs
 again (a loop run once per call), by the agent moving the thread in (TRANSFER).
 Programs dbr cannot optimize would be marked xfail(strict) with the reason, so

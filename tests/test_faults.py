@@ -1,4 +1,4 @@
-"""Faults around installation (issue 5, item 4): each leaves the client correct and
+"""Faults around installation: each leaves the client correct and
 the service side serving.
 
 * a service killed after writing replacement code and before patching: the client never

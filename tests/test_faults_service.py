@@ -1,4 +1,4 @@
-"""Faults at the level of the real service daemon (issue 5, item 4): the client stays
+"""Faults at the level of the real service daemon: the client stays
 correct and the service goes on serving other clients.
 
 * No code buffer can be placed within +-2 GiB of the client's code: the client has

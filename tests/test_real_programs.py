@@ -143,8 +143,8 @@ def test_real_program_output_identical(name, real_calls, inputs, tmp_path):
 
 
 def test_real_programs_got_patched():
-    """Runs after the others (file order): issue 5's "patches installed in most of
-    them".  5 of 7 are patched in these runs (gzip, xz, zstd, bzip2, perl); sqlite3's
+    """Runs after the others (file order): patches are installed in most of
+    them.  5 of 7 are patched in these runs (gzip, xz, zstd, bzip2, perl); sqlite3's
     and python3's flat profiles give no region that passes selection in 2 s, and one
     of the five may finish before its first job on a loaded machine."""
     if len(RESULTS) < 4:

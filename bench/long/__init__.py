@@ -1,1 +1,1 @@
-"""The long-running benchmark (issue 35): `python -m bench long`; see bench/long/main.py."""
+"""The long-running benchmark: `python -m bench long`; see bench/long/main.py."""

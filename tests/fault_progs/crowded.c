@@ -1,6 +1,6 @@
 /* A hot loop in a process that has first filled every free byte of address space
  * within 2.2 GiB of its own code with PROT_NONE reservations: no code buffer can be
- * placed within rel32 reach of it (issue 5, item 4). */
+ * placed within rel32 reach of it. */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <stdio.h>
