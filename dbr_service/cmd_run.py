@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", dest="overrides", metavar="KEY=VALUE", action="append",
                         default=[], help="set a configuration key of the embedded service")
     parser.add_argument("--quiet", action="store_true", help="no report on stderr")
+    parser.add_argument("--json", action="store_true",
+                        help="the report on stderr as dbr.run/1 JSON (dbr.compare/1 with "
+                             "--compare) instead of lines; PROG's own output keeps stdout")
     parser.add_argument("--jitdump", action="store_true",
                         help="let perf name replacement code: PROG's agent makes "
                              "/tmp/jit-PID.dump and the service records each region there "
@@ -384,7 +387,7 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
                      service="embedded" if embedded is not None else "host",
                      runtime_dir=str(runtime_dir), **extra)
     if not args.quiet:
-        print(format_report(rep), file=sys.stderr)
+        print(json.dumps(rep, indent=2) if args.json else format_report(rep), file=sys.stderr)
     if args.report:
         _write_report(args.report, rep)
     return exit_code
@@ -399,7 +402,8 @@ def _compare(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir:
 
     if embedded is not None and not _start_embedded(args, embedded):
         return 1
-    say = (lambda _t: None) if args.quiet else (lambda t: print(f"dbr: {t}", file=sys.stderr))
+    say = ((lambda _t: None) if args.quiet or args.json
+           else (lambda t: print(f"dbr: {t}", file=sys.stderr)))
     control = ControlClient(runtime_dir)
     try:
         denv = child_env(agent, runtime_dir)
@@ -410,10 +414,11 @@ def _compare(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir:
     except CompareError as exc:
         print(f"dbr run: {exc}", file=sys.stderr)
         return 127
-    print(format_compare(res), file=sys.stderr)
+    doc = {"schema": "dbr.compare/1", "program": prog,
+           "service": "embedded" if embedded else "host", **res}
+    print(json.dumps(doc, indent=2) if args.json else format_compare(res), file=sys.stderr)
     if args.report:
-        _write_report(args.report, {"schema": "dbr.compare/1", "program": prog,
-                                    "service": "embedded" if embedded else "host", **res})
+        _write_report(args.report, doc)
     return 1 if res["mismatches"] else res["exit_code"]
 
 

@@ -138,3 +138,15 @@ def test_the_demo_names_the_region_it_shows(tmp_path):
         "demo: region r1 installed: entry work+0x13; 5 blocks copied into 61 bytes, laid "
         "out by ext-tsp",
         "demo: 75% of the samples after the first patch (0.25 s) ran in the copy"]
+
+
+def test_run_json_puts_the_report_on_stderr(progs):
+    """`dbr run --json`: the dbr.run/1 document on stderr instead of the lines (PROG's
+    output keeps stdout); with --compare, dbr.compare/1."""
+    r = subprocess.run(DBR + ["run", "--embedded", "--json", "--", str(progs)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().isdigit(), (r.stdout, r.stderr)
+    assert json.loads(r.stderr)["schema"] == "dbr.run/1"
+    r = _compare("--json", "--compare", "1", "--", str(progs))
+    doc = json.loads(r.stderr)
+    assert r.returncode == 0 and doc["schema"] == "dbr.compare/1" and doc["pairs"] == 1
