@@ -30,7 +30,7 @@ from dbr_service.paths import program_key
 from dbr_service.procfs import started_boottime, started_monotonic
 from dbr_service.procmaps import MapEntry, parse_maps
 from dbr_service.reuse import Job
-from dbr_service.scheduler import CpuBudget
+from dbr_service.scheduler import CpuBudget, find_hotspots
 from dbr_service.install import Installer
 from dbr_service.optimize import Evaluator
 from dbr_service.session_regions import RegionBook, SessionRegions
@@ -533,7 +533,30 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
                 "close_reason": self.close_reason, "errors": list(self.errors)[-3:]}
 
     def report(self) -> dict[str, Any]:
-        """This client's entry of a dbr.run/1 report (docs/architecture.md, "Reports")."""
-        from dbr_service.report import client_report
-
-        return client_report(self)
+        """This client's entry of a dbr.run/1 report (docs/architecture.md, "Reports"):
+        fixed field names, plus hot spots and the region status."""
+        ttfp = (None if self.first_patch_mono is None
+                else round(self.first_patch_mono - self.connected_mono, 3))
+        cfg = self.service.config
+        return {
+            "pid": self.pid, "ppid": self.ppid, "exe": self.exe,
+            "samples": self.samples_total,
+            "samples_after_first_patch": self.samples_after_first_patch,
+            "samples_in_replacement": self.samples_in_replacement,
+            "time_to_first_patch_s": ttfp,
+            "patches_installed": self.patches_installed,
+            "patches_removed": self.patches_removed,
+            "regions_went_live": self.regions_went_live,
+            **self.threads_moved(),
+            "regions": [r.to_json() for r in self.region_book.regions.values()],
+            "sampling_source": self.sampling_source_name,
+            "snapshots": self.snapshots,
+            "hotspots": find_hotspots(dict(self.ip_counts), self.maps,
+                                      threshold=cfg.hot_threshold, top=10),
+            "region_status": self.region_status,
+            "jobs_done": self.jobs_done,
+            **self.cpu_budget.to_json(time.monotonic()),
+            "speed_checks": list(self.speed_checks),
+            "timeline": dict(self.timeline),
+            "close_reason": self.close_reason,
+        }
