@@ -36,8 +36,9 @@ from dbr_service import agentconn
 from dbr_service import protocol as P
 from dbr_service.clients import ClientSession, SessionState
 from dbr_service.config import Config, ConfigSources
-from dbr_service.control import ControlServer, EventBus
+from dbr_service.control import ControlServer
 from dbr_service.errors import ConfigError, ServiceError
+from dbr_service.events import EventBus
 from dbr_service.notify import Notifier
 from dbr_service.paths import AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET, quiet_hint_ms
 from dbr_service.clientfiles import remove_stale_perf_maps
