@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, Received
@@ -40,8 +40,11 @@ from dbr_service.session_threads import ThreadTracker
 from dbr_service.speedcheck import SpeedCheck
 
 if TYPE_CHECKING:  # pragma: no cover
+    from dbr_service.config import Config
+    from dbr_service.events import EventBus
+    from dbr_service.reuse import ReusedThreads
     from dbr_service.sampling.base import SamplingSource
-    from dbr_service.service import Service
+    from dbr_service.session_threads import ShortThreadPrograms
 
 log = logging.getLogger("dbr.clients")
 
@@ -63,6 +66,23 @@ NOTE_MAX = 400
 
 
 # --------------------------------------------------------------------------- session
+class SessionHost(Protocol):
+    """What a session needs of the service that runs it (service.Service): its
+    configuration, events and session threads, and to be told when the session
+    starts, is refused or ends.  The session never imports the service."""
+
+    config: Config
+    events: EventBus
+    session_threads: ReusedThreads
+    short_thread_programs: ShortThreadPrograms
+
+    def session_started(self, s: ClientSession) -> None: ...
+
+    def session_refused(self, s: ClientSession, why: str, peer_gone: bool = False) -> None: ...
+
+    def session_ended(self, s: ClientSession, leftover: list | None = None) -> None: ...
+
+
 class SessionState(str, enum.Enum):
     HANDSHAKE = "handshake"
     CONNECTED = "connected"
@@ -84,7 +104,7 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
     (single attribute reads); compound updates hold ``self.lock``.
     """
 
-    def __init__(self, service: Service, conn: AgentConnection, session_id: int) -> None:
+    def __init__(self, service: SessionHost, conn: AgentConnection, session_id: int) -> None:
         self.service = service
         self.conn = conn
         self.session_id = session_id
