@@ -71,6 +71,7 @@ def test_schedule_hottest_first_and_worker_result():
 def test_agent_timer_fallback_when_perf_refused(monkeypatch):
     from dbr_service import service as service_mod
     from dbr_service import snapshots
+    from dbr_service.control import ControlServer
 
     def refused(session, cfg, kind):
         raise SamplingError("perf_event_open: Permission denied (simulated)")
@@ -78,7 +79,8 @@ def test_agent_timer_fallback_when_perf_refused(monkeypatch):
     monkeypatch.setattr(snapshots, "make_perf_source", refused)
     rdir = tempfile.mkdtemp(prefix="dbr-fallback-")
     env = dict(os.environ, DBR_RUNTIME_DIR=rdir)
-    svc = service_mod.Service(ConfigSources(aggressive=True, env=env), embedded=True)
+    svc = service_mod.Service(ConfigSources(aggressive=True, env=env),
+                              control_server=ControlServer, embedded=True)
     svc.start()
     assert svc.source_kind.startswith("perf-")
     t = threading.Thread(target=svc.run, daemon=True)

@@ -22,12 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "dbr_service"
 
 #: Strongly connected components of the whole import graph (module-level and deferred
-#: imports together).  Each is a cycle only through deferred imports: the service
-#: starts the control socket, whose verbs name the service for type checking; cfi imports
+#: imports together).  Each is a cycle only through deferred imports: cfi imports
 #: cfi_lsda (which uses cfi's decoders) inside functions; layout and exttsp import
 #: each other inside functions.
 KNOWN_CYCLES = {
-    frozenset({"dbr_service.control", "dbr_service.service"}),
     frozenset({"dbr_service.codegen.cfi", "dbr_service.codegen.cfi_lsda"}),
     frozenset({"dbr_service.codegen.exttsp", "dbr_service.codegen.layout"}),
 }
