@@ -227,54 +227,6 @@ def quick_job(jobs_done: int, has_regions: bool) -> bool:
     return jobs_done < QUICK_JOBS and not has_regions
 
 
-#: Snapshots in a row that changed nothing before a client's sampling backs off.  The
-#: first snapshots after an installation keep the full rate, so its evaluation (grace,
-#: cold and not-effective verdicts) sees as many windows as before; so do a client's
-#: first QUICK_JOBS + 1 jobs (results.py: a quick job that finds nothing is no sign that
-#: nothing is left to find).
-QUIET_BEFORE_BACKOFF = 3
-
-
-def sampling_interval(cfg: Any, quiet: int) -> float:
-    """Seconds from one of a client's sampling windows to its next, after ``quiet``
-    snapshots in a row that changed nothing for it (no new region selected, none
-    installed or removed, no code mapped or unmapped).  Doubles from
-    ``snapshot_interval_s`` up to ``snapshot_backoff_max_s``: a program with nothing
-    left to do pays for sampling an eighth as often at the defaults (1 s -> 8 s)."""
-    base = cfg.snapshot_interval_s
-    cap = max(base, cfg.snapshot_backoff_max_s)
-    if cfg.continuous_sampling or quiet < QUIET_BEFORE_BACKOFF:
-        return base
-    return min(cap, base * 2.0 ** min(32, quiet - QUIET_BEFORE_BACKOFF + 1))
-
-
-# --------------------------------------------------------------------------- job cadence
-def hot_addresses(counts: dict[int, int], threshold: float) -> frozenset[int]:
-    """The addresses holding at least ``threshold`` of ``counts``' samples."""
-    total = sum(counts.values())
-    if not total:
-        return frozenset()
-    need = max(1.0, threshold * total)
-    return frozenset(ip for ip, n in counts.items() if n >= need)
-
-
-def newly_hot(counts: dict[int, int], before: frozenset[int], threshold: float) -> bool:
-    """Whether an address is hot (``threshold``) in ``counts`` that was not even half as
-    hot in the last job's input (``before``: hot_addresses at threshold / 2).  Selection
-    grows regions from hot code: when nothing new is hot, a job would select what the
-    last one did.  The half-threshold margin keeps sampling noise at the edge (7 or 8
-    samples of 800) from counting as news."""
-    return not hot_addresses(counts, threshold) <= before
-
-
-def next_job_gap(cfg: Any, gap_s: float, changed: bool) -> float:
-    """Seconds from a client's job to its next one: 0 after a job that changed something,
-    else doubling from ``snapshot_interval_s`` up to ``job_backoff_max_s``."""
-    if changed:
-        return 0.0
-    return min(cfg.job_backoff_max_s, max(cfg.snapshot_interval_s, 2.0 * gap_s))
-
-
 # --------------------------------------------------------------------------- CPU budget
 def client_cpu_s(pid: int) -> float | None:
     """utime + stime of every thread of process ``pid`` (/proc/PID/stat), seconds."""
