@@ -42,7 +42,7 @@ class SessionCadence:
 #: Snapshots in a row that changed nothing before a client's sampling backs off.  The
 #: first snapshots after an installation keep the full rate, so its evaluation (grace,
 #: cold and not-effective verdicts) sees as many windows as before; so do a client's
-#: first QUICK_JOBS + 1 jobs (results.py: a quick job that finds nothing is no sign that
+#: first QUICK_JOBS + 1 jobs (worker.py, results.py: a quick job that finds nothing is no sign that
 #: nothing is left to find).
 QUIET_BEFORE_BACKOFF = 3
 

@@ -30,7 +30,7 @@ from dbr_service.paths import program_key
 from dbr_service.procfs import started_boottime, started_monotonic
 from dbr_service.procmaps import MapEntry, parse_maps
 from dbr_service.reuse import Job
-from dbr_service.scheduler import CpuBudget, find_hotspots
+from dbr_service.scheduler import CpuBudget
 from dbr_service.install import Installer
 from dbr_service.optimize import Evaluator
 from dbr_service.session_regions import RegionBook, SessionRegions
@@ -38,6 +38,7 @@ from dbr_service.session_sampling import SessionSampling
 from dbr_service.session_speed import SPEED_CHECKS_KEPT, SessionSpeedChecks
 from dbr_service.session_threads import ThreadTracker
 from dbr_service.speedcheck import SpeedCheck
+from dbr_service.worker import find_hotspots
 
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.config import Config

@@ -219,7 +219,7 @@ def verb_waiting(service: Service, args: dict[str, Any]) -> list[dict[str, Any]]
 @verb("hotspots", pid=Arg((int,), required=True), top=Arg((int,), default=20))
 def verb_hotspots(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Hottest addresses of one client, from every sample since it connected."""
-    from dbr_service.scheduler import find_hotspots
+    from dbr_service.worker import find_hotspots
 
     top = _int_arg(args["top"], "top")
     if top > MAX_TOP:

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 from dbr_service.errors import SamplingError
 from dbr_service.sampling.aggregate import SampleAggregator
 from dbr_service.cadence import hot_addresses, newly_hot, sampling_interval
-from dbr_service.scheduler import QUICK_JOBS, ClientJob, budget_limit, client_cpu_s, quick_job
+from dbr_service.scheduler import budget_limit, client_cpu_s
 from dbr_service.sources import make_agent_timer_source, make_perf_source
 from dbr_service.speedcheck import SETTLE_PHASES
+from dbr_service.worker import QUICK_JOBS, ClientJob, quick_job
 
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.clients import ClientSession

@@ -15,7 +15,8 @@ from service_helpers import agent_path, build_example, kill, spawn_client, symbo
 from dbr_service.procmaps import MapEntry
 from dbr_service.config import Config, ConfigSources
 from dbr_service.errors import SamplingError
-from dbr_service.scheduler import ClientJob, JobResult, Scheduler, auto_workers, find_hotspots
+from dbr_service.scheduler import Scheduler, auto_workers
+from dbr_service.worker import ClientJob, JobResult, find_hotspots
 
 MAPS = [MapEntry(0x400000, 0x401000, "r--p", 0, "/bin/prog"),
         MapEntry(0x401000, 0x402000, "r-xp", 0x1000, "/bin/prog"),
@@ -162,8 +163,8 @@ def test_quick_job_takes_the_short_reach(monkeypatch):
     import dataclasses
 
     import dbr_service.region.pipeline as pl
-    from dbr_service.scheduler import (QUICK_ALL_SEEDS_MAX, QUICK_MAX_BLOCKS, QUICK_REACH,
-                                       QUICK_SEED_MIN, select_client_regions)
+    from dbr_service.worker import (QUICK_ALL_SEEDS_MAX, QUICK_MAX_BLOCKS, QUICK_REACH,
+                                    QUICK_SEED_MIN, select_client_regions)
 
     seen = []
     seeds = []
@@ -194,7 +195,7 @@ def test_quick_job_takes_the_short_reach(monkeypatch):
 def test_quick_jobs_until_a_region_or_three_jobs():
     """Jobs stay quick while the client has no region, at most QUICK_JOBS of them; a
     client with a region, or after QUICK_JOBS jobs, gets the full search."""
-    from dbr_service.scheduler import QUICK_JOBS, quick_job
+    from dbr_service.worker import QUICK_JOBS, quick_job
 
     assert QUICK_JOBS >= 2
     assert [quick_job(n, False) for n in range(QUICK_JOBS + 2)] == \
@@ -205,7 +206,7 @@ def test_quick_jobs_until_a_region_or_three_jobs():
 def test_set_thread_nice_is_per_thread():
     """Niceness is a thread's own on Linux: a job thread's does not change the
     others' (the service's control thread keeps its priority)."""
-    from dbr_service.scheduler import set_thread_nice
+    from dbr_service.worker import set_thread_nice
 
     main = os.getpriority(os.PRIO_PROCESS, 0)
     seen = {}
@@ -228,7 +229,7 @@ def test_autogroup_nice_is_tried_again_when_the_kernel_says_later(monkeypatch):
     import errno
     import io
 
-    from dbr_service import scheduler
+    from dbr_service import worker
 
     state = {"nice": 0, "busy": 1, "writes": 0}
 
@@ -247,12 +248,12 @@ def test_autogroup_nice_is_tried_again_when_the_kernel_says_later(monkeypatch):
         assert path == "/proc/self/autogroup"
         return Writer() if "w" in mode else io.StringIO(f"/autogroup-9 nice {state['nice']}\n")
 
-    monkeypatch.setattr(scheduler, "open", fake_open, raising=False)
-    monkeypatch.setattr(scheduler, "_OWN_AUTOGROUP", False)
-    assert scheduler.set_autogroup_nice(19) is False and state["writes"] == 0
-    monkeypatch.setattr(scheduler, "_OWN_AUTOGROUP", True)
-    assert scheduler.set_autogroup_nice(19) is True
+    monkeypatch.setattr(worker, "open", fake_open, raising=False)
+    monkeypatch.setattr(worker, "_OWN_AUTOGROUP", False)
+    assert worker.set_autogroup_nice(19) is False and state["writes"] == 0
+    monkeypatch.setattr(worker, "_OWN_AUTOGROUP", True)
+    assert worker.set_autogroup_nice(19) is True
     assert state == {"nice": 19, "busy": 0, "writes": 2}
-    assert scheduler.set_autogroup_nice(19) is True and state["writes"] == 2  # as it is
+    assert worker.set_autogroup_nice(19) is True and state["writes"] == 2  # as it is
     state["busy"] = 2                      # refused twice: left for the next job
-    assert scheduler.set_autogroup_nice(5) is False and state["nice"] == 19
+    assert worker.set_autogroup_nice(5) is False and state["nice"] == 19
