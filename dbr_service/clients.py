@@ -30,7 +30,7 @@ from dbr_service.paths import program_key
 from dbr_service.procfs import started_boottime, started_monotonic
 from dbr_service.procmaps import MapEntry, parse_maps
 from dbr_service.reuse import Job
-from dbr_service.scheduler import CpuBudget
+from dbr_service.budget import CpuBudget
 from dbr_service.install import Installer
 from dbr_service.optimize import Evaluator
 from dbr_service.session_regions import RegionBook, SessionRegions
@@ -165,7 +165,7 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
         self.jobs_done = 0
         #: How often it is sampled and gets a region job (cadence.py).
         self.cadence = SessionCadence()
-        #: The service's CPU spent on this client against its own (scheduler.CpuBudget);
+        #: The service's CPU spent on this client against its own (budget.CpuBudget);
         #: ``session_cpu_s`` is this session thread's CPU time so far, ``control_cpu_s``
         #: its share of the control thread's (snapshots.SnapshotCycle._finish_snapshot).
         self.cpu_budget = CpuBudget(self.started_mono, service.config.service_cpu_window_s)

@@ -51,7 +51,8 @@ from dbr_service.session_threads import ShortThreadPrograms
 from dbr_service.shortruns import ShortRunPrograms
 from dbr_service.snapshots import Snapshot, SnapshotCycle
 from dbr_service.sources import choose_source, sampling_capabilities
-from dbr_service.scheduler import Scheduler, client_cpu_s
+from dbr_service.budget import client_cpu_s
+from dbr_service.scheduler import Scheduler
 
 log = logging.getLogger("dbr.service")
 

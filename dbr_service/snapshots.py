@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from dbr_service.errors import SamplingError
 from dbr_service.sampling.aggregate import SampleAggregator
 from dbr_service.cadence import hot_addresses, newly_hot, sampling_interval
-from dbr_service.scheduler import budget_limit, client_cpu_s
+from dbr_service.budget import budget_limit, client_cpu_s
 from dbr_service.sources import make_agent_timer_source, make_perf_source
 from dbr_service.speedcheck import SETTLE_PHASES
 from dbr_service.worker import QUICK_JOBS, ClientJob, quick_job
@@ -265,7 +265,7 @@ class SnapshotCycle:
         """Whether a client's snapshot gets a region job, after its first QUICK_JOBS + 1
         (which always may): not when nothing new is hot since its last job and nothing
         changed for it (cadence.newly_hot), not while its jobs back off
-        (cadence.next_job_gap), and not over its CPU budget (scheduler.CpuBudget:
+        (cadence.next_job_gap), and not over its CPU budget (budget.CpuBudget:
         it keeps its installed regions; the job comes once the client's CPU has grown
         enough)."""
         cfg = self.config

@@ -14,7 +14,8 @@ from service_helpers import ServiceProc, agent_path, build_example, kill, spawn_
 from dbr_service.config import Config, load_config
 from dbr_service.errors import ConfigError
 from dbr_service.cadence import hot_addresses, newly_hot, next_job_gap
-from dbr_service.scheduler import CpuBudget, Scheduler, budget_limit, client_cpu_s
+from dbr_service.budget import CpuBudget, budget_limit, client_cpu_s
+from dbr_service.scheduler import Scheduler
 from dbr_service.worker import JobResult
 
 needs_agent = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")

@@ -176,7 +176,8 @@ def test_jobs_wait_while_nothing_new_is_hot_and_back_off():
     import threading
 
     from dbr_service.cadence import SessionCadence, hot_addresses
-    from dbr_service.scheduler import CpuBudget, Scheduler
+    from dbr_service.budget import CpuBudget
+    from dbr_service.scheduler import Scheduler
     from dbr_service.worker import QUICK_JOBS
     from dbr_service.service import Service
 

@@ -36,7 +36,8 @@ SERVICE_MODULES = {"dbr_service.scheduler", "dbr_service.service", "dbr_service.
                    "dbr_service.sources", "dbr_service.runtime_dir", "dbr_service.cadence",
                    "dbr_service.session_threads", "dbr_service.session_sampling",
                    "dbr_service.session_regions", "dbr_service.session_speed",
-                   "dbr_service.checked_conn", "dbr_service.worker"}
+                   "dbr_service.checked_conn", "dbr_service.worker",
+                   "dbr_service.budget"}
 
 
 def _modules() -> dict[str, Path]:
