@@ -14,15 +14,9 @@ cycle" 6-8); ``codegen/`` is the pure half.  Per client:
   invalidates and reclaims.  The unwind information stays while the code does:
   threads may return into code long after its region was unpatched, so it is
   withdrawn (FRAMES_DEL) only when the censuses free the chunk.
-* Entry sites (docs/architecture.md, "Invariants" 3, region/patchpoints.py): a site
-  whose first instruction is shorter than 5 bytes is sent only when region
-  selection named it an entry site, the bytes there still decode to the inner
-  boundaries it named, the agent takes such sites (HELLO_ENTRY_SITES), and no code
-  that may still run (live regions, removed ones whose code is not reclaimed) exits
-  into its bytes 1..4; and a region whose exits lead into an installed entry site's
-  bytes 1..4 is not installed.  The agent answers E_INSIDE while a thread is inside
-  one: threads are moved in (TRANSFER) and the site is tried again, then at each
-  later :meth:`Installer.transfer`.
+* Entry sites (entry_sites.py decides which may be patched): the agent answers
+  E_INSIDE while a thread is inside one: threads are moved in (TRANSFER) and the site
+  is tried again, then at each later :meth:`Installer.transfer`.
 * Calls into live copies (codegen/calls.py): a region whose real calls go straight to
   another region's copy (``calls_into``) depends on that copy.  Its chunk *uses* the
   copy's chunk, which is not reused while the user's chunk is allocated (live or
@@ -46,108 +40,19 @@ Nothing here runs while the installer is not called: the service drives it.
 
 from __future__ import annotations
 
-import enum
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from dbr_service import protocol as P
-from dbr_service.agentconn import AgentConnection, make_site, result_name, site_inner
+from dbr_service.agentconn import AgentConnection, result_name
 from dbr_service.codegen.frames import records_len
 from dbr_service.codespace import Chunk, CodeSpace
+from dbr_service.entry_sites import EntrySiteChecks
 from dbr_service.errors import AgentError, CodegenError
+from dbr_service.installed import HELD, Generated, InstalledRegion, InstallState
 
 
-class Generated(Protocol):
-    """What codegen hands over (dbr_service.codegen.emit.GeneratedCode)."""
-
-    code: bytes
-    base: int
-    entries: dict[int, int]                    # original patch site -> replacement address
-    addr_map: list[tuple[int, int, int]]       # (repl_start, repl_end, original address)
-    exits: list[tuple[int, int]]               # (replacement address, original target)
-    transfers: dict[int, int]                  # original instruction -> replacement address
-
-
-class InstallState(str, enum.Enum):
-    """Lifecycle of one installed region (mirrors region.model.RegionState)."""
-
-    WRITTEN = "written"          # bytes in the buffer, no site patched yet
-    INSTALLED = "installed"      # at least one entry site patched, or (a region without
-                                 # patch sites) at least one thread moved in
-    SUSPENDED = "suspended"      # sites restored for a while (a speed check), code and
-                                 # REGION kept: resume() patches the same sites again
-    REMOVED = "removed"          # every site restored; code space quarantined
-    FAILED = "failed"            # nothing patched (agent refused every site)
-
-
-#: States in which a region's code is in place and depends on the original code: live,
-#: or suspended for a speed check (its sites restored for a while).
-HELD = frozenset({InstallState.INSTALLED, InstallState.SUSPENDED})
-
-
-@dataclass
-class InstalledRegion:
-    """One region's code in the client and its patch sites."""
-
-    region_id: int
-    name: str
-    chunk: Chunk
-    gen: Generated
-    sites: list[P.PatchSite] = field(default_factory=list)
-    results: dict[int, int] = field(default_factory=dict)     # site -> dbr_result
-    state: InstallState = InstallState.WRITTEN
-    installed_at: float = 0.0
-    removed_at: float = 0.0
-    module: str | None = None
-    why_removed: str = ""
-    #: Original code ranges the region copies (its blocks), for evaluation.
-    orig_ranges: list[tuple[int, int]] = field(default_factory=list)
-    #: Threads the agent moved from original code into this region (TRANSFER).
-    transferred: int = 0
-    #: Threads the agent moved out of this region's code into original code (EVICT).
-    evicted: int = 0
-    #: While SUSPENDED: the sites that were patched, to patch again on resume.
-    suspended_sites: list[P.PatchSite] = field(default_factory=list)
-    #: Why the region's real calls were given up (its CFI could not be made), or None.
-    cfi_refused: str | None = None
-    #: Unwind information blobs named to the agent (FRAMES_ADD).
-    frames: int = 0
-    #: Entry sites among ``sites``: site -> its inner instruction boundaries.
-    entry_sites: dict[int, list[int]] = field(default_factory=dict)
-    #: Sites not sent to the agent, and why (an entry site refused here).
-    refused_sites: dict[int, str] = field(default_factory=dict)
-    #: Original-code ranges named to the agent with REGION (what the code depends on).
-    depends: list[tuple[int, int]] = field(default_factory=list)
-    #: Regions whose copies its real calls go to (by region id).
-    calls_into: list[int] = field(default_factory=list)
-    #: Suspended along with this region id (it calls its copy), resumed with it.
-    suspended_for: int | None = None
-    #: Removed because the original code it copies or exits into changed (no EVICT).
-    original_changed: bool = False
-    #: The agent refused an EVICT out of its removed code: not asked again.
-    evict_refused: bool = False
-
-    @property
-    def patched_sites(self) -> list[P.PatchSite]:
-        return [s for s in self.sites if self.results.get(s.site) == P.Result.OK]
-
-    def code_range(self) -> tuple[int, int]:
-        return self.chunk.addr, self.chunk.addr + self.chunk.size
-
-    def contains_code(self, addr: int) -> bool:
-        lo, hi = self.code_range()
-        return lo <= addr < hi
-
-    def original_of(self, addr: int) -> int | None:
-        """Original address of a replacement-code address (sample attribution)."""
-        for lo, hi, orig in self.gen.addr_map:
-            if lo <= addr < hi:
-                return orig
-        return None
-
-
-class Installer:
+class Installer(EntrySiteChecks):
     """Installs and removes regions in one client through its agent session."""
 
     def __init__(self, conn: AgentConnection, read_original: Callable[[int, int], bytes], *,
@@ -332,70 +237,6 @@ class Installer:
             self.patches_installed += late
             self.on_event("patch-installed", {"region": reg.name, "sites": late})
         return moved + late
-
-    # ---- entry sites -------------------------------------------------------
-    def _make_sites(self, reg: InstalledRegion, gen: Generated,
-                    entry_sites: Mapping[int, Sequence[int]]) -> list[P.PatchSite]:
-        """The PATCH records of ``gen``'s entries: a site of one >= 5-byte instruction
-        as always; an entry site only as the module docstring says (else refused
-        here, in ``reg.refused_sites``)."""
-        out = []
-        takes = bool(getattr(self.conn.hello, "flags", 0) & P.HELLO_ENTRY_SITES)
-        for site, target in sorted(gen.entries.items()):
-            code = self.read_original(site, 32)
-            inner = decode_inner(code, site)
-            if inner is None:
-                reg.refused_sites[site] = "its instructions do not decode"
-            elif not inner:
-                out.append(make_site(site, target, code[:P.PATCH_LEN], self.variant,
-                                     reg.region_id))
-                continue
-            elif sorted(entry_sites.get(site, ())) != inner:
-                reg.refused_sites[site] = "first instruction shorter than 5 bytes, not a " \
-                                          "chosen entry site"
-            elif not takes:
-                reg.refused_sites[site] = "the agent does not take entry sites"
-            elif self._runs_into(site, reg):
-                reg.refused_sites[site] = "code that may still run exits into its bytes"
-            else:
-                out.append(make_site(site, target, code[:P.PATCH_LEN], P.Variant.INT3,
-                                     reg.region_id, inner=inner))
-                reg.entry_sites[site] = inner
-                continue
-            self.on_event("entry-site-refused", {"region": reg.name, "site": site,
-                                                 "why": reg.refused_sites[site]})
-        return out
-
-    def _runnable(self) -> list[InstalledRegion]:
-        """Regions whose code may still run: live or suspended, or removed with their
-        code not yet reclaimed."""
-        return [r for r in list(self.regions.values())
-                if r.state in HELD or self.space.retained(r.chunk) is not None]
-
-    def _runs_into(self, site: int, reg: InstalledRegion) -> bool:
-        """Whether code that may still run, ``reg``'s included, exits into bytes 1..4 of
-        ``site``.  Eviction points there do not count: EVICT drops every point inside an
-        installed entry site (evict, evict_removed) and the agent refuses one; a thread
-        at such a point stays in the copy until it leaves by an exit.  (A region whose
-        entry site is a function's first instructions always has such points: the copies
-        of those instructions.)"""
-        inside = range(site + 1, site + P.PATCH_LEN)
-        return any(t in inside for r in [*self._runnable(), reg] for _, t in r.gen.exits)
-
-    def _installed_entry_sites(self) -> list[tuple[int, list[int]]]:
-        return [(s.site, site_inner(s)) for r in list(self.regions.values()) if r.state in HELD
-                for s in r.patched_sites + r.suspended_sites if s.flags & P.SITE_F_ENTRY]
-
-    def _inside_entry_site(self, addr: int) -> bool:
-        """Whether ``addr`` lies in bytes 1..4 of an installed (or suspended) entry site."""
-        return any(site < addr < site + P.PATCH_LEN for site, _ in self._installed_entry_sites())
-
-    def _exits_into_entry_sites(self, gen: Generated) -> int | None:
-        """An installed entry site whose bytes 1..4 ``gen`` exits into, or None."""
-        for site, _ in self._installed_entry_sites():
-            if any(site < t < site + P.PATCH_LEN for _, t in gen.exits):
-                return site
-        return None
 
     #: PATCH rounds for entry sites the agent found a thread inside, each after a
     #: TRANSFER (by install; transfer() itself tries once).
@@ -742,30 +583,6 @@ class Installer:
 def ok_or_none(results: Sequence[int]) -> bool:
     """Some site patched, or none asked for."""
     return not results or any(r == P.Result.OK for r in results)
-
-
-_CS: Any = None
-
-
-def decode_inner(code: bytes, site: int) -> list[int] | None:
-    """The instruction boundaries strictly inside the first PATCH_LEN bytes of
-    ``code`` (at ``site``): [] when its first instruction is that long, None when
-    the instructions there do not decode that far."""
-    global _CS
-    if _CS is None:
-        import capstone
-        _CS = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-    inner: list[int] = []
-    end = site
-    for insn in _CS.disasm(code, site):
-        if insn.address >= site + P.PATCH_LEN:
-            break
-        if insn.address > site:
-            inner.append(insn.address)
-        end = insn.address + insn.size
-        if end >= site + P.PATCH_LEN:
-            return inner
-    return inner if end >= site + P.PATCH_LEN else None
 
 
 def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
