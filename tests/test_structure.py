@@ -37,7 +37,7 @@ SERVICE_MODULES = {"dbr_service.scheduler", "dbr_service.service", "dbr_service.
                    "dbr_service.session_threads", "dbr_service.session_sampling",
                    "dbr_service.session_regions", "dbr_service.session_speed",
                    "dbr_service.checked_conn", "dbr_service.worker",
-                   "dbr_service.budget"}
+                   "dbr_service.budget", "dbr_service.events"}
 
 
 def _modules() -> dict[str, Path]:
