@@ -367,7 +367,9 @@ def worker_init(service_pid: int) -> None:
     threading.Thread(target=watch, name="dbr-worker-watch", daemon=True).start()
 
 
-WORKER_PRELOAD = ["dbr_service.scheduler", "dbr_service.region.pipeline",
+#: What the forkserver imports once for every worker: this module (the job) and what
+#: the job needs.
+WORKER_PRELOAD = ["dbr_service.worker", "dbr_service.region.pipeline",
                   "dbr_service.region.discovery", "dbr_service.region.memview",
                   "dbr_service.codegen.relocate"]
 
