@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dbr_service import protocol as P
 from dbr_service.agentconn import AgentConnection, Received
@@ -31,7 +31,7 @@ from dbr_service.paths import program_key
 from dbr_service.procfs import started_boottime, started_monotonic
 from dbr_service.procmaps import MapEntry, parse_maps
 from dbr_service.reuse import Job
-from dbr_service.scheduler import CpuBudget
+from dbr_service.budget import CpuBudget
 from dbr_service.install import Installer
 from dbr_service.optimize import Evaluator
 from dbr_service.session_regions import RegionBook, SessionRegions
@@ -39,10 +39,15 @@ from dbr_service.session_sampling import SessionSampling
 from dbr_service.session_speed import SPEED_CHECKS_KEPT, SessionSpeedChecks
 from dbr_service.session_threads import ThreadTracker
 from dbr_service.speedcheck import SpeedCheck
+from dbr_service.hotnames import name_hotspots
+from dbr_service.worker import find_hotspots
 
 if TYPE_CHECKING:  # pragma: no cover
+    from dbr_service.config import Config
+    from dbr_service.events import EventBus
+    from dbr_service.reuse import ReusedThreads
     from dbr_service.sampling.base import SamplingSource
-    from dbr_service.service import Service
+    from dbr_service.session_threads import ShortThreadPrograms
 
 log = logging.getLogger("dbr.clients")
 
@@ -64,6 +69,23 @@ NOTE_MAX = 400
 
 
 # --------------------------------------------------------------------------- session
+class SessionHost(Protocol):
+    """What a session needs of the service that runs it (service.Service): its
+    configuration, events and session threads, and to be told when the session
+    starts, is refused or ends.  The session never imports the service."""
+
+    config: Config
+    events: EventBus
+    session_threads: ReusedThreads
+    short_thread_programs: ShortThreadPrograms
+
+    def session_started(self, s: ClientSession) -> None: ...
+
+    def session_refused(self, s: ClientSession, why: str, peer_gone: bool = False) -> None: ...
+
+    def session_ended(self, s: ClientSession, leftover: list | None = None) -> None: ...
+
+
 class SessionState(str, enum.Enum):
     HANDSHAKE = "handshake"
     CONNECTED = "connected"
@@ -85,7 +107,7 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
     (single attribute reads); compound updates hold ``self.lock``.
     """
 
-    def __init__(self, service: Service, conn: AgentConnection, session_id: int) -> None:
+    def __init__(self, service: SessionHost, conn: AgentConnection, session_id: int) -> None:
         self.service = service
         self.conn = conn
         self.session_id = session_id
@@ -145,7 +167,7 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
         self.jobs_done = 0
         #: How often it is sampled and gets a region job (cadence.py).
         self.cadence = SessionCadence()
-        #: The service's CPU spent on this client against its own (scheduler.CpuBudget);
+        #: The service's CPU spent on this client against its own (budget.CpuBudget);
         #: ``session_cpu_s`` is this session thread's CPU time so far, ``control_cpu_s``
         #: its share of the control thread's (snapshots.SnapshotCycle._finish_snapshot).
         self.cpu_budget = CpuBudget(self.started_mono, service.config.service_cpu_window_s)
@@ -537,7 +559,32 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
                 "close_reason": self.close_reason, "errors": list(self.errors)[-3:]}
 
     def report(self) -> dict[str, Any]:
-        """This client's entry of a dbr.run/1 report (docs/architecture.md, "Reports")."""
-        from dbr_service.report import client_report
-
-        return client_report(self)
+        """This client's entry of a dbr.run/1 report (docs/architecture.md, "Reports"):
+        fixed field names, plus hot spots and the region status."""
+        ttfp = (None if self.first_patch_mono is None
+                else round(self.first_patch_mono - self.connected_mono, 3))
+        cfg = self.service.config
+        hotspots = find_hotspots(dict(self.ip_counts), self.maps, threshold=cfg.hot_threshold,
+                                 top=10)
+        name_hotspots(hotspots, self.maps)     # the last maps read while the client lived
+        return {
+            "pid": self.pid, "ppid": self.ppid, "exe": self.exe,
+            "samples": self.samples_total,
+            "samples_after_first_patch": self.samples_after_first_patch,
+            "samples_in_replacement": self.samples_in_replacement,
+            "time_to_first_patch_s": ttfp,
+            "patches_installed": self.patches_installed,
+            "patches_removed": self.patches_removed,
+            "regions_went_live": self.regions_went_live,
+            **self.threads_moved(),
+            "regions": [r.to_json() for r in self.region_book.regions.values()],
+            "sampling_source": self.sampling_source_name,
+            "snapshots": self.snapshots,
+            "hotspots": hotspots,
+            "region_status": self.region_status,
+            "jobs_done": self.jobs_done,
+            **self.cpu_budget.to_json(time.monotonic()),
+            "speed_checks": list(self.speed_checks),
+            "timeline": dict(self.timeline),
+            "close_reason": self.close_reason,
+        }

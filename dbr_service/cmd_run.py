@@ -113,11 +113,12 @@ class EmbeddedService:
         """Start the service (raises ServiceError; the socket is closed then)."""
         import threading
 
+        from dbr_service.control import ControlServer
         from dbr_service.service import Service
 
         try:
-            self.service = Service(self.sources, embedded=True, agent_listener=self.listener,
-                                   warm_delay_s=warm_delay_s)
+            self.service = Service(self.sources, control_server=ControlServer, embedded=True,
+                                   agent_listener=self.listener, warm_delay_s=warm_delay_s)
             self.service.start()
         except BaseException:
             self.service = None

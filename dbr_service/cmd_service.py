@@ -40,13 +40,14 @@ def setup_logging(level: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dbr_service.control import ControlServer
     from dbr_service.errors import ServiceError
     from dbr_service.service import Service
 
     sources = ConfigSources(file=args.config, overrides=tuple(args.overrides),
                             aggressive=args.aggressive)
     try:
-        svc = Service(sources)
+        svc = Service(sources, control_server=ControlServer)
     except ConfigError as exc:
         print(f"dbr service: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -13,7 +13,6 @@ under its lock or post work to session threads with a bounded wait.
 
 from __future__ import annotations
 
-import enum
 import grp
 import json
 import logging
@@ -23,7 +22,6 @@ import stat
 import subprocess
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +31,7 @@ import zmq
 import dbr_service
 from dbr_service.ctlclient import MAX_REQUEST, Code, Fault
 from dbr_service.errors import AgentError, ConfigError, ProtocolError
+from dbr_service.events import json_default
 
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.clients import ClientSession
@@ -143,7 +142,7 @@ def encode_reply(reply: dict[str, Any]) -> bytes:
     integer beyond the digit limit...) becomes an INTERNAL fault instead.  ASCII
     output, so ``encode`` cannot fail."""
     try:
-        return json.dumps(reply, default=_json_default).encode()
+        return json.dumps(reply, default=json_default).encode()
     except Exception as exc:
         log.exception("control reply could not be encoded")
         return json.dumps(fault_reply(Code.INTERNAL,
@@ -221,7 +220,7 @@ def verb_waiting(service: Service, args: dict[str, Any]) -> list[dict[str, Any]]
 def verb_hotspots(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Hottest addresses of one client, from every sample since it connected."""
     from dbr_service.hotnames import name_hotspots
-    from dbr_service.scheduler import find_hotspots
+    from dbr_service.worker import find_hotspots
 
     top = _int_arg(args["top"], "top")
     if top > MAX_TOP:
@@ -557,50 +556,3 @@ class ControlServer:
         if not self.thread.is_alive():
             for fd in (self._wake_r, self._wake_w):
                 os.close(fd)
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, (set, frozenset, tuple)):
-        return list(o)
-    if isinstance(o, enum.Enum):
-        return o.value
-    return str(o)
-
-
-class EventBus:
-    """Publishes events on the PUB socket (topic, JSON) and keeps the last ones."""
-
-    def __init__(self, ctx: zmq.Context | None, path: str | None) -> None:
-        self._lock = threading.Lock()
-        self._seq = 0
-        self.recent: deque[dict[str, Any]] = deque(maxlen=1000)
-        self.sock = None
-        if ctx is not None and path is not None:
-            self.sock = ctx.socket(zmq.PUB)
-            self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.bind(f"ipc://{path}")
-            os.chmod(path, 0o600)
-
-    def publish(self, name: str, /, **data: Any) -> None:
-        """Publish event ``name`` with ``data`` fields (thread-safe; never raises)."""
-        with self._lock:
-            self._seq += 1
-            ev = {**data, "seq": self._seq, "time": time.time(), "event": name}
-            self.recent.append(ev)
-            if self.sock is not None:
-                try:
-                    self.sock.send_multipart([name.encode(),
-                                              json.dumps(ev, default=_json_default).encode()],
-                                             flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-
-    def since(self, seq: int) -> list[dict[str, Any]]:
-        with self._lock:
-            return [e for e in self.recent if e["seq"] > seq]
-
-    def close(self) -> None:
-        with self._lock:
-            if self.sock is not None:
-                self.sock.close(0)
-                self.sock = None

@@ -3,15 +3,9 @@
 This is the process-plumbing half of "Replacement code" (docs/architecture.md, "One
 cycle" 6-8); ``codegen/`` is the pure half.  Per client:
 
-* :class:`CodeSpace` hands out space in code buffers that lie within +-2 GiB of
-  the module a region patches (invariant 4), asks the agent for a new buffer
-  when none fits, and reuses freed space only after a quarantine period *and*
-  two censuses in a row that find neither a thread's PC nor a word of its
-  registers or stack inside it (invariant 1: a thread may sit in replacement
-  code, hold such a PC in a signal frame, or, once replacement code makes real
-  calls, a return address into it in any frame).  Unpatching takes a region's
-  entries away at once; its code stays mapped and executable until then, and a
-  thread that never returns keeps it for good.
+* :class:`~dbr_service.codespace.CodeSpace` (codespace.py) hands out space in code
+  buffers within +-2 GiB of the module a region patches (invariant 4), and reuses
+  freed space only after a quarantine period and two clean censuses (invariant 1).
 * :class:`Installer` writes a region's bytes through the service's RW mapping,
   describes the region to the agent (REGION: code range and exit ranges, for
   its dlclose/munmap/mprotect hooks), names the unwind information written after
@@ -20,15 +14,9 @@ cycle" 6-8); ``codegen/`` is the pure half.  Per client:
   invalidates and reclaims.  The unwind information stays while the code does:
   threads may return into code long after its region was unpatched, so it is
   withdrawn (FRAMES_DEL) only when the censuses free the chunk.
-* Entry sites (docs/architecture.md, "Invariants" 3, region/patchpoints.py): a site
-  whose first instruction is shorter than 5 bytes is sent only when region
-  selection named it an entry site, the bytes there still decode to the inner
-  boundaries it named, the agent takes such sites (HELLO_ENTRY_SITES), and no code
-  that may still run (live regions, removed ones whose code is not reclaimed) exits
-  into its bytes 1..4; and a region whose exits lead into an installed entry site's
-  bytes 1..4 is not installed.  The agent answers E_INSIDE while a thread is inside
-  one: threads are moved in (TRANSFER) and the site is tried again, then at each
-  later :meth:`Installer.transfer`.
+* Entry sites (entry_sites.py decides which may be patched): the agent answers
+  E_INSIDE while a thread is inside one: threads are moved in (TRANSFER) and the site
+  is tried again, then at each later :meth:`Installer.transfer`.
 * Calls into live copies (codegen/calls.py): a region whose real calls go straight to
   another region's copy (``calls_into``) depends on that copy.  Its chunk *uses* the
   copy's chunk, which is not reused while the user's chunk is allocated (live or
@@ -52,310 +40,19 @@ Nothing here runs while the installer is not called: the service drives it.
 
 from __future__ import annotations
 
-import enum
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from dbr_service import protocol as P
-from dbr_service.agentconn import (AgentConnection, CodeBufferHandle, make_site, result_name,
-                                   site_inner)
+from dbr_service.agentconn import AgentConnection, result_name
 from dbr_service.codegen.frames import records_len
+from dbr_service.codespace import Chunk, CodeSpace
+from dbr_service.entry_sites import EntrySiteChecks
 from dbr_service.errors import AgentError, CodegenError
-
-REL32 = (1 << 31) - 1
-ALIGN = 16
+from dbr_service.installed import HELD, Generated, InstalledRegion, InstallState
 
 
-class Generated(Protocol):
-    """What codegen hands over (dbr_service.codegen.emit.GeneratedCode)."""
-
-    code: bytes
-    base: int
-    entries: dict[int, int]                    # original patch site -> replacement address
-    addr_map: list[tuple[int, int, int]]       # (repl_start, repl_end, original address)
-    exits: list[tuple[int, int]]               # (replacement address, original target)
-    transfers: dict[int, int]                  # original instruction -> replacement address
-
-
-class InstallState(str, enum.Enum):
-    """Lifecycle of one installed region (mirrors region.model.RegionState)."""
-
-    WRITTEN = "written"          # bytes in the buffer, no site patched yet
-    INSTALLED = "installed"      # at least one entry site patched, or (a region without
-                                 # patch sites) at least one thread moved in
-    SUSPENDED = "suspended"      # sites restored for a while (a speed check), code and
-                                 # REGION kept: resume() patches the same sites again
-    REMOVED = "removed"          # every site restored; code space quarantined
-    FAILED = "failed"            # nothing patched (agent refused every site)
-
-
-#: States in which a region's code is in place and depends on the original code: live,
-#: or suspended for a speed check (its sites restored for a while).
-HELD = frozenset({InstallState.INSTALLED, InstallState.SUSPENDED})
-
-
-@dataclass
-class Chunk:
-    buffer: CodeBufferHandle
-    addr: int
-    size: int
-    #: Unwind information the agent has for code in the chunk: (region id, address,
-    #: length) of each blob FRAMES_ADD named, withdrawn when the chunk is freed.
-    frames: list[tuple[int, int, int]] = field(default_factory=list)
-    #: Chunks whose code this chunk's code calls (CodeSpace.link), and how many
-    #: allocated chunks call into this one: it is not freed while any does.
-    uses: list[Chunk] = field(default_factory=list, compare=False, repr=False)
-    users: int = field(default=0, compare=False)
-
-
-@dataclass
-class InstalledRegion:
-    """One region's code in the client and its patch sites."""
-
-    region_id: int
-    name: str
-    chunk: Chunk
-    gen: Generated
-    sites: list[P.PatchSite] = field(default_factory=list)
-    results: dict[int, int] = field(default_factory=dict)     # site -> dbr_result
-    state: InstallState = InstallState.WRITTEN
-    installed_at: float = 0.0
-    removed_at: float = 0.0
-    module: str | None = None
-    why_removed: str = ""
-    #: Original code ranges the region copies (its blocks), for evaluation.
-    orig_ranges: list[tuple[int, int]] = field(default_factory=list)
-    #: Threads the agent moved from original code into this region (TRANSFER).
-    transferred: int = 0
-    #: Threads the agent moved out of this region's code into original code (EVICT).
-    evicted: int = 0
-    #: While SUSPENDED: the sites that were patched, to patch again on resume.
-    suspended_sites: list[P.PatchSite] = field(default_factory=list)
-    #: Why the region's real calls were given up (its CFI could not be made), or None.
-    cfi_refused: str | None = None
-    #: Unwind information blobs named to the agent (FRAMES_ADD).
-    frames: int = 0
-    #: Entry sites among ``sites``: site -> its inner instruction boundaries.
-    entry_sites: dict[int, list[int]] = field(default_factory=dict)
-    #: Sites not sent to the agent, and why (an entry site refused here).
-    refused_sites: dict[int, str] = field(default_factory=dict)
-    #: Original-code ranges named to the agent with REGION (what the code depends on).
-    depends: list[tuple[int, int]] = field(default_factory=list)
-    #: Regions whose copies its real calls go to (by region id).
-    calls_into: list[int] = field(default_factory=list)
-    #: Suspended along with this region id (it calls its copy), resumed with it.
-    suspended_for: int | None = None
-    #: Removed because the original code it copies or exits into changed (no EVICT).
-    original_changed: bool = False
-    #: The agent refused an EVICT out of its removed code: not asked again.
-    evict_refused: bool = False
-
-    @property
-    def patched_sites(self) -> list[P.PatchSite]:
-        return [s for s in self.sites if self.results.get(s.site) == P.Result.OK]
-
-    def code_range(self) -> tuple[int, int]:
-        return self.chunk.addr, self.chunk.addr + self.chunk.size
-
-    def contains_code(self, addr: int) -> bool:
-        lo, hi = self.code_range()
-        return lo <= addr < hi
-
-    def original_of(self, addr: int) -> int | None:
-        """Original address of a replacement-code address (sample attribution)."""
-        for lo, hi, orig in self.gen.addr_map:
-            if lo <= addr < hi:
-                return orig
-        return None
-
-
-@dataclass
-class _Quarantined:
-    chunk: Chunk
-    since: float
-    clean_censuses: int = 0
-    #: What held the chunk at the last census: words of threads' stacks and registers
-    #: inside it, threads whose PC is inside it, threads whose whereabouts are unknown
-    #: (no answer, a stack not scanned whole), and whether that census left it out.
-    stack_refs: int = 0
-    pcs: int = 0
-    unknown: int = 0
-    uncovered: bool = False
-    censuses: int = 0
-
-    def retention(self, now: float) -> dict[str, Any]:
-        """What `dbr ctl regions` shows of a removed region whose code is still kept."""
-        return {"stack_refs": self.stack_refs, "threads_inside": self.pcs,
-                "threads_unknown": self.unknown, "clean_censuses": self.clean_censuses,
-                "censuses": self.censuses, "quarantined_s": round(max(0.0, now - self.since), 3),
-                "callers": self.chunk.users}
-
-
-class CodeSpace:
-    """Bump allocation inside code buffers near each module, with quarantined reuse."""
-
-    def __init__(self, conn: AgentConnection, *, buffer_size: int = 1 << 20,
-                 quarantine_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.conn = conn
-        self.buffer_size = buffer_size
-        self.quarantine_s = quarantine_s
-        self.clock = clock
-        self.free: list[Chunk] = []              # reusable holes
-        self.bump: dict[int, int] = {}           # buffer_id -> next free offset
-        self.quarantine: list[_Quarantined] = []
-
-    @staticmethod
-    def _reaches(buf: CodeBufferHandle, addr: int, size: int, points: Sequence[int]) -> bool:
-        return all(abs(addr - p) < REL32 - size and abs(addr + size - p) < REL32 for p in points)
-
-    def span_fits(self, size: int, reach: Sequence[int]) -> bool:
-        """Whether one buffer can be placed with every address of ``reach`` in rel32
-        reach (the test :meth:`allocate` applies before asking for a new buffer)."""
-        return max(reach) - min(reach) <= REL32 - max(self.buffer_size, size)
-
-    def allocate(self, size: int, reach: Sequence[int]) -> Chunk:
-        """Space for ``size`` bytes from which every address in ``reach`` is rel32-reachable."""
-        size = (size + ALIGN - 1) & ~(ALIGN - 1)
-        for i, c in enumerate(self.free):
-            if c.size >= size and self._reaches(c.buffer, c.addr, size, reach):
-                self.free.pop(i)
-                if c.size > size:
-                    self.free.append(Chunk(c.buffer, c.addr + size, c.size - size))
-                return Chunk(c.buffer, c.addr, size)
-        for buf in self.conn.buffers.values():
-            off = self.bump.get(buf.buffer_id, 0)
-            if off + size <= buf.size and self._reaches(buf, buf.base + off, size, reach):
-                self.bump[buf.buffer_id] = off + size
-                return Chunk(buf, buf.base + off, size)
-        want = max(self.buffer_size, size)
-        near = (min(reach) + max(reach)) // 2
-        if not self.span_fits(size, reach):
-            raise CodegenError("region reaches addresses more than 2 GiB apart")
-        buf = self.conn.code_buffer(near=near, size=want)
-        if not self._reaches(buf, buf.base, size, reach):
-            raise CodegenError(f"agent placed a buffer at {buf.base:#x}, out of reach of "
-                               f"{near:#x}")
-        self.bump[buf.buffer_id] = size
-        return Chunk(buf, buf.base, size)
-
-    def release(self, chunk: Chunk) -> None:
-        """Code no longer entered: quarantine it until censuses prove nobody is inside."""
-        self.quarantine.append(_Quarantined(chunk, self.clock()))
-
-    @staticmethod
-    def link(user: Chunk, used: Chunk) -> None:
-        """``user``'s code calls into ``used``'s: ``used`` is not freed while ``user`` is
-        allocated (installed or quarantined); freeing ``user`` lets it go.  Links are
-        made only to code already installed, so they form no cycle."""
-        if used is not user and not any(u is used for u in user.uses):
-            user.uses.append(used)
-            used.users += 1
-
-    def census_ranges(self) -> list[tuple[int, int]]:
-        """The ranges the next census asks about: the quarantined chunks, ascending,
-        one range each (overlapping ones joined).  Adjacent chunks stay apart: a word in
-        a range holds every chunk in it, and a thread parked in the newest copy of a
-        region must not hold the older copies laid out right before it.  Beyond
-        MAX_CENSUS_RANGES the smallest gaps between them are closed (conservative, and
-        least so this way)."""
-        spans: list[tuple[int, int]] = []
-        for lo, hi in sorted((q.chunk.addr, q.chunk.addr + q.chunk.size) for q in self.quarantine):
-            if spans and lo < spans[-1][1]:
-                spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
-            else:
-                spans.append((lo, hi))
-        excess = len(spans) - P.MAX_CENSUS_RANGES
-        if excess <= 0:
-            return spans
-        gaps = sorted(range(len(spans) - 1), key=lambda k: (spans[k + 1][0] - spans[k][1], k))
-        closed = set(gaps[:excess])        # the gap after spans[k] is closed
-        out = [spans[0]]
-        for k in range(1, len(spans)):
-            if k - 1 in closed:
-                out[-1] = (out[-1][0], spans[k][1])
-            else:
-                out.append(spans[k])
-        return out
-
-    def census_done(self, census: Sequence[P.CensusEntry]) -> int:
-        """Feed one census; returns how many chunks became reusable.
-
-        A chunk is held while any thread's PC is inside it, any words of threads'
-        stacks or registers are (the census's range totals), or any thread's
-        whereabouts are unknown (NO_REPLY, UNKNOWN: every chunk), and when the census
-        did not ask about it; and, even once clean, while a chunk that calls into it
-        (:meth:`link`) is allocated.  ``census`` is what AgentConnection.census returns (a
-        CensusResult); a plain list of entries (recorded by hand) has no range totals:
-        an entry with refs holds the chunk of its first_ref, and every chunk if it has
-        more than one."""
-        freed = 0
-        now = self.clock()
-        ranges = getattr(census, "ranges", None)
-        range_refs = getattr(census, "range_refs", None) or []
-        failed = getattr(census, "result", P.Result.OK) != P.Result.OK
-        unknown = sum(1 for e in census if e.state in (P.CENSUS_NO_REPLY, P.CENSUS_UNKNOWN))
-        scattered = ranges is None and any(e.refs > 1 for e in census)
-        clean = []
-        for q in self.quarantine:
-            lo, hi = q.chunk.addr, q.chunk.addr + q.chunk.size
-            q.pcs = sum(1 for e in census if e.state in (P.CENSUS_OK, P.CENSUS_UNKNOWN)
-                        and lo <= e.pc < hi)
-            if ranges is None:
-                q.uncovered = False
-                q.stack_refs = sum(e.refs for e in census if e.refs and lo <= e.first_ref < hi)
-            else:
-                q.uncovered = not any(rlo <= lo and hi <= rhi for rlo, rhi in ranges)
-                q.stack_refs = sum(n for (rlo, rhi), n in zip(ranges, range_refs)
-                                   if rlo < hi and lo < rhi)
-            q.unknown = unknown
-            q.censuses += 1
-            held = failed or unknown or scattered or q.uncovered or q.pcs or q.stack_refs
-            q.clean_censuses = 0 if held else q.clean_censuses + 1
-            if q.clean_censuses >= 2 and now - q.since >= self.quarantine_s:
-                clean.append(q)
-        # a chunk that code still allocated calls into waits for that code to go; callers
-        # go first, which may let the chunks they call go in the same round
-        progress = True
-        while progress:
-            progress = False
-            for q in [q for q in clean if q.chunk.users == 0]:
-                clean.remove(q)
-                self._free(q.chunk)
-                self.quarantine = [x for x in self.quarantine if x is not q]
-                freed += 1
-                progress = True
-        return freed
-
-    def _free(self, chunk: Chunk) -> None:
-        self._frames_del(chunk)
-        chunk.buffer.write(chunk.addr, b"\xcc" * chunk.size)  # int3 fill
-        for u in chunk.uses:
-            u.users -= 1
-        chunk.uses = []
-        self.free.append(chunk)
-
-    def _frames_del(self, chunk: Chunk) -> None:
-        """Withdraw the chunk's unwind information before its bytes go (nothing runs
-        there any more: the censuses found nothing of it)."""
-        for rid, addr, n in chunk.frames:
-            try:
-                self.conn.frames(False, rid, addr, n)
-            except AgentError:
-                pass      # a session that ended: the agent keeps what it had
-        chunk.frames = []
-
-    def retained(self, chunk: Chunk) -> dict[str, Any] | None:
-        """What holds a released chunk (:meth:`_Quarantined.retention`), or None once it
-        is free again (or was never released).  Safe from any thread."""
-        now = self.clock()
-        for q in list(self.quarantine):
-            if q.chunk is chunk:
-                return q.retention(now)
-        return None
-
-
-class Installer:
+class Installer(EntrySiteChecks):
     """Installs and removes regions in one client through its agent session."""
 
     def __init__(self, conn: AgentConnection, read_original: Callable[[int, int], bytes], *,
@@ -540,70 +237,6 @@ class Installer:
             self.patches_installed += late
             self.on_event("patch-installed", {"region": reg.name, "sites": late})
         return moved + late
-
-    # ---- entry sites -------------------------------------------------------
-    def _make_sites(self, reg: InstalledRegion, gen: Generated,
-                    entry_sites: Mapping[int, Sequence[int]]) -> list[P.PatchSite]:
-        """The PATCH records of ``gen``'s entries: a site of one >= 5-byte instruction
-        as always; an entry site only as the module docstring says (else refused
-        here, in ``reg.refused_sites``)."""
-        out = []
-        takes = bool(getattr(self.conn.hello, "flags", 0) & P.HELLO_ENTRY_SITES)
-        for site, target in sorted(gen.entries.items()):
-            code = self.read_original(site, 32)
-            inner = decode_inner(code, site)
-            if inner is None:
-                reg.refused_sites[site] = "its instructions do not decode"
-            elif not inner:
-                out.append(make_site(site, target, code[:P.PATCH_LEN], self.variant,
-                                     reg.region_id))
-                continue
-            elif sorted(entry_sites.get(site, ())) != inner:
-                reg.refused_sites[site] = "first instruction shorter than 5 bytes, not a " \
-                                          "chosen entry site"
-            elif not takes:
-                reg.refused_sites[site] = "the agent does not take entry sites"
-            elif self._runs_into(site, reg):
-                reg.refused_sites[site] = "code that may still run exits into its bytes"
-            else:
-                out.append(make_site(site, target, code[:P.PATCH_LEN], P.Variant.INT3,
-                                     reg.region_id, inner=inner))
-                reg.entry_sites[site] = inner
-                continue
-            self.on_event("entry-site-refused", {"region": reg.name, "site": site,
-                                                 "why": reg.refused_sites[site]})
-        return out
-
-    def _runnable(self) -> list[InstalledRegion]:
-        """Regions whose code may still run: live or suspended, or removed with their
-        code not yet reclaimed."""
-        return [r for r in list(self.regions.values())
-                if r.state in HELD or self.space.retained(r.chunk) is not None]
-
-    def _runs_into(self, site: int, reg: InstalledRegion) -> bool:
-        """Whether code that may still run, ``reg``'s included, exits into bytes 1..4 of
-        ``site``.  Eviction points there do not count: EVICT drops every point inside an
-        installed entry site (evict, evict_removed) and the agent refuses one; a thread
-        at such a point stays in the copy until it leaves by an exit.  (A region whose
-        entry site is a function's first instructions always has such points: the copies
-        of those instructions.)"""
-        inside = range(site + 1, site + P.PATCH_LEN)
-        return any(t in inside for r in [*self._runnable(), reg] for _, t in r.gen.exits)
-
-    def _installed_entry_sites(self) -> list[tuple[int, list[int]]]:
-        return [(s.site, site_inner(s)) for r in list(self.regions.values()) if r.state in HELD
-                for s in r.patched_sites + r.suspended_sites if s.flags & P.SITE_F_ENTRY]
-
-    def _inside_entry_site(self, addr: int) -> bool:
-        """Whether ``addr`` lies in bytes 1..4 of an installed (or suspended) entry site."""
-        return any(site < addr < site + P.PATCH_LEN for site, _ in self._installed_entry_sites())
-
-    def _exits_into_entry_sites(self, gen: Generated) -> int | None:
-        """An installed entry site whose bytes 1..4 ``gen`` exits into, or None."""
-        for site, _ in self._installed_entry_sites():
-            if any(site < t < site + P.PATCH_LEN for _, t in gen.exits):
-                return site
-        return None
 
     #: PATCH rounds for entry sites the agent found a thread inside, each after a
     #: TRANSFER (by install; transfer() itself tries once).
@@ -950,30 +583,6 @@ class Installer:
 def ok_or_none(results: Sequence[int]) -> bool:
     """Some site patched, or none asked for."""
     return not results or any(r == P.Result.OK for r in results)
-
-
-_CS: Any = None
-
-
-def decode_inner(code: bytes, site: int) -> list[int] | None:
-    """The instruction boundaries strictly inside the first PATCH_LEN bytes of
-    ``code`` (at ``site``): [] when its first instruction is that long, None when
-    the instructions there do not decode that far."""
-    global _CS
-    if _CS is None:
-        import capstone
-        _CS = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-    inner: list[int] = []
-    end = site
-    for insn in _CS.disasm(code, site):
-        if insn.address >= site + P.PATCH_LEN:
-            break
-        if insn.address > site:
-            inner.append(insn.address)
-        end = insn.address + insn.size
-        if end >= site + P.PATCH_LEN:
-            return inner
-    return inner if end >= site + P.PATCH_LEN else None
 
 
 def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

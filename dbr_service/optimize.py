@@ -24,7 +24,8 @@ from dbr_service.codegen.cfi import CfiBlob, CfiError
 from dbr_service.codegen.emit import GeneratedCode, check_generated, emit_region, far_exit_bound
 from dbr_service.codegen.frames import blobs_size, region_blobs
 from dbr_service.errors import AgentError, CodegenError, DbrError
-from dbr_service.install import InstalledRegion, Installer, InstallState
+from dbr_service.install import Installer
+from dbr_service.installed import InstalledRegion, InstallState
 from dbr_service.region.model import RegionState, SuperRegion
 
 PROVISIONAL_ALIGN = 16

@@ -1,57 +1,22 @@
-"""Run reports: the ``dbr.run/1`` JSON (docs/architecture.md, "Reports") and its short text form."""
+"""Run reports: the ``dbr.run/1`` JSON (docs/architecture.md, "Reports") and its short text form.
+
+Each client's entry is built by its session (``ClientSession.report`` in clients.py);
+this module only joins entries into the document, and imports no session code."""
 
 from __future__ import annotations
 
 import os
 import shlex
 import signal
-import time
 from collections import Counter
-
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dbr_service.speedcheck import verdict_text
-
-if TYPE_CHECKING:  # pragma: no cover
-    from dbr_service.clients import ClientSession
 
 SCHEMA = "dbr.run/1"
 #: ``RegionState.INSTALLED.value`` (spelled out: `dbr run` builds the report after PROG
 #: exits and must not pay for importing the service's session code then).
 INSTALLED = "installed"
-
-
-def client_report(s: ClientSession) -> dict[str, Any]:
-    """One client's entry (fixed field names, plus hot spots and the region status)."""
-    from dbr_service.hotnames import name_hotspots
-    from dbr_service.scheduler import find_hotspots
-
-    hotspots = find_hotspots(dict(s.ip_counts), s.maps, threshold=s.service.config.hot_threshold,
-                             top=10)
-    name_hotspots(hotspots, s.maps)     # the last maps read while the client lived
-    ttfp = (None if s.first_patch_mono is None
-            else round(s.first_patch_mono - s.connected_mono, 3))
-    return {
-        "pid": s.pid, "ppid": s.ppid, "exe": s.exe,
-        "samples": s.samples_total,
-        "samples_after_first_patch": s.samples_after_first_patch,
-        "samples_in_replacement": s.samples_in_replacement,
-        "time_to_first_patch_s": ttfp,
-        "patches_installed": s.patches_installed,
-        "patches_removed": s.patches_removed,
-        "regions_went_live": s.regions_went_live,
-        **s.threads_moved(),
-        "regions": [r.to_json() for r in s.region_book.regions.values()],
-        "sampling_source": s.sampling_source_name,
-        "snapshots": s.snapshots,
-        "hotspots": hotspots,
-        "region_status": s.region_status,
-        "jobs_done": s.jobs_done,
-        **s.cpu_budget.to_json(time.monotonic()),
-        "speed_checks": list(s.speed_checks),
-        "timeline": dict(s.timeline),
-        "close_reason": s.close_reason,
-    }
 
 
 def run_report(program: list[str], exit_code: int, wall_s: float,

@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from dbr_service.scheduler import QUICK_JOBS, JobResult, next_job_gap
+from dbr_service.cadence import next_job_gap
 from dbr_service.session_regions import RegionRecord, RegionState
+from dbr_service.worker import QUICK_JOBS, JobResult
 
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.clients import ClientSession

@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -36,8 +36,8 @@ from dbr_service import agentconn
 from dbr_service import protocol as P
 from dbr_service.clients import ClientSession, SessionState
 from dbr_service.config import Config, ConfigSources
-from dbr_service.control import ControlServer, EventBus
 from dbr_service.errors import ConfigError, ServiceError
+from dbr_service.events import EventBus
 from dbr_service.notify import Notifier
 from dbr_service.paths import AGENT_SOCKET, CONTROL_SOCKET, EVENTS_SOCKET, quiet_hint_ms
 from dbr_service.clientfiles import remove_stale_perf_maps
@@ -51,7 +51,8 @@ from dbr_service.session_threads import ShortThreadPrograms
 from dbr_service.shortruns import ShortRunPrograms
 from dbr_service.snapshots import Snapshot, SnapshotCycle
 from dbr_service.sources import choose_source, sampling_capabilities
-from dbr_service.scheduler import Scheduler, client_cpu_s
+from dbr_service.budget import client_cpu_s
+from dbr_service.scheduler import Scheduler
 
 log = logging.getLogger("dbr.service")
 
@@ -80,20 +81,41 @@ def raise_nofile_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+class ControlEndpoint(Protocol):
+    """What the service needs of its control-socket server (control.ControlServer):
+    it is started with the service and stopped, or its socket closed, at the end."""
+
+    thread: threading.Thread
+    sock: Any
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+#: Makes the control-socket server of a service: (service, zmq context, socket path).
+#: The control layer sits above the service, so whoever starts a service hands it in
+#: (control.ControlServer).
+ControlFactory = Callable[["Service", zmq.Context, str], ControlEndpoint]
+
+
 # --------------------------------------------------------------------------- service
 class Service(RuntimeDir, SnapshotCycle, JobResults):
     """See the module docstring."""
 
-    def __init__(self, sources: ConfigSources, *, embedded: bool = False,
+    def __init__(self, sources: ConfigSources, *, control_server: ControlFactory,
+                 embedded: bool = False,
                  notifier: Notifier | None = None,
                  agent_listener: socket.socket | None = None,
                  warm_delay_s: float = 0.0) -> None:
-        """``agent_listener``: an agent socket already bound and listening in this
+        """``control_server``: makes the control-socket server (control.ControlServer).
+        ``agent_listener``: an agent socket already bound and listening in this
         service's runtime dir (`dbr run` binds it before PROG starts, so PROG's agent
         connects at once while the service is still starting; the runtime dir is then
         private to this service and is not probed for another one).  ``warm_delay_s``:
         start the worker pool only after this long (see :meth:`Scheduler.warm`)."""
         self.sources = sources
+        self._control_server = control_server
         self._warm_delay_s = warm_delay_s
         self._prebound = agent_listener
         self.config: Config = sources.load()
@@ -134,7 +156,7 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
         self._next_snapshot = 0.0
         self._listen: socket.socket | None = None
         self._ctx: zmq.Context | None = None
-        self._control: ControlServer | None = None
+        self._control: ControlEndpoint | None = None
         self._started = False
         self.stopped = threading.Event()
         #: The runtime dir, opened and checked (_prepare_runtime_dir); files in it are
@@ -182,7 +204,7 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
                 log.info("removed the stale perf map %s", path)
         self.write_quiet_hint()
         self._ctx = zmq.Context()
-        self._control = ControlServer(self, self._ctx, self.path(CONTROL_SOCKET))
+        self._control = self._control_server(self, self._ctx, self.path(CONTROL_SOCKET))
         self.events = EventBus(self._ctx, self.path(EVENTS_SOCKET))
         self._chgrp_sockets()
         self.capabilities = sampling_capabilities()

@@ -16,7 +16,8 @@ from dbr_service.clientfiles import PerfMap
 from dbr_service.codegen.frames import CfiSource
 from dbr_service.errors import AgentError
 from dbr_service.hotnames import name_address
-from dbr_service.install import HELD, Installer, InstallState
+from dbr_service.install import Installer
+from dbr_service.installed import HELD, InstallState
 from dbr_service.jitdump import JitDump
 from dbr_service.optimize import Evaluator, install_regions, region_extent
 

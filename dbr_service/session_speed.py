@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from dbr_service.errors import AgentError
-from dbr_service.install import HELD, InstallState
+from dbr_service.installed import HELD, InstallState
 from dbr_service.session_regions import RegionRecord, RegionState
 from dbr_service.speedcheck import CHECK_TRIES, ORIGINAL, SpeedCheck, read_progress
 

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from dbr_service.errors import SamplingError
 from dbr_service.sampling.aggregate import SampleAggregator
-from dbr_service.scheduler import (QUICK_JOBS, ClientJob, budget_limit, client_cpu_s,
-                                   hot_addresses, newly_hot, quick_job, sampling_interval)
+from dbr_service.cadence import hot_addresses, newly_hot, sampling_interval
+from dbr_service.budget import budget_limit, client_cpu_s
 from dbr_service.sources import make_agent_timer_source, make_perf_source
 from dbr_service.speedcheck import SETTLE_PHASES
+from dbr_service.worker import QUICK_JOBS, ClientJob, quick_job
 
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.clients import ClientSession
@@ -161,7 +162,7 @@ class SnapshotCycle:
 
     def _judge_quiet(self, s: ClientSession, changed: bool) -> None:
         """After a client's snapshot (and its job, if one ran): quiet when it changed
-        nothing; its sampling interval follows (scheduler.sampling_interval)."""
+        nothing; its sampling interval follows (cadence.sampling_interval)."""
         c = s.cadence
         with s.lock:
             act = c.activity
@@ -263,8 +264,8 @@ class SnapshotCycle:
     def _job_due(self, s: ClientSession, selection: dict[int, int], now: float) -> bool:
         """Whether a client's snapshot gets a region job, after its first QUICK_JOBS + 1
         (which always may): not when nothing new is hot since its last job and nothing
-        changed for it (scheduler.newly_hot), not while its jobs back off
-        (scheduler.next_job_gap), and not over its CPU budget (scheduler.CpuBudget:
+        changed for it (cadence.newly_hot), not while its jobs back off
+        (cadence.next_job_gap), and not over its CPU budget (budget.CpuBudget:
         it keeps its installed regions; the job comes once the client's CPU has grown
         enough)."""
         cfg = self.config

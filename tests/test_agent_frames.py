@@ -160,7 +160,8 @@ def test_installer_names_frames_before_the_patch_and_withdraws_them_with_the_chu
     frees the chunk withdraws it (FRAMES_DEL)."""
     from types import SimpleNamespace
 
-    from dbr_service.install import CodeSpace, InstallState, Installer, decode_inner
+    from dbr_service.entry_sites import decode_inner
+    from dbr_service.install import CodeSpace, InstallState, Installer
 
     client = svc.spawn([exe])
     copyme = int(client.out.expect("copyme").split()[1], 16)

@@ -2,7 +2,7 @@
 "Invariants" 3): a function entry whose first instructions are short is patched at
 its start when they span >= 5 bytes and nothing known branches into bytes 1..4.
 Also the function-entry index (region/functions.py) and the installer's decoding of
-a site's inner boundaries (install.decode_inner)."""
+a site's inner boundaries (entry_sites.decode_inner)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from dbr_service.codegen.cfi import load_eh_frame
 from dbr_service.codegen.frames import Module
-from dbr_service.install import decode_inner
+from dbr_service.entry_sites import decode_inner
 from dbr_service.region.functions import FunctionEntries, call_targets
 from dbr_service.symbols import symbols_of
 from dbr_service.region.model import CloneKey

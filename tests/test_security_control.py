@@ -21,7 +21,8 @@ import zmq
 from service_helpers import ServiceProc
 
 from dbr_service import control
-from dbr_service.control import MAX_FRAME, ControlServer, EventBus
+from dbr_service.control import MAX_FRAME, ControlServer
+from dbr_service.events import EventBus
 from dbr_service.ctlclient import MAX_REQUEST, Code
 
 

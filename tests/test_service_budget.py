@@ -13,8 +13,10 @@ from service_helpers import ServiceProc, agent_path, build_example, kill, spawn_
 
 from dbr_service.config import Config, load_config
 from dbr_service.errors import ConfigError
-from dbr_service.scheduler import (CpuBudget, JobResult, Scheduler, budget_limit, client_cpu_s,
-                                   hot_addresses, newly_hot, next_job_gap)
+from dbr_service.cadence import hot_addresses, newly_hot, next_job_gap
+from dbr_service.budget import CpuBudget, budget_limit, client_cpu_s
+from dbr_service.scheduler import Scheduler
+from dbr_service.worker import JobResult
 
 needs_agent = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 
@@ -148,7 +150,7 @@ def test_second_client_of_a_binary_is_not_decoded_again(monkeypatch):
     from dbr_service.procmaps import module_base, read_maps
     from dbr_service.region import decode
     from dbr_service.region.memview import LiveMemoryView
-    from dbr_service.scheduler import ClientJob, optimize_client
+    from dbr_service.worker import ClientJob, optimize_client
 
     monkeypatch.setattr(decode, "DECODE_CACHE", decode.ModuleDecodeCache())
     prog = build_example("hotloop")

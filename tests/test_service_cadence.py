@@ -1,5 +1,5 @@
 """Sampling cadence: a client whose snapshots change nothing is sampled less often
-(scheduler.sampling_interval), and code mapped in (a dlopen) brings it back to the
+(cadence.sampling_interval), and code mapped in (a dlopen) brings it back to the
 full rate.  The point is cost: sampling is part of what a deployed host costs a
 program that has nothing left to optimize
 (docs/decisions/0012-sampling-cadence-quiet-and-young-clients.md)."""
@@ -15,7 +15,7 @@ from harness import compile_c
 from service_helpers import ServiceProc, agent_path, kill, spawn_client
 
 from dbr_service.config import AGGRESSIVE, Config
-from dbr_service.scheduler import QUIET_BEFORE_BACKOFF, sampling_interval
+from dbr_service.cadence import QUIET_BEFORE_BACKOFF, sampling_interval
 
 
 def _cfg(**kw):
@@ -176,8 +176,10 @@ def test_jobs_wait_while_nothing_new_is_hot_and_back_off():
     import os
     import threading
 
-    from dbr_service.cadence import SessionCadence
-    from dbr_service.scheduler import QUICK_JOBS, CpuBudget, Scheduler, hot_addresses
+    from dbr_service.cadence import SessionCadence, hot_addresses
+    from dbr_service.budget import CpuBudget
+    from dbr_service.scheduler import Scheduler
+    from dbr_service.worker import QUICK_JOBS
     from dbr_service.service import Service
 
     cfg = Config()

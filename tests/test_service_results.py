@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 from dbr_service.cadence import SessionCadence
 from dbr_service.session_regions import RegionBook, RegionRecord, RegionState
-from dbr_service.scheduler import CpuBudget, JobResult
+from dbr_service.budget import CpuBudget
+from dbr_service.worker import JobResult
 from dbr_service.service import Service
 
 

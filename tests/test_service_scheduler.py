@@ -15,7 +15,8 @@ from service_helpers import agent_path, build_example, kill, spawn_client, symbo
 from dbr_service.procmaps import MapEntry
 from dbr_service.config import Config, ConfigSources
 from dbr_service.errors import SamplingError
-from dbr_service.scheduler import ClientJob, JobResult, Scheduler, auto_workers, find_hotspots
+from dbr_service.scheduler import Scheduler, auto_workers
+from dbr_service.worker import ClientJob, JobResult, find_hotspots
 
 MAPS = [MapEntry(0x400000, 0x401000, "r--p", 0, "/bin/prog"),
         MapEntry(0x401000, 0x402000, "r-xp", 0x1000, "/bin/prog"),
@@ -71,6 +72,7 @@ def test_schedule_hottest_first_and_worker_result():
 def test_agent_timer_fallback_when_perf_refused(monkeypatch):
     from dbr_service import service as service_mod
     from dbr_service import snapshots
+    from dbr_service.control import ControlServer
 
     def refused(session, cfg, kind):
         raise SamplingError("perf_event_open: Permission denied (simulated)")
@@ -78,7 +80,8 @@ def test_agent_timer_fallback_when_perf_refused(monkeypatch):
     monkeypatch.setattr(snapshots, "make_perf_source", refused)
     rdir = tempfile.mkdtemp(prefix="dbr-fallback-")
     env = dict(os.environ, DBR_RUNTIME_DIR=rdir)
-    svc = service_mod.Service(ConfigSources(aggressive=True, env=env), embedded=True)
+    svc = service_mod.Service(ConfigSources(aggressive=True, env=env),
+                              control_server=ControlServer, embedded=True)
     svc.start()
     assert svc.source_kind.startswith("perf-")
     t = threading.Thread(target=svc.run, daemon=True)
@@ -160,8 +163,8 @@ def test_quick_job_takes_the_short_reach(monkeypatch):
     import dataclasses
 
     import dbr_service.region.pipeline as pl
-    from dbr_service.scheduler import (QUICK_ALL_SEEDS_MAX, QUICK_MAX_BLOCKS, QUICK_REACH,
-                                       QUICK_SEED_MIN, select_client_regions)
+    from dbr_service.worker import (QUICK_ALL_SEEDS_MAX, QUICK_MAX_BLOCKS, QUICK_REACH,
+                                    QUICK_SEED_MIN, select_client_regions)
 
     seen = []
     seeds = []
@@ -192,7 +195,7 @@ def test_quick_job_takes_the_short_reach(monkeypatch):
 def test_quick_jobs_until_a_region_or_three_jobs():
     """Jobs stay quick while the client has no region, at most QUICK_JOBS of them; a
     client with a region, or after QUICK_JOBS jobs, gets the full search."""
-    from dbr_service.scheduler import QUICK_JOBS, quick_job
+    from dbr_service.worker import QUICK_JOBS, quick_job
 
     assert QUICK_JOBS >= 2
     assert [quick_job(n, False) for n in range(QUICK_JOBS + 2)] == \
@@ -203,7 +206,7 @@ def test_quick_jobs_until_a_region_or_three_jobs():
 def test_set_thread_nice_is_per_thread():
     """Niceness is a thread's own on Linux: a job thread's does not change the
     others' (the service's control thread keeps its priority)."""
-    from dbr_service.scheduler import set_thread_nice
+    from dbr_service.worker import set_thread_nice
 
     main = os.getpriority(os.PRIO_PROCESS, 0)
     seen = {}
@@ -226,7 +229,7 @@ def test_autogroup_nice_is_tried_again_when_the_kernel_says_later(monkeypatch):
     import errno
     import io
 
-    from dbr_service import scheduler
+    from dbr_service import worker
 
     state = {"nice": 0, "busy": 1, "writes": 0}
 
@@ -245,12 +248,12 @@ def test_autogroup_nice_is_tried_again_when_the_kernel_says_later(monkeypatch):
         assert path == "/proc/self/autogroup"
         return Writer() if "w" in mode else io.StringIO(f"/autogroup-9 nice {state['nice']}\n")
 
-    monkeypatch.setattr(scheduler, "open", fake_open, raising=False)
-    monkeypatch.setattr(scheduler, "_OWN_AUTOGROUP", False)
-    assert scheduler.set_autogroup_nice(19) is False and state["writes"] == 0
-    monkeypatch.setattr(scheduler, "_OWN_AUTOGROUP", True)
-    assert scheduler.set_autogroup_nice(19) is True
+    monkeypatch.setattr(worker, "open", fake_open, raising=False)
+    monkeypatch.setattr(worker, "_OWN_AUTOGROUP", False)
+    assert worker.set_autogroup_nice(19) is False and state["writes"] == 0
+    monkeypatch.setattr(worker, "_OWN_AUTOGROUP", True)
+    assert worker.set_autogroup_nice(19) is True
     assert state == {"nice": 19, "busy": 0, "writes": 2}
-    assert scheduler.set_autogroup_nice(19) is True and state["writes"] == 2  # as it is
+    assert worker.set_autogroup_nice(19) is True and state["writes"] == 2  # as it is
     state["busy"] = 2                      # refused twice: left for the next job
-    assert scheduler.set_autogroup_nice(5) is False and state["nice"] == 19
+    assert worker.set_autogroup_nice(5) is False and state["nice"] == 19

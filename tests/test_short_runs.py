@@ -297,10 +297,11 @@ def test_only_the_end_of_a_programs_own_run_is_counted(tmp_path):
     aside), a fork child of a live client of the same program, and a session the
     service ended are not runs of the program; the ended process of a session is."""
     from dbr_service.config import ConfigSources
+    from dbr_service.control import ControlServer
     from dbr_service.service import Service
 
     svc = Service(ConfigSources(env=dict(os.environ, DBR_RUNTIME_DIR=str(tmp_path))),
-                  embedded=True)
+                  control_server=ControlServer, embedded=True)
     svc._prepare_runtime_dir()       # what start() does first: the files go there
     svc._configure_short_runs(1000)
     ended = subprocess.Popen(["true"])

@@ -22,14 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "dbr_service"
 
 #: Strongly connected components of the whole import graph (module-level and deferred
-#: imports together).  Each is a cycle only through deferred imports: the service
-#: (with its parts snapshots, results and sources), session, control-socket and report
-#: modules import each other inside functions or for type checking; layout and exttsp
+#: imports together).  Each is a cycle only through deferred imports: layout and exttsp
 #: import each other inside functions.
 KNOWN_CYCLES = {
-    frozenset({"dbr_service.clients", "dbr_service.control", "dbr_service.report",
-               "dbr_service.results", "dbr_service.service", "dbr_service.snapshots",
-               "dbr_service.sources"}),
     frozenset({"dbr_service.codegen.exttsp", "dbr_service.codegen.layout"}),
 }
 
@@ -39,7 +34,8 @@ SERVICE_MODULES = {"dbr_service.scheduler", "dbr_service.service", "dbr_service.
                    "dbr_service.sources", "dbr_service.runtime_dir", "dbr_service.cadence",
                    "dbr_service.session_threads", "dbr_service.session_sampling",
                    "dbr_service.session_regions", "dbr_service.session_speed",
-                   "dbr_service.checked_conn"}
+                   "dbr_service.checked_conn", "dbr_service.worker",
+                   "dbr_service.budget", "dbr_service.events"}
 
 
 def _modules() -> dict[str, Path]:
