@@ -338,7 +338,8 @@ def render(verb: str, result: Any) -> str:
     if verb == "regions":
         head = f"pid {result['pid']}: {result['status']}"
         rows = [[r["id"], _state(r), r["blocks"], r["code_bytes"], _calls(r), _speed(r),
-                 " ".join(f"{e:#x}" for e in r["entries"]), r["module"]]
+                 " ".join(r.get("entry_names") or [f"{e:#x}" for e in r["entries"]]),
+                 r["module"]]
                 for r in result["regions"]]
         refused = sum(1 for r in result["regions"] if "cfi_refused" in r.get("info", {}))
         if refused:

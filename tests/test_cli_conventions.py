@@ -218,6 +218,9 @@ def test_json_after_the_verb_and_events_follow():
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         client = spawn_client(svc.dir, [prog, "20000"])
         svc.wait_for(lambda: _installed(svc, client.pid), timeout=20, what="a region")
+        # regions name their entries after the function that holds them
+        r = _dbr("ctl", "regions", str(client.pid), env=env)
+        assert r.returncode == 0 and "mix+0x" in r.stdout, r.stdout
         time.sleep(1.0)                                   # two polls of --follow
         follow.send_signal(signal.SIGINT)
         out, err = follow.communicate(timeout=10)
