@@ -43,7 +43,7 @@ def measure(w: suite.Workload, ctx: suite.Ctx, passes: int) -> dict:
     from dbr_service.region.memview import LiveMemoryView
     from dbr_service.region.pipeline import select_regions
     from dbr_service.sampling.perf import sample_ips
-    from dbr_service.scheduler import region_config
+    from dbr_service.worker import region_config
 
     prep = w.prepare(ctx)
     with tempfile.TemporaryDirectory() as d:

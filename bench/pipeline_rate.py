@@ -4,7 +4,7 @@ gcc's ``cc1`` (a stripped distribution binary, a flat profile: its hottest addre
 holds under 1 % of its samples) compiles the long benchmark's generated C file.  It is
 sampled by dbr's own perf sampler (cpu-clock, 1 ms per thread, as the service) for a
 window, stopped (SIGSTOP), and selection runs over its live memory exactly as a
-service job does: the default settings for that many samples (scheduler.region_config),
+service job does: the default settings for that many samples (worker.region_config),
 the client's function entries from its mapped files (FDE starts, symbols, call
 targets).  Reported per window: samples, blocks and instructions discovery decoded,
 seconds of discovery and of the passes after it, instructions analysed per second of
@@ -50,7 +50,7 @@ def measure(argv: list[str], window_s: float) -> dict:
     from dbr_service.region.memview import LiveMemoryView
     from dbr_service.region.pipeline import run_pipeline
     from dbr_service.sampling.perf import sample_ips
-    from dbr_service.scheduler import region_config
+    from dbr_service.worker import region_config
 
     with tempfile.TemporaryDirectory() as d:
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}

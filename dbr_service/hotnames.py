@@ -1,7 +1,7 @@
 """Function names for a client's hot spots (``dbr ctl hotspots``, `dbr run`'s report).
 
 A hot spot carries its module's path and its offset from the module's lowest mapping
-(scheduler.find_hotspots).  Its ``symbol`` is ``name+0xoff`` from that module file's
+(worker.find_hotspots).  Its ``symbol`` is ``name+0xoff`` from that module file's
 ``.symtab`` or ``.dynsym`` (symbols.py), read only when the file at that path is a
 regular file with the device and inode the client's maps show: the service is root,
 and a path in another process's maps names whatever that process chose, or a file

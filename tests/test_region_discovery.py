@@ -815,7 +815,7 @@ def test_analyze_uses_the_service_settings():
     from dbr_service.config import Config
     from dbr_service.region import pipeline
     from dbr_service.region.analyze import _load_config
-    from dbr_service.scheduler import region_config
+    from dbr_service.worker import region_config
 
     cfg, want = _load_config([], pipeline, 1000), region_config(Config(), 1000)
     for key in ("jumps_from_hot_limit", "hot_threshold", "min_loop_trip_count",

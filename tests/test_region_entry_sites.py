@@ -258,7 +258,7 @@ def test_the_service_takes_no_entry_site_unless_configured():
     turns it off, `-o entry_sites=true` on."""
     from dbr_service.config import Config
     from dbr_service.region.pipeline import PassContext, PatchPointSelectionPass, RegionConfig
-    from dbr_service.scheduler import region_config
+    from dbr_service.worker import region_config
 
     assert region_config(Config(), 1000).entry_sites is False
     assert region_config(Config().replace_value("entry_sites", "true"), 1000).entry_sites

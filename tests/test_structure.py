@@ -130,7 +130,7 @@ def test_the_graph_covers_the_package() -> None:
     assert "dbr_service.region.analyze" in top and "dbr_service.service" in top
     assert "dbr_service.clients" in top["dbr_service.service"]
     assert "dbr_service.protocol" in top["dbr_service.clients"]      # from dbr_service import
-    assert "dbr_service.scheduler" in deferred["dbr_service.region.analyze"]
+    assert "dbr_service.worker" in deferred["dbr_service.region.analyze"]
 
 
 def test_no_import_cycle_among_module_level_imports() -> None:

@@ -163,7 +163,7 @@ def _load_config(options: list[str], pipe, total_samples: float = 0.0) -> object
     threshold as that fraction of the samples), or discovery-only settings, with -o
     applied."""
     if pipe is not None:
-        from dbr_service.scheduler import region_config
+        from dbr_service.worker import region_config
         cfg = region_config(_service_defaults(), int(total_samples))
     else:
         cfg = _DiscoveryOnlyConfig()

@@ -181,7 +181,7 @@ class ModuleDecodeCache:
         self.hits = 0      # instructions taken from the cache
         self.decoded = 0   # instructions decoded from memory
         #: Blocks discovery made in this process (a job's size, for its CPU cost per
-        #: block: scheduler.CpuBudget.max_blocks).
+        #: block: budget.CpuBudget.max_blocks).
         self.blocks = 0
 
     def get(self, ident: tuple, offset: int) -> tuple[int, _Template, int] | None:
