@@ -10,7 +10,6 @@ on a client.  A client that exits, crashes or sends garbage ends only its own se
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import os
 import queue
@@ -39,6 +38,7 @@ from dbr_service.session_sampling import SessionSampling
 from dbr_service.session_speed import SPEED_CHECKS_KEPT, SessionSpeedChecks
 from dbr_service.session_threads import ThreadTracker
 from dbr_service.speedcheck import SpeedCheck
+from dbr_service.states import SessionState
 from dbr_service.hotnames import name_hotspots
 from dbr_service.worker import find_hotspots
 
@@ -84,12 +84,6 @@ class SessionHost(Protocol):
     def session_refused(self, s: ClientSession, why: str, peer_gone: bool = False) -> None: ...
 
     def session_ended(self, s: ClientSession, leftover: list | None = None) -> None: ...
-
-
-class SessionState(str, enum.Enum):
-    HANDSHAKE = "handshake"
-    CONNECTED = "connected"
-    CLOSED = "closed"
 
 
 class _Notes(collections.deque):

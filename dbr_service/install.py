@@ -49,7 +49,8 @@ from dbr_service.codegen.frames import records_len
 from dbr_service.codespace import Chunk, CodeSpace
 from dbr_service.entry_sites import EntrySiteChecks
 from dbr_service.errors import AgentError, CodegenError
-from dbr_service.installed import HELD, Generated, InstalledRegion, InstallState
+from dbr_service.installed import Generated, InstalledRegion
+from dbr_service.states import HELD, InstallState
 
 
 class Installer(EntrySiteChecks):

@@ -1,16 +1,16 @@
 """What the installer keeps of each region in one client: :class:`InstalledRegion`,
-its states (:class:`InstallState`, :data:`HELD`), and what codegen hands over to be
+its state (:class:`InstallState`, defined in states.py), and what codegen hands over to be
 installed (:class:`Generated`).  Read by the installer (install.py), its entry-site
 checks (entry_sites.py), evaluation (optimize.py) and the session's region records."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from dbr_service import protocol as P
 from dbr_service.codespace import Chunk
+from dbr_service.states import HELD, InstallState  # noqa: F401  (importers take them here too)
 
 
 class Generated(Protocol):
@@ -22,23 +22,6 @@ class Generated(Protocol):
     addr_map: list[tuple[int, int, int]]       # (repl_start, repl_end, original address)
     exits: list[tuple[int, int]]               # (replacement address, original target)
     transfers: dict[int, int]                  # original instruction -> replacement address
-
-
-class InstallState(str, enum.Enum):
-    """Lifecycle of one installed region (mirrors region.model.RegionState)."""
-
-    WRITTEN = "written"          # bytes in the buffer, no site patched yet
-    INSTALLED = "installed"      # at least one entry site patched, or (a region without
-                                 # patch sites) at least one thread moved in
-    SUSPENDED = "suspended"      # sites restored for a while (a speed check), code and
-                                 # REGION kept: resume() patches the same sites again
-    REMOVED = "removed"          # every site restored; code space quarantined
-    FAILED = "failed"            # nothing patched (agent refused every site)
-
-
-#: States in which a region's code is in place and depends on the original code: live,
-#: or suspended for a speed check (its sites restored for a while).
-HELD = frozenset({InstallState.INSTALLED, InstallState.SUSPENDED})
 
 
 @dataclass

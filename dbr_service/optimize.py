@@ -25,8 +25,9 @@ from dbr_service.codegen.emit import GeneratedCode, check_generated, emit_region
 from dbr_service.codegen.frames import blobs_size, region_blobs
 from dbr_service.errors import AgentError, CodegenError, DbrError
 from dbr_service.install import Installer
-from dbr_service.installed import InstalledRegion, InstallState
-from dbr_service.region.model import RegionState, SuperRegion
+from dbr_service.installed import InstalledRegion
+from dbr_service.region.model import SuperRegion
+from dbr_service.states import InstallState, RegionState
 
 PROVISIONAL_ALIGN = 16
 

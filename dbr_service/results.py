@@ -7,7 +7,8 @@ import time
 from typing import TYPE_CHECKING
 
 from dbr_service.cadence import next_job_gap
-from dbr_service.session_regions import RegionRecord, RegionState
+from dbr_service.session_regions import RegionRecord
+from dbr_service.states import RegionState
 from dbr_service.worker import QUICK_JOBS, JobResult
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -34,7 +34,7 @@ import zmq
 
 from dbr_service import agentconn
 from dbr_service import protocol as P
-from dbr_service.clients import ClientSession, SessionState
+from dbr_service.clients import ClientSession
 from dbr_service.config import Config, ConfigSources
 from dbr_service.errors import ConfigError, ServiceError
 from dbr_service.events import EventBus
@@ -46,7 +46,7 @@ from dbr_service.results import JobResults
 from dbr_service.reuse import ReusedThreads
 from dbr_service.runtime_dir import RuntimeDir
 from dbr_service.sampling.aggregate import SampleAggregator
-from dbr_service.session_regions import RegionState
+from dbr_service.states import RegionState, SessionState
 from dbr_service.session_threads import ShortThreadPrograms
 from dbr_service.shortruns import ShortRunPrograms
 from dbr_service.snapshots import Snapshot, SnapshotCycle

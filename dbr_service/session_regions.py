@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import threading
 import time
@@ -17,24 +16,15 @@ from dbr_service.codegen.frames import CfiSource
 from dbr_service.errors import AgentError
 from dbr_service.hotnames import name_address
 from dbr_service.install import Installer
-from dbr_service.installed import HELD, InstallState
 from dbr_service.jitdump import JitDump
 from dbr_service.optimize import Evaluator, install_regions, region_extent
+from dbr_service.states import HELD, InstallState, RegionState
 
 log = logging.getLogger("dbr.clients")
 
 #: Installation attempts of one selected region before it is not tried again.
 INSTALL_ATTEMPTS = 3
 
-
-
-class RegionState(str, enum.Enum):
-    """Lifecycle of a region in a client (checked where patches change)."""
-
-    SELECTED = "selected"
-    GENERATED = "generated"
-    INSTALLED = "installed"
-    REMOVED = "removed"
 
 
 @dataclass

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from dbr_service.errors import AgentError
-from dbr_service.installed import HELD, InstallState
-from dbr_service.session_regions import RegionRecord, RegionState
+from dbr_service.session_regions import RegionRecord
+from dbr_service.states import HELD, InstallState, RegionState
 from dbr_service.speedcheck import CHECK_TRIES, ORIGINAL, SpeedCheck, read_progress
 
 #: Speed checks whose summaries a client keeps (dbr ctl clients, the report).

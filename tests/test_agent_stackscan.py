@@ -474,7 +474,7 @@ def test_regions_listing_says_what_retains_removed_code():
                                info={"install_id": 3})}
     book = RegionBook(threading.RLock())
     book.regions.update(recs)
-    session = SimpleNamespace(pid=5, region_status="3 region(s)", region_book=book,
+    session = SimpleNamespace(pid=5, region_status="3 region(s)", region_book=book, maps=[],
                               installer=SimpleNamespace(retained=lambda: {1: held}))
     out = verb_regions(SimpleNamespace(find_client=lambda pid: session), {"pid": 5})
     assert [r.get("retained") for r in out["regions"]] == [held, None, None]

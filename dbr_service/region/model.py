@@ -25,6 +25,7 @@ from typing import Iterator, NamedTuple, Union
 import networkx as nx
 
 from dbr_service.errors import RegionError
+from dbr_service.states import RegionState
 
 START = "START"
 END = "END"
@@ -76,16 +77,6 @@ class TermKind(str, enum.Enum):
     ICALL = "icall"               # indirect call
     STOP = "stop"                 # unsupported/illegal/unreadable next byte: must exit before it
     HALT = "halt"                 # hlt/ud2/int3: control never continues
-
-
-class RegionState(str, enum.Enum):
-    """Lifecycle of a super-region (checked where it matters)."""
-
-    DISCOVERED = "discovered"
-    SELECTED = "selected"
-    GENERATED = "generated"
-    INSTALLED = "installed"
-    REMOVED = "removed"
 
 
 @dataclass

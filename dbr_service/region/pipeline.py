@@ -25,7 +25,8 @@ from typing import Any, Callable, ClassVar
 
 from dbr_service.errors import RegionError
 from dbr_service.region import dispatch, fallthrough, inline, partition, patchpoints, prune
-from dbr_service.region.model import MAX_CASCADE_TARGETS, RegionState, SuperRegion
+from dbr_service.region.model import MAX_CASCADE_TARGETS, SuperRegion
+from dbr_service.states import RegionState
 
 
 @dataclass
