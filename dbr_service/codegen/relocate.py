@@ -588,12 +588,9 @@ def _shift(r: Relocated, head: bytes, kind: Kind) -> Relocated:
                      [o + n for o in r.dynamic_exits])
 
 
-# ---- names calls.py, dispatch.py and emit.py import until they write with X86Writer ----
+# ---- names dispatch.py and emit.py import until they write with X86Writer ----
 
 from dbr_service.codegen.x86 import CALL_LEN as CALL_LEN  # noqa: E402
-
-LEA_RSP_MINUS_128 = ret_adjust(-RED_ZONE - 8)
-LEA_RSP_PLUS_128 = ret_adjust(RED_ZONE - 8)
 
 
 def jcc_rel32(cc: int, at: int, dst: int) -> bytes:
@@ -607,14 +604,3 @@ def push_return_fixups(ret: int, slot: int | None) -> list[Fixup]:
         return []
     return [Fixup(0, 2, slot, slot, False, data=True)]
 
-
-def _load_target(self: Relocator, insn, b: bytes, reg: int, at: int, offset: int):
-    w = X86Writer(at)
-    fx = self.put_load_target(w, insn, b, reg)
-    if fx is not None:
-        fx = Fixup(fx.insn_off + offset, fx.field_off + offset, fx.target, fx.orig_target,
-                   fx.exit, fx.data)
-    return bytes(w.code), fx
-
-
-Relocator.load_target = _load_target
