@@ -55,6 +55,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import capstone
 
@@ -68,20 +69,16 @@ from dbr_service.codegen.dispatch import (
 )
 from dbr_service.codegen.layout import ALIGN, Layout, compute_layout
 from dbr_service.codegen.relocate import (
-    CALL_LEN,
     CannotRelocate,
     Fixup,
     Kind,
     Relocated,
     Relocator,
-    call_rel32,
     jcc_condition,
-    jcc_rel32,
-    jmp_rel32,
-    push_return,
-    push_return_fixups,
+    put_push_return,
     ret_adjust,
 )
+from dbr_service.codegen.x86 import CALL_LEN, X86Writer, nop_bytes
 from dbr_service.errors import CodegenError
 from dbr_service.region.model import (
     END,
@@ -94,24 +91,10 @@ from dbr_service.region.model import (
     fmt_node,
 )
 
+T = TypeVar("T")
+
 #: ``endbr64``: the only instruction allowed before a PLT stub's jump.
 ENDBR64 = bytes.fromhex("f30f1efa")
-
-#: Recommended multi-byte NOPs (Intel SDM vol. 2B, NOP), by length.
-_NOPS = {1: "90", 2: "6690", 3: "0f1f00", 4: "0f1f4000", 5: "0f1f440000",
-         6: "660f1f440000", 7: "0f1f8000000000", 8: "0f1f840000000000",
-         9: "660f1f840000000000"}
-
-
-def nop_bytes(n: int) -> bytes:
-    """``n`` bytes of multi-byte NOPs."""
-    out = b""
-    while n > 0:
-        k = min(n, 9)
-        out += bytes.fromhex(_NOPS[k])
-        n -= k
-    return out
-
 
 @dataclass
 class GeneratedCode:
@@ -401,15 +384,16 @@ class _BlockEmitter:
     def _jump(self, t: int, succ: dict[int, NodeKey], orig: int) -> None:
         v = succ.get(t)
         dst = self.exit_to(t) if v is None else self.addr_of(v)
-        code = self._encode(lambda: jmp_rel32(self._at, dst))
-        self._add(_Piece(code, orig, [Fixup(0, 1, dst, t, v is None)]))
+        w = X86Writer(self._at)
+        f = self._encode(lambda: w.put_jmp(dst))
+        self._add(_Piece(bytes(w.code), orig, [Fixup(0, f, dst, t, v is None)]))
 
     def _goto(self, t: int, succ: dict[int, NodeKey], nxt: NodeKey | None, orig: int) -> None:
         """Continue at original address ``t``: fall into the next block or jump."""
         if nxt is None or succ.get(t) != nxt:
             self._jump(t, succ, orig)
 
-    def _encode(self, f: Callable[[], bytes]) -> bytes:
+    def _encode(self, f: Callable[[], T]) -> T:
         try:
             return f()
         except CannotRelocate as e:
@@ -433,16 +417,17 @@ class _BlockEmitter:
             cc, t, ft = cc ^ 1, ft, t
         v = flow.get(t)
         dst = self.exit_to(t) if v is None else self.addr_of(v)
-        code = self._encode(lambda: jcc_rel32(cc, self._at, dst))
-        self._add(_Piece(code, a, [Fixup(0, 2, dst, t, v is None)], whole=True))
+        w = X86Writer(self._at)
+        f = self._encode(lambda: w.put_jcc(cc, dst))
+        self._add(_Piece(bytes(w.code), a, [Fixup(0, f, dst, t, v is None)], whole=True))
         self._goto(ft, flow, nxt, a)
 
     def _call(self, bb, key, a: int, n: int, nxt) -> None:
         callee = self._insn(bb, a).operands[0].imm
         calls = self.succ(key, {EdgeKind.CALL})
-        slot = self.ret_slot(a + n)
-        self._add(_Piece(push_return(a + n, self._at, slot), a,
-                         push_return_fixups(a + n, slot), whole=True))
+        w = X86Writer(self._at)
+        fixups = put_push_return(w, a + n, self.ret_slot(a + n))
+        self._add(_Piece(bytes(w.code), a, fixups, whole=True))
         self._goto(callee, calls, nxt, a)
 
     def _real_call(self, bb, a: int, n: int, flow, nxt) -> None:
@@ -450,8 +435,9 @@ class _BlockEmitter:
         jump there, if any, stands for the continuation in the maps)."""
         callee = self._insn(bb, a).operands[0].imm
         dst = self.call_to(callee)
-        code = self._encode(lambda: call_rel32(self._at, dst))
-        self._add(_Piece(code, a, [Fixup(0, 1, dst, callee, True)], whole=True,
+        w = X86Writer(self._at)
+        f = self._encode(lambda: w.put_call(dst))
+        self._add(_Piece(bytes(w.code), a, [Fixup(0, f, dst, callee, True)], whole=True,
                          call_ret=a + n))
         self._goto(a + n, flow, nxt, a + n)
 
@@ -661,11 +647,12 @@ def _far_stubs(gen: GeneratedCode, out: bytearray, far: list[int], stub: dict[in
     table = base + len(out) + len(far) * FAR_STUB
     table += (-table) % FAR_SLOT
     for i, t in enumerate(far):
-        at = base + len(out)
-        slot = table + i * FAR_SLOT
-        out += b"\xff\x25" + struct.pack("<i", slot - (at + FAR_STUB))
-        gen.addr_map.append((at, at + FAR_STUB, t))
-        gen.far_exits[t] = at
+        w = X86Writer(base + len(out))
+        w.put_jmp_rip(table + i * FAR_SLOT)
+        assert w.offset == FAR_STUB
+        gen.addr_map.append((w.base, w.pc, t))
+        gen.far_exits[t] = w.base
+        out += w.code
     gen.data_start = len(out)
     out += b"\xcc" * (table - (base + len(out)))
     for t in far:
@@ -696,7 +683,7 @@ def _dispatch_tables(gen: GeneratedCode, out: bytearray,
 def _return_addresses(sr: SuperRegion, real_calls: frozenset[NodeKey] | set[NodeKey]
                       = frozenset()) -> list[int]:
     """Original return addresses of the region's calls that ``push imm32`` cannot push
-    (>= 2**31): each gets an 8-byte slot in the data (see relocate.push_return).  Real
+    (>= 2**31): each gets an 8-byte slot in the data (see relocate.put_push_return).  Real
     calls push nothing of ours."""
     rets = set()
     for k, bb in sr.blocks():

@@ -586,21 +586,3 @@ def _shift(r: Relocated, head: bytes, kind: Kind) -> Relocated:
                      [Fixup(f.insn_off + n, f.field_off + n, f.target, f.orig_target, f.exit,
                             f.data) for f in r.fixups],
                      [o + n for o in r.dynamic_exits])
-
-
-# ---- names dispatch.py and emit.py import until they write with X86Writer ----
-
-from dbr_service.codegen.x86 import CALL_LEN as CALL_LEN  # noqa: E402
-
-
-def jcc_rel32(cc: int, at: int, dst: int) -> bytes:
-    w = X86Writer(at)
-    w.put_jcc(cc, dst)
-    return bytes(w.code)
-
-
-def push_return_fixups(ret: int, slot: int | None) -> list[Fixup]:
-    if 0 <= ret < (1 << 31) or slot is None:
-        return []
-    return [Fixup(0, 2, slot, slot, False, data=True)]
-
