@@ -25,14 +25,12 @@ PACKAGE = "dbr_service"
 #: imports together).  Each is a cycle only through deferred imports: the service
 #: (with its parts snapshots, results and sources), session, control-socket and report
 #: modules import each other inside functions or for type checking; cfi imports
-#: cfi_lsda (which uses cfi's decoders) inside functions; layout and exttsp import
-#: each other inside functions.
+#: cfi_lsda (which uses cfi's decoders) inside functions.
 KNOWN_CYCLES = {
     frozenset({"dbr_service.clients", "dbr_service.control", "dbr_service.report",
                "dbr_service.results", "dbr_service.service", "dbr_service.snapshots",
                "dbr_service.sources"}),
     frozenset({"dbr_service.codegen.cfi", "dbr_service.codegen.cfi_lsda"}),
-    frozenset({"dbr_service.codegen.exttsp", "dbr_service.codegen.layout"}),
 }
 
 #: What the offline tool (``dbr analyze``) must not load when it is imported.
