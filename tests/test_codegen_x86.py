@@ -107,6 +107,11 @@ def test_golden(f, hexbytes: str) -> None:
 
 # ---- every register, checked against keystone ----------------------------------------------
 
+def test_flags() -> None:
+    same(put(lambda w: w.put_pushfq()), "pushfq")
+    same(put(lambda w: w.put_popfq()), "popfq")
+
+
 @pytest.mark.parametrize("r", REGS)
 def test_registers(r: int) -> None:
     n = NAMES[r]

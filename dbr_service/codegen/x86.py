@@ -1,4 +1,5 @@
-"""x86-64 instruction writer: the one place codegen encodes instructions.
+"""x86-64 instruction writer: every instruction codegen writes (rather than copies
+from the original) is encoded here.
 
 Modelled on frida-gum's ``gumx86writer``: a byte buffer placed at an address, a
 ``put_*`` method per encoding codegen emits, labels for branches inside the buffer
