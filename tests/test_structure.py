@@ -16,17 +16,13 @@ import sys
 from pathlib import Path
 
 import networkx as nx
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "dbr_service"
 
 #: Strongly connected components of the whole import graph (module-level and deferred
-#: imports together).  Each is a cycle only through deferred imports: layout and exttsp
-#: import each other inside functions.
-KNOWN_CYCLES = {
-    frozenset({"dbr_service.codegen.exttsp", "dbr_service.codegen.layout"}),
-}
+#: imports together) that are allowed, each with the reason it still exists: none.
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 #: What the offline tool (``dbr analyze``) must not load when it is imported.
 SERVICE_MODULES = {"dbr_service.scheduler", "dbr_service.service", "dbr_service.clients",
@@ -150,9 +146,9 @@ def test_cycles_through_deferred_imports_are_the_known_ones() -> None:
                                                 for c in KNOWN_CYCLES - cycles))
 
 
-@pytest.mark.xfail(strict=True, reason="known cycles through deferred imports: "
-                   + "; ".join(" <-> ".join(sorted(c)) for c in sorted(KNOWN_CYCLES, key=sorted)))
 def test_no_import_cycle_at_all() -> None:
+    """Not even through imports inside functions or for type checking: the direction
+    of imports is one way."""
     top, deferred = import_graph()
     cycles = _cycles(_graph(top, deferred))
     assert not cycles, _describe(cycles, top, deferred)

@@ -63,30 +63,13 @@ from dataclasses import dataclass, field
 import capstone
 from capstone import x86_const as X
 
-from dbr_service.codegen.dispatch import _cmp_imm, _cmp_rip
-from dbr_service.codegen.relocate import (
-    CALL_LEN,
-    LEA_RSP_MINUS_128,
-    LEA_RSP_PLUS_128,
-    CannotRelocate,
-    Fixup,
-    Kind,
-    Relocator,
-    call_rel32,
-    jmp_rel32,
-)
+from dbr_service.codegen.relocate import REG64, RED_ZONE, CannotRelocate, Fixup, Kind, Relocator
+from dbr_service.codegen.x86 import CC_E, RAX, RSP, X86Writer
 
 #: Most targets promoted at one call site (each costs every miss a compare).
 MAX_PROMOTED = 3
 #: The register a memory operand's target is loaded into (saved around the compares).
-SCRATCH = 0
-_PUSH_RAX, _POP_RAX = b"\x50", b"\x58"
-_RESTORE = _POP_RAX + LEA_RSP_PLUS_128
-_JE_REL8 = 0x74
-_REG64 = {X.X86_REG_RAX: 0, X.X86_REG_RCX: 1, X.X86_REG_RDX: 2, X.X86_REG_RBX: 3,
-          X.X86_REG_RSP: 4, X.X86_REG_RBP: 5, X.X86_REG_RSI: 6, X.X86_REG_RDI: 7,
-          X.X86_REG_R8: 8, X.X86_REG_R9: 9, X.X86_REG_R10: 10, X.X86_REG_R11: 11,
-          X.X86_REG_R12: 12, X.X86_REG_R13: 13, X.X86_REG_R14: 14, X.X86_REG_R15: 15}
+SCRATCH = RAX
 
 
 def needs_slot(t: int) -> bool:
@@ -111,7 +94,7 @@ def icall_insn(reloc: Relocator, data: bytes, addr: int) -> capstone.CsInsn:
         kind = reloc.classify(insn)
     except CannotRelocate as e:
         raise CannotRelocate("not-relocatable") from e
-    if kind is not Kind.ICALL or (op.type == X.X86_OP_REG and op.reg not in _REG64):
+    if kind is not Kind.ICALL or (op.type == X.X86_OP_REG and op.reg not in REG64):
         raise CannotRelocate("not-relocatable")
     return insn
 
@@ -155,57 +138,66 @@ def encode_promoted(reloc: Relocator, insn: capstone.CsInsn, at: int, targets: S
     op = insn.operands[0]
     mem = op.type == X.X86_OP_MEM
     call_at = insn.address
-    parts: list[Part] = []
-    pos = at
+    w = X86Writer(at)
+    #: (offset, role, fixups relative to the part) of each part, in order.
+    marks: list[tuple[int, str, list[Fixup]]] = []
 
-    def add(code: bytes, role: str, fixups: Sequence[Fixup] = ()) -> None:
-        nonlocal pos
-        parts.append(Part(code, role, list(fixups)))
-        pos += len(code)
+    def part(role: str) -> None:
+        marks.append((w.offset, role, []))
 
-    head = bytearray()
-    fx: list[Fixup] = []
+    def fixup(insn_off: int, field_off: int, target: int, orig: int, exit: bool,
+              data: bool = False) -> None:
+        start = marks[-1][0]
+        marks[-1][2].append(Fixup(insn_off - start, field_off - start, target, orig, exit,
+                                  data))
+
+    def restore() -> None:
+        if mem:
+            w.put_pop_reg(SCRATCH)
+            w.put_lea(RSP, RSP, RED_ZONE)
+
+    part("check")
     if mem:
-        head += LEA_RSP_MINUS_128 + _PUSH_RAX
-        code, f = reloc.load_target(insn, bytes(insn.bytes), SCRATCH, at + len(head), len(head))
+        w.put_lea(RSP, RSP, -RED_ZONE)
+        w.put_push_reg(SCRATCH)
+        f = reloc.put_load_target(w, insn, bytes(insn.bytes), SCRATCH)
         if f is not None:
-            fx.append(f)
-        head += code
+            marks[-1][2].append(f)
         reg = SCRATCH
     else:
-        reg = _REG64[op.reg]
-    je_at = []
-    for t in targets:
+        reg = REG64[op.reg]
+    for i, t in enumerate(targets):
         if needs_slot(t):
             slot = slot_of(t)
-            fx.append(Fixup(len(head), len(head) + 3, slot, slot, False, data=True))
-            head += _cmp_rip(reg, at + len(head), slot, True)
+            cmp_at = w.offset
+            fixup(cmp_at, w.put_cmp_reg_rip(reg, slot), slot, slot, False, data=True)
         else:
-            head += _cmp_imm(reg, t)
-        je_at.append(len(head))
-        head += bytes((_JE_REL8, 0))                        # patched below
-    restore = _RESTORE if mem else b""
+            w.put_cmp_reg_imm32(reg, t)
+        w.put_jcc_short_label(CC_E, f"hit{i}")
+    part("miss")
+    restore()
     miss_dst = exit_to(call_at)
-    hit_len = len(restore) + CALL_LEN + 5                    # restore, call, jmp cont
-    for i in range(len(targets)):
-        # hit i starts after the miss and the hits k-1 .. i+1
-        rel = len(head) + len(restore) + 5 + (len(targets) - 1 - i) * hit_len - (je_at[i] + 2)
-        if rel > 127:
-            raise CannotRelocate("promoted call: je out of rel8 reach")
-        head[je_at[i] + 1] = rel
-    add(bytes(head), "check", fx)
-    miss = restore + jmp_rel32(pos + len(restore), miss_dst)
-    add(miss, "miss", [Fixup(len(restore), len(restore) + 1, miss_dst, call_at, True)])
+    jmp_at = w.offset
+    fixup(jmp_at, w.put_jmp(miss_dst), miss_dst, call_at, True)
     c_orig, c_dst, c_exit = cont
     for i in reversed(range(len(targets))):
+        # the hits in reverse order: the hottest falls into the continuation
         t = targets[i]
-        if restore:
-            add(restore, "restore")
+        w.put_label(f"hit{i}")
+        if mem:
+            part("restore")
+            restore()
+        part("call")
         dst = (call_to or exit_to)(t)
-        add(call_rel32(pos, dst), "call", [Fixup(0, 1, dst, t, True)])
+        call_off = w.offset
+        fixup(call_off, w.put_call(dst), dst, t, True)
         if i:
-            add(jmp_rel32(pos, c_dst), "cont", [Fixup(0, 1, c_dst, c_orig, c_exit)])
-    return parts
+            part("cont")
+            jmp_at = w.offset
+            fixup(jmp_at, w.put_jmp(c_dst), c_dst, c_orig, c_exit)
+    code = w.finish()
+    ends = [m[0] for m in marks[1:]] + [len(code)]
+    return [Part(code[start:end], role, fx) for (start, role, fx), end in zip(marks, ends)]
 
 
 def slot_table(slots: dict[int, int]) -> bytes:

@@ -56,7 +56,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dbr_service.codegen.relocate import CannotRelocate, jcc_rel32
+from dbr_service.codegen.x86 import CC_G, CC_L, CC_NE, JMP_LEN, NOTRACK, X86Writer
 from dbr_service.region.model import BasicBlock, EdgeKind, NodeKey, SuperRegion, TermKind
 
 #: Widest range of table offsets translated (the slot table holds 8 bytes per offset).
@@ -65,8 +65,6 @@ MAX_SPAN = 1 << 12
 _CHECK_LEN = 7 + 6 + 7 + 6 + 7 + 6
 #: Bytes of one target's stub: ``add R, B`` (3) and ``jmp rel32`` (5).
 STUB_LEN = 8
-_NOTRACK = 0x3E
-_JNE, _JL, _JG = 0x5, 0xC, 0xF
 
 
 @dataclass(frozen=True)
@@ -89,8 +87,9 @@ class DispatchPlan:
         """``sub R, B`` (REX.W 29 /r), or nothing when the ``add`` is in this block."""
         if not self.split:
             return b""
-        r, b = self.r, self.b
-        return bytes((0x48 | (b >> 3) << 2 | r >> 3, 0x29, 0xC0 | (b & 7) << 3 | r & 7))
+        w = X86Writer()
+        w.put_sub_reg_reg(self.r, self.b)
+        return bytes(w.code)
 
     @property
     def offsets(self) -> list[int]:
@@ -106,7 +105,7 @@ class DispatchPlan:
 
     @property
     def notrack(self) -> bool:
-        return self.jmp[0] == _NOTRACK
+        return self.jmp[0] == NOTRACK
 
     @property
     def span(self) -> int:
@@ -120,8 +119,9 @@ class DispatchPlan:
     @property
     def head_size(self) -> int:
         """Bytes before the first stub: [sub], checks, table jump, miss path."""
-        return len(self.sub) + _CHECK_LEN + len(_jmp_table(self.r, self.b, 0)) \
-            + len(self.add) + len(self.jmp)
+        w = X86Writer()
+        _put_table_jmp(w, self.r, self.b, 0)
+        return len(self.sub) + _CHECK_LEN + w.offset + len(self.add) + len(self.jmp)
 
     def code_size(self, stubs: int) -> int:
         return self.head_size + STUB_LEN * stubs
@@ -140,7 +140,7 @@ def _parse_add(raw: bytes) -> tuple[int, int] | None:
 
 def _parse_jmp_reg(raw: bytes) -> int | None:
     """Register of ``[notrack] jmp r64`` (FF /4, mod 11), else None."""
-    if raw[:1] == bytes((_NOTRACK,)):
+    if raw[:1] == bytes((NOTRACK,)):
         raw = raw[1:]
     hi = 0
     if len(raw) == 3 and raw[0] in (0x40, 0x41):
@@ -211,31 +211,11 @@ def region_dispatch_plan(sr: SuperRegion, key: NodeKey) -> DispatchPlan | None:
 
 # ---- encoding -------------------------------------------------------------------------
 
-def _i32(v: int, check: bool) -> bytes:
-    if check and not -(1 << 31) <= v < (1 << 31):
-        raise CannotRelocate(f"dispatch table displacement {v:#x} out of range")
-    return struct.pack("<I", v & 0xFFFFFFFF)
-
-
-def _cmp_rip(reg: int, at: int, slot: int, check: bool) -> bytes:
-    """``cmp reg64, [rip + slot]`` (REX.W 3B /r), 7 bytes, placed at ``at``."""
-    return bytes((0x48 | (reg >> 3) << 2, 0x3B, (reg & 7) << 3 | 5)) + _i32(slot - (at + 7),
-                                                                             check)
-
-
-def _cmp_imm(reg: int, v: int) -> bytes:
-    """``cmp reg64, imm32`` (REX.W 81 /7), 7 bytes."""
-    return bytes((0x48 | reg >> 3, 0x81, 0xF8 | reg & 7)) + struct.pack("<i", v)
-
-
-def _jmp_table(r: int, b: int, disp: int, check: bool = False) -> bytes:
-    """``notrack jmp qword [b + r*8 + disp32]`` (FF /4, mod 10, SIB).  ``notrack``: the
-    stubs it reaches have no ``endbr64`` (a plain prefix where CET is off)."""
-    out = bytes((_NOTRACK,))
-    rex = 0x40 | (r >> 3) << 1 | b >> 3
-    if rex != 0x40:
-        out += bytes((rex,))
-    return out + bytes((0xFF, 0xA4, 0xC0 | (r & 7) << 3 | b & 7)) + _i32(disp, check)
+def _put_table_jmp(w: X86Writer, r: int, b: int, disp: int) -> None:
+    """``notrack jmp qword [b + r*8 + disp32]`` (always a disp32: the size is fixed).
+    ``notrack``: the stubs it reaches have no ``endbr64`` (a plain prefix where CET is
+    off)."""
+    w.put_jmp_mem(b, r, 8, disp, notrack=True, disp32=True)
 
 
 @dataclass
@@ -257,37 +237,33 @@ def encode_dispatch(plan: DispatchPlan, at: int, data: int,
     """The translated ``add R, B; jmp R`` placed at ``at``, its data at ``data``, with a
     stub for each of ``stub_targets`` (default: every target; a target left out must
     get its ``add R, B`` elsewhere, at the start of its copy).  ``check=False`` (sizing
-    pass): displacements are not range-checked.  Stub jumps are ``E9 00000000``
+    pass): displacements out of range are written as zero.  Stub jumps are ``E9 00000000``
     placeholders: the caller encodes them to each target's destination."""
     r, b = plan.r, plan.b
-    out = bytearray(plan.sub)
-    jumps = []                                            # offsets of jcc rel32 to miss
-
-    def jcc(cc: int) -> None:
-        jumps.append((len(out), cc))
-        out.extend(b"\x0f\x80\0\0\0\0")
-
-    out += _cmp_rip(b, at + len(out), data, check)
-    jcc(_JNE)
-    out += _cmp_imm(r, plan.omin)
-    jcc(_JL)
-    out += _cmp_imm(r, plan.omax)
-    jcc(_JG)
-    table_jmp = len(out)
-    out += _jmp_table(r, b, data + 8 - plan.base - 8 * plan.omin, check)
-    miss = len(out)
-    for off, cc in jumps:
-        out[off:off + 6] = jcc_rel32(cc, at + off, at + miss)
-    out += plan.add
-    exit_at = len(out)
-    out += plan.jmp
-    assert len(out) == plan.head_size
+    w = X86Writer(at, check=check)
+    if plan.split:
+        w.put_sub_reg_reg(r, b)
+    w.put_cmp_reg_rip(b, data)
+    w.put_jcc_near_label(CC_NE, "miss")
+    w.put_cmp_reg_imm32(r, plan.omin)
+    w.put_jcc_near_label(CC_L, "miss")
+    w.put_cmp_reg_imm32(r, plan.omax)
+    w.put_jcc_near_label(CC_G, "miss")
+    table_jmp = w.offset
+    _put_table_jmp(w, r, b, data + 8 - plan.base - 8 * plan.omin)
+    w.put_label("miss")
+    miss = w.offset
+    w.put_bytes(plan.add)
+    exit_at = w.offset
+    w.put_bytes(plan.jmp)
+    assert w.offset == plan.head_size
     stubs = {}
     for t in plan.targets if stub_targets is None else stub_targets:
-        stubs[t] = len(out)
-        out += plan.add + b"\xe9\0\0\0\0"
-    assert len(out) == plan.code_size(len(stubs))
-    return DispatchCode(bytes(out), table_jmp, miss, exit_at, stubs)
+        stubs[t] = w.offset
+        w.put_bytes(plan.add)
+        w.put_jmp(w.pc + JMP_LEN)                         # placeholder: rel32 0
+    assert w.offset == plan.code_size(len(stubs))
+    return DispatchCode(w.finish(), table_jmp, miss, exit_at, stubs)
 
 
 def dispatch_data(plan: DispatchPlan, miss: int, slots: dict[int, int]) -> bytes:

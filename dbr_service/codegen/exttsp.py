@@ -55,10 +55,10 @@ import heapq
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
-if TYPE_CHECKING:
-    from dbr_service.region.model import NodeKey, SuperRegion
+from dbr_service.codegen.blockorder import can_fall_into, original_order
+from dbr_service.region.model import NodeKey, SuperRegion
 
 K = TypeVar("K", bound=Hashable)
 
@@ -478,15 +478,12 @@ def order_region(sr: SuperRegion) -> list[NodeKey]:
 
     Sizes are the blocks' byte sizes (``bb.size``; a clone's code is about as long as
     its original's).  Only body edges the emitter can turn into a fall-through
-    (:func:`~dbr_service.codegen.layout.can_fall_into`) are scored: another edge
+    (:func:`~dbr_service.codegen.blockorder.can_fall_into`) are scored: another edge
     ending next to its source would earn the fall-through weight for a jump the
     emitter still emits.  A block's count is the larger of its incoming and outgoing
     edge counts, entry and exit edges included, so a block that only leaves the region
     is still hot.  The entry is the target of the hottest entry edge; the order to
-    compete with is :func:`~dbr_service.codegen.layout.original_order`."""
-    # Imported here: layout.py is the module expected to call this one.
-    from dbr_service.codegen.layout import can_fall_into, original_order
-
+    compete with is :func:`~dbr_service.codegen.blockorder.original_order`."""
     orig = original_order(sr)
     if not orig:
         return []

@@ -30,17 +30,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dbr_service.region.model import END, START, CloneKey, EdgeKind, NodeKey, SuperRegion, TermKind
+from dbr_service.codegen.blockorder import (
+    block_heat,
+    can_fall_into,
+    node_sort_key,
+    original_order,
+)
+from dbr_service.codegen.exttsp import order_region
+from dbr_service.region.model import END, START, NodeKey, SuperRegion, TermKind
 
 ALIGN = 16
 ALIGN_RATIO = 4.0
 #: The chain order replaces the original one only when it costs at most this fraction
 #: of the original's taken branches (inferred counts: a near tie is no evidence).
 CHAIN_MARGIN = 0.9
-
-#: Terminators after which the next laid-out block can be reached without a jump.
-_CHAINABLE = {TermKind.FALLTHROUGH, TermKind.JMP, TermKind.JCC, TermKind.CALL, TermKind.RET,
-              TermKind.ICALL}
 
 
 @dataclass
@@ -60,46 +63,10 @@ class Layout:
                 for i, k in enumerate(self.order)}
 
 
-def can_fall_into(sr: SuperRegion, u: NodeKey, v: NodeKey) -> bool:
-    """Whether placing ``v`` right after ``u`` lets the emitter drop a jump to ``v``."""
-    bb, d = sr.block(u), sr.g.edges[u, v]
-    kind = d.get("kind")
-    if bb.term not in _CHAINABLE or kind in (EdgeKind.ENTRY, EdgeKind.EXIT):
-        return False
-    if bb.term is TermKind.ICALL:
-        # kept with promoted targets (an inlined one has no fall-through edge): its
-        # hottest call returns into the continuation
-        return kind is EdgeKind.FALLTHROUGH
-    if bb.term is TermKind.CALL:
-        if kind is EdgeKind.CALL:
-            return True
-        # a real call (kept, not inlined): it returns into its continuation
-        return kind is EdgeKind.FALLTHROUGH and not any(
-            e.get("kind") is EdgeKind.CALL for _, _, e in sr.g.out_edges(u, data=True))
-    if bb.term is TermKind.RET:
-        return kind is EdgeKind.RETURN and isinstance(u, CloneKey)
-    if kind in (EdgeKind.CALL, EdgeKind.RETURN):
-        return False
-    start = sr.block(v).start
-    if bb.term is TermKind.FALLTHROUGH:
-        return start == (bb.fallthrough if bb.fallthrough is not None else bb.end)
-    if bb.term is TermKind.JMP:
-        return start in bb.targets
-    return start in bb.targets or start == bb.fallthrough       # jcc (loop: see emitter)
-
-
-def _sort_key(k: NodeKey) -> tuple:
-    if isinstance(k, CloneKey):
-        return (1, k.start, k.path)
-    return (0, k, ())
-
-
 def compute_layout(sr: SuperRegion) -> Layout:
     """The ext-TSP order, the chain order or the original one: of the two made from the
     counts, the one with fewer taken branches (ext-TSP on a tie: it also weighs jump
     distances), if it clearly beats the original (``CHAIN_MARGIN``); else the original."""
-    from dbr_service.codegen.exttsp import order_region
-
     orig = original_order(sr)
     limit = CHAIN_MARGIN * layout_cost(sr, orig)
     best: tuple[float, int, list[NodeKey], str] | None = None
@@ -127,42 +94,15 @@ def layout_cost(sr: SuperRegion, order: list[NodeKey]) -> float:
     return cost
 
 
-def original_order(sr: SuperRegion) -> list[NodeKey]:
-    """The compiler's layout: original blocks in address order, the clones of each
-    inlined call right after the block that makes the call (in their own address
-    order, nested calls after their caller's clones), blocks no count reaches last."""
-    nodes = sr.body_nodes()
-    plain = sorted((k for k in nodes if not isinstance(k, CloneKey)), key=_sort_key)
-    clones = sorted((k for k in nodes if isinstance(k, CloneKey)), key=lambda k: (k.path, k.start))
-    after: dict[NodeKey, list[NodeKey]] = {}
-    for k in clones:
-        site = next((b for b in plain if sr.block(b).contains(k.path[0])), None) \
-            if k.path else None
-        after.setdefault(site, []).append(k)
-    order: list[NodeKey] = []
-    for k in plain:
-        order.append(k)
-        order.extend(after.pop(k, []))
-    for rest in after.values():          # a call site outside the region's blocks
-        order.extend(rest)
-    heat = _heat(sr, order)
-    return [k for k in order if heat[k] > 0] + [k for k in order if heat[k] <= 0]
-
-
-def _heat(sr: SuperRegion, nodes: list[NodeKey]) -> dict[NodeKey, float]:
-    """Each block's count: the sum over the edges into it."""
-    return {k: sum(d.get("count", 0.0) for _, _, d in sr.g.in_edges(k, data=True))
-            for k in nodes}
-
-
 def chain_order(sr: SuperRegion) -> list[NodeKey]:
     """Chains from hot fall-through-able edges, then chains ordered by heat."""
-    nodes = sorted(sr.body_nodes(), key=_sort_key)
+    nodes = sorted(sr.body_nodes(), key=node_sort_key)
     chain_of: dict[NodeKey, list[NodeKey]] = {k: [k] for k in nodes}
     edges = [(d.get("count", 0.0), u, v) for u, v, d in sr.body_edges()
              if u != v and can_fall_into(sr, u, v)]
     back = back_edges(sr)
-    edges.sort(key=lambda e: ((e[1], e[2]) in back, -e[0], _sort_key(e[1]), _sort_key(e[2])))
+    edges.sort(key=lambda e: ((e[1], e[2]) in back, -e[0], node_sort_key(e[1]),
+                              node_sort_key(e[2])))
     for _c, u, v in edges:
         a, b = chain_of[u], chain_of[v]
         if a is b or a[-1] != u or b[0] != v:
@@ -173,13 +113,13 @@ def chain_order(sr: SuperRegion) -> list[NodeKey]:
     chains = list({id(c): c for c in chain_of.values()}.values())
     for c in chains:
         _rotate_loop(sr, c, back)
-    heat = _heat(sr, nodes)
-    entries = sorted(sr.entry_edges(), key=lambda e: (-e[1], _sort_key(e[0])))
+    heat = block_heat(sr, nodes)
+    entries = sorted(sr.entry_edges(), key=lambda e: (-e[1], node_sort_key(e[0])))
     first = chain_of[entries[0][0]] if entries else None
 
     def chain_key(c: list[NodeKey]) -> tuple:
         h = max(heat[k] for k in c)
-        return (c is not first, h <= 0, -h, _sort_key(c[0]))
+        return (c is not first, h <= 0, -h, node_sort_key(c[0]))
 
     chains.sort(key=chain_key)
     return [k for c in chains for k in c]
@@ -223,7 +163,7 @@ def back_edges(sr: SuperRegion) -> set[tuple[NodeKey, NodeKey]]:
     """Edges to a block on the stack of a depth-first search from START (loop back edges)."""
     out: set[tuple[NodeKey, NodeKey]] = set()
     state: dict[NodeKey, int] = {START: 1}
-    stack = [(START, iter(sorted(sr.g.successors(START), key=_sort_key)))]
+    stack = [(START, iter(sorted(sr.g.successors(START), key=node_sort_key)))]
     while stack:
         u, it = stack[-1]
         v = next(it, None)
@@ -235,7 +175,7 @@ def back_edges(sr: SuperRegion) -> set[tuple[NodeKey, NodeKey]]:
         elif v != END and v not in state:
             state[v] = 1
             succ = [w for w in sr.g.successors(v) if w != END]
-            stack.append((v, iter(sorted(succ, key=_sort_key))))
+            stack.append((v, iter(sorted(succ, key=node_sort_key))))
     return out
 
 

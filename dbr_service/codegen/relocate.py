@@ -17,8 +17,8 @@ Classes and what they become (``Kind``):
 * ``CALL``    direct call, as the inlined pseudo-instruction: push the *original* return
   address (flags preserved) then ``jmp rel32`` to the callee (an in-buffer clone, or the
   original callee, which then returns into original code).  The relocator never emits a
-  ``call``; the emitter does, with :func:`call_rel32`, for a call region selection kept
-  as a real call (the callee returns into the buffer).
+  ``call``; the emitter does, for a call region selection kept as a real call (the
+  callee returns into the buffer).
 * ``ICALL``   indirect call: the same push, then the ``IJMP`` treatment of its operand.
 * ``RET``     inside an inlined callee: ``lea rsp,[rsp+8+imm16]; jmp rel32 continuation``;
   elsewhere copied (a dynamic exit: it returns to its caller's return address, an
@@ -49,15 +49,25 @@ from dataclasses import dataclass, field
 import capstone
 from capstone import x86_const as X
 
+from dbr_service.codegen.x86 import (
+    CC_E,
+    CC_NE,
+    R10,
+    R11,
+    RCX,
+    RSP,
+    CannotRelocate,
+    OutOfRange,
+    X86Writer,
+)
+# one-instruction encoders, also importable from here
+from dbr_service.codegen.x86 import call_rel32 as call_rel32
+from dbr_service.codegen.x86 import jmp_rel32 as jmp_rel32
 from dbr_service.errors import CodegenError
 
 TargetMap = Callable[[int], "int | None"]
 #: Original exit target -> the address the exit branch jumps to (a far-exit stub).
 ExitMap = Callable[[int], int]
-
-
-class CannotRelocate(CodegenError):
-    """This instruction cannot be moved (or not to this address)."""
 
 
 class Kind(str, enum.Enum):
@@ -107,124 +117,61 @@ class Relocated:
         return [f for f in self.fixups if f.exit]
 
 
-# -- hand encodings (each checked against capstone in tests) ------------------------------
-
 _LOOP_IDS = {X.X86_INS_LOOP, X.X86_INS_LOOPE, X.X86_INS_LOOPNE,
              X.X86_INS_JRCXZ, X.X86_INS_JECXZ, X.X86_INS_JCXZ}
 _REFUSED_IDS = {X.X86_INS_LJMP, X.X86_INS_LCALL, X.X86_INS_RETF, X.X86_INS_RETFQ,
                 X.X86_INS_IRET, X.X86_INS_IRETD, X.X86_INS_IRETQ, X.X86_INS_XBEGIN}
-_REG64 = {X.X86_REG_RAX: 0, X.X86_REG_RCX: 1, X.X86_REG_RDX: 2, X.X86_REG_RBX: 3,
-          X.X86_REG_RSP: 4, X.X86_REG_RBP: 5, X.X86_REG_RSI: 6, X.X86_REG_RDI: 7,
-          X.X86_REG_R8: 8, X.X86_REG_R9: 9, X.X86_REG_R10: 10, X.X86_REG_R11: 11,
-          X.X86_REG_R12: 12, X.X86_REG_R13: 13, X.X86_REG_R14: 14, X.X86_REG_R15: 15}
-
-LEA_RSP_MINUS_128 = bytes.fromhex("488d642480")          # lea rsp, [rsp - 0x80]
-LEA_RSP_PLUS_128 = bytes.fromhex("488da42480000000")     # lea rsp, [rsp + 0x80]
-PUSHFQ = b"\x9c"
-POPFQ = b"\x9d"
-
-
-def rel32(src_end: int, dst: int) -> bytes:
-    """The rel32 from the end of an instruction at ``src_end`` to ``dst`` (checked)."""
-    d = dst - src_end
-    if not -(1 << 31) <= d < (1 << 31):
-        raise CannotRelocate(f"rel32 from {src_end:#x} to {dst:#x} out of range")
-    return struct.pack("<i", d)
+#: Capstone's 64-bit registers -> their numbers (codegen.x86).
+REG64 = {X.X86_REG_RAX: 0, X.X86_REG_RCX: 1, X.X86_REG_RDX: 2, X.X86_REG_RBX: 3,
+         X.X86_REG_RSP: 4, X.X86_REG_RBP: 5, X.X86_REG_RSI: 6, X.X86_REG_RDI: 7,
+         X.X86_REG_R8: 8, X.X86_REG_R9: 9, X.X86_REG_R10: 10, X.X86_REG_R11: 11,
+         X.X86_REG_R12: 12, X.X86_REG_R13: 13, X.X86_REG_R14: 14, X.X86_REG_R15: 15}
+#: Bytes below rsp that the code being relocated may use (the SysV red zone).
+RED_ZONE = 0x80
+_MASK64 = (1 << 64) - 1
 
 
-def jmp_rel32(at: int, dst: int) -> bytes:
-    """``jmp rel32`` (E9) placed at ``at``."""
-    return b"\xe9" + rel32(at + 5, dst)
-
-
-#: Length of ``call rel32``; its rel32 field starts at byte 1.
-CALL_LEN = 5
-
-
-def call_rel32(at: int, dst: int) -> bytes:
-    """``call rel32`` (E8) placed at ``at``: a real call, whose return address is
-    ``at + CALL_LEN`` in the buffer."""
-    return b"\xe8" + rel32(at + CALL_LEN, dst)
-
-
-def jcc_rel32(cc: int, at: int, dst: int) -> bytes:
-    """``j<cc> rel32`` (0F 80+cc) placed at ``at``."""
-    return bytes((0x0F, 0x80 | cc)) + rel32(at + 6, dst)
-
-
-def push_return(ret: int, at: int | None = None, slot: int | None = None) -> bytes:
-    """Push the 64-bit original return address ``ret`` without touching the flags.
+def put_push_return(w: X86Writer, ret: int, slot: int | None = None) -> list[Fixup]:
+    """Push the 64-bit original return address ``ret`` without touching the flags; the
+    data reference of the slot form, if used.
 
     ``push imm32`` sign-extends, so it is used only for ``ret < 2**31``; otherwise, when
     the emitter keeps ``ret`` in an 8-byte ``slot`` of the buffer's data,
-    ``push qword [rip+slot]`` (at address ``at``: one instruction, one 8-byte store the
-    callee can load back without a store-forwarding stall); else
+    ``push qword [rip+slot]`` (one instruction, one 8-byte store the callee can load
+    back without a store-forwarding stall); else
     ``lea rsp,[rsp-8]; mov dword [rsp], lo; mov dword [rsp+4], hi``.
     """
     if 0 <= ret < (1 << 31):
-        return b"\x68" + struct.pack("<I", ret)                     # push imm32
-    if slot is not None and at is not None:
-        return b"\xff\x35" + rel32(at + PUSH_SLOT_LEN, slot)        # push qword [rip+d]
-    return (bytes.fromhex("488d6424f8")                               # lea rsp, [rsp - 8]
-            + b"\xc7\x04\x24" + struct.pack("<I", ret & 0xFFFFFFFF)   # mov dword [rsp], lo
-            + b"\xc7\x44\x24\x04" + struct.pack("<I", ret >> 32))     # mov dword [rsp+4], hi
-
-
-#: Length of ``push qword [rip+disp32]``; its disp32 field starts at byte 2.
-PUSH_SLOT_LEN = 6
-
-
-def push_return_fixups(ret: int, slot: int | None) -> list[Fixup]:
-    """The data reference of :func:`push_return`'s slot form (none for the others)."""
-    if 0 <= ret < (1 << 31) or slot is None:
+        w.put_push_imm32(ret)
         return []
-    return [Fixup(0, 2, slot, slot, False, data=True)]
+    if slot is not None:
+        at = w.offset
+        return [Fixup(at, w.put_push_rip(slot), slot, slot, False, data=True)]
+    w.put_lea(RSP, RSP, -8)
+    w.put_mov_m32_imm32(RSP, 0, ret & 0xFFFFFFFF)
+    w.put_mov_m32_imm32(RSP, 4, ret >> 32)
+    return []
+
+
+def push_return(ret: int, at: int | None = None, slot: int | None = None) -> bytes:
+    """:func:`put_push_return` placed at ``at`` (the slot form needs it)."""
+    w = X86Writer(0 if at is None else at)
+    put_push_return(w, ret, slot if at is not None else None)
+    return bytes(w.code)
 
 
 def ret_adjust(imm: int) -> bytes:
     """``lea rsp, [rsp + 8 + imm]``: the stack effect of ``ret imm`` without the jump."""
-    n = 8 + imm
-    if n < 0x80:
-        return bytes.fromhex("488d6424") + bytes((n,))
-    return bytes.fromhex("488da424") + struct.pack("<I", n)
-
-
-def _push(r: int) -> bytes:
-    return (b"\x41" if r >= 8 else b"") + bytes((0x50 + (r & 7),))
-
-
-def _pop(r: int) -> bytes:
-    return (b"\x41" if r >= 8 else b"") + bytes((0x58 + (r & 7),))
-
-
-def _mov_imm64(r: int, v: int) -> bytes:
-    return bytes((0x48 | (r >> 3), 0xB8 + (r & 7))) + struct.pack("<Q", v)
-
-
-def _cmp_reg_reg(a: int, b: int) -> bytes:
-    """``cmp a, b`` (64-bit, 39 /r with r/m = a, reg = b)."""
-    return bytes((0x48 | ((b >> 3) << 2) | (a >> 3), 0x39, 0xC0 | ((b & 7) << 3) | (a & 7)))
-
-
-def _lea_rcx_plus(v: int) -> bytes:
-    """``lea rcx, [rcx + v]`` (no flags; v is never rsp)."""
-    return bytes((0x48 | ((v >> 3) << 1), 0x8D, 0x0C, ((v & 7) << 3) | 1))
+    w = X86Writer()
+    w.put_lea(RSP, RSP, 8 + imm)
+    return bytes(w.code)
 
 
 def _operand_regs(op) -> set[int]:
     """Numbers of the 64-bit registers an indirect jump's operand reads."""
     if op.type == X.X86_OP_REG:
-        return {_REG64[op.reg]}
-    return {_REG64[r] for r in (op.mem.base, op.mem.index) if r in _REG64}
-
-
-def _mov_reg_reg(dst: int, src: int) -> bytes:
-    """``mov dst, src`` (64-bit, 89 /r)."""
-    return bytes((0x48 | ((src >> 3) << 2) | (dst >> 3), 0x89, 0xC0 | ((src & 7) << 3) | (dst & 7)))
-
-
-def _cmp_reg_imm32(a: int, v: int) -> bytes:
-    return bytes((0x48 | (a >> 3), 0x81, 0xF8 | (a & 7))) + struct.pack("<i", v)
+        return {REG64[op.reg]}
+    return {REG64[r] for r in (op.mem.base, op.mem.index) if r in REG64}
 
 
 def jcc_condition(insn: capstone.CsInsn) -> int:
@@ -342,76 +289,78 @@ class Relocator:
         the instruction is an indirect ``jmp`` at a function's entry under the SysV ABI
         (status flags, ``r10`` and ``r11`` dead): its cascade may clobber them.
         ``ret_slot(ret)`` is the address of an 8-byte data slot holding the return
-        address ``ret`` of a call (see :func:`push_return`), or None.
+        address ``ret`` of a call (see :func:`put_push_return`), or None.
         """
         insn = self.decode(insn_bytes, old_addr)
         kind = self.classify(insn)
         b = bytes(insn.bytes)
         if kind is Kind.COPY:
             return Relocated(b, kind)
+        w = X86Writer(new_addr)
         if kind is Kind.RIPREL:
-            code, fx = self._redisplace(insn, b, new_addr, 0)
-            return Relocated(code, kind, [fx])
+            fx = self._put_redisplaced(w, insn, b)
+            return Relocated(bytes(w.code), kind, [fx])
         if kind is Kind.JMP:
-            return self._direct(b"", insn.operands[0].imm, new_addr, target_map, kind,
-                                exit_map)
+            return self._direct(w, insn.operands[0].imm, target_map, kind, exit_map)
         if kind is Kind.JCC:
             t = insn.operands[0].imm
             dst, ex = _dest(t, target_map, exit_map)
-            code = jcc_rel32(jcc_condition(insn), new_addr, dst)
-            return Relocated(code, kind, [Fixup(0, 2, dst, t, ex)])
+            f = w.put_jcc(jcc_condition(insn), dst)
+            return Relocated(bytes(w.code), kind, [Fixup(0, f, dst, t, ex)])
         if kind is Kind.LOOP:
-            return self._loop(insn, b, new_addr, target_map, exit_map)
+            return self._loop(w, insn, b, target_map, exit_map)
         ret = insn.address + insn.size
         slot = ret_slot(ret) if ret_slot is not None and kind in (Kind.CALL, Kind.ICALL) \
             else None
         if kind is Kind.CALL:
-            r = self._direct(push_return(ret, new_addr, slot), insn.operands[0].imm,
-                             new_addr, target_map, kind, exit_map)
-            r.fixups[:0] = push_return_fixups(ret, slot)
-            return r
+            push_fx = put_push_return(w, ret, slot)
+            return self._direct(w, insn.operands[0].imm, target_map, kind, exit_map, push_fx)
         if kind is Kind.RET:
             imm = insn.operands[0].imm if insn.operands else 0
             if ret_target is None:
                 return Relocated(b, kind, dynamic_exits=[0])
-            return self._direct(ret_adjust(imm), ret_target, new_addr, target_map, kind,
-                                exit_map)
-        push = push_return(ret, new_addr, slot) if kind is Kind.ICALL else b""
+            w.put_lea(RSP, RSP, 8 + imm)
+            return self._direct(w, ret_target, target_map, kind, exit_map)
+        push_fx = put_push_return(w, ret, slot) if kind is Kind.ICALL else []
+        push = bytes(w.code)
         r = self._indirect(insn, b, new_addr + len(push), target_map, ijmp_targets,
                            abi_entry and kind is Kind.IJMP)
         r = _shift(r, push, kind)
-        if push:
-            r.fixups[:0] = push_return_fixups(ret, slot)
+        r.fixups[:0] = push_fx
         return r
 
-    def _direct(self, head: bytes, t: int, new_addr: int, target_map: TargetMap,
-                kind: Kind, exit_map: ExitMap | None = None) -> Relocated:
-        """``head`` then ``jmp rel32`` to the mapped ``t``."""
+    def _direct(self, w: X86Writer, t: int, target_map: TargetMap, kind: Kind,
+                exit_map: ExitMap | None = None, fixups: Sequence[Fixup] = ()) -> Relocated:
+        """What ``w`` holds, then ``jmp rel32`` to the mapped ``t``."""
         dst, ex = _dest(t, target_map, exit_map)
-        at = new_addr + len(head)
-        return Relocated(head + jmp_rel32(at, dst), kind,
-                         [Fixup(len(head), len(head) + 1, dst, t, ex)])
+        at = w.offset
+        f = w.put_jmp(dst)
+        return Relocated(bytes(w.code), kind, [*fixups, Fixup(at, f, dst, t, ex)])
 
-    def _redisplace(self, insn, b: bytes, new_addr: int, offset: int) -> tuple[bytes, Fixup]:
+    @staticmethod
+    def _put_redisplaced(w: X86Writer, insn, b: bytes) -> Fixup:
         """``b`` (the instruction, possibly re-encoded with the same tail) with its
-        rip displacement recomputed for placement at ``new_addr``; ``insn`` gives the
-        original target.  ``offset`` is where ``b`` lands in the caller's output."""
+        rip displacement recomputed for where ``w`` writes it; ``insn`` gives the
+        original target."""
         target = insn.address + insn.size + insn.disp
         do = insn.disp_offset - (insn.size - len(b))
         if struct.unpack_from("<i", b, do)[0] != insn.disp:
             raise CannotRelocate(f"displacement not found at {insn.address:#x}")
-        code = b[:do] + rel32(new_addr + len(b), target) + b[do + 4:]
-        return code, Fixup(offset, offset + do, target, target, False, data=True)
+        at = w.offset
+        return Fixup(at, w.put_insn_rip(b, do, target), target, target, False, data=True)
 
-    def _loop(self, insn, b: bytes, new_addr: int, target_map: TargetMap,
+    def _loop(self, w: X86Writer, insn, b: bytes, target_map: TargetMap,
               exit_map: ExitMap | None = None) -> Relocated:
         """``<op> +2; jmp short +5; jmp rel32 L`` (flags untouched on every path)."""
         t = insn.operands[0].imm
         dst, ex = _dest(t, target_map, exit_map)
-        head = b[:-1] + b"\x02" + b"\xeb\x05"
-        at = new_addr + len(head)
-        return Relocated(head + jmp_rel32(at, dst), Kind.LOOP,
-                         [Fixup(len(head), len(head) + 1, dst, t, ex)])
+        w.put_branch8_label(b[:-1], "taken")
+        w.put_jmp_short_label("not_taken")
+        w.put_label("taken")
+        at = w.offset
+        f = w.put_jmp(dst)
+        w.put_label("not_taken")
+        return Relocated(w.finish(), Kind.LOOP, [Fixup(at, f, dst, t, ex)])
 
     # ---- indirect jumps -----------------------------------------------------------------
     def _indirect(self, insn, b: bytes, new_addr: int, target_map: TargetMap,
@@ -426,22 +375,26 @@ class Relocator:
             return self._cascade_abi(insn, b, new_addr, cases)
         if cases and not self._uses_rsp(op):
             return self._cascade(insn, b, new_addr, cases)
-        return self._ijmp_exit(insn, b, new_addr, 0)
+        w = X86Writer(new_addr)
+        fixups, exit_at = self._put_ijmp_exit(w, insn, b)
+        return Relocated(bytes(w.code), Kind.IJMP, fixups, [exit_at])
 
-    def _ijmp_exit(self, insn, b: bytes, at: int, offset: int) -> Relocated:
-        """The indirect jmp itself (an exit with a run-time target).  A call operand
-        ``FF /2`` becomes ``FF /4``; a rip operand is re-displaced."""
+    def _put_ijmp_exit(self, w: X86Writer, insn, b: bytes) -> tuple[list[Fixup], int]:
+        """The indirect jmp itself (an exit with a run-time target): its fixups and
+        offset.  A call operand ``FF /2`` becomes ``FF /4``; a rip operand is
+        re-displaced."""
         if insn.id == X.X86_INS_CALL:
             m = insn.modrm_offset
             b = b[:m] + bytes(((b[m] & 0xC7) | (4 << 3),)) + b[m + 1:]
-        fixups = []
+        at = w.offset
         if insn.operands[0].type == X.X86_OP_MEM and insn.operands[0].mem.base == X.X86_REG_RIP:
-            b, fx = self._redisplace(insn, b, at, offset)
-            fixups.append(fx)
-        return Relocated(b, Kind.IJMP, fixups, dynamic_exits=[offset])
+            return [self._put_redisplaced(w, insn, b)], at
+        w.put_bytes(b)
+        return [], at
 
-    def load_target(self, insn, b: bytes, reg: int, at: int, offset: int):
-        """``mov reg, <the jmp/call memory operand>`` (same prefixes, ModRM tail)."""
+    def put_load_target(self, w: X86Writer, insn, b: bytes, reg: int) -> Fixup | None:
+        """``mov reg, <the jmp/call memory operand>``: the operand's prefixes and ModRM
+        tail copied, ModRM.reg and REX.R/W set; the fixup of a rip operand."""
         m = insn.modrm_offset
         pre = b[:m - 1]
         # Only the prefixes that shape the memory operand (fs/gs, address size) carry
@@ -452,8 +405,9 @@ class Relocator:
         modrm = (b[m] & 0xC7) | ((reg & 7) << 3)
         out = legacy + bytes((rex, 0x8B, modrm)) + b[m + 1:]
         if insn.operands[0].mem.base == X.X86_REG_RIP:
-            return self._redisplace(insn, out, at, offset)
-        return out, None
+            return self._put_redisplaced(w, insn, out)
+        w.put_bytes(out)
+        return None
 
     def _cascade(self, insn, b: bytes, new_addr: int, cases) -> Relocated:
         """Compare cascade for an indirect jmp with in-buffer targets, without touching
@@ -479,41 +433,46 @@ class Relocator:
         cannot reach its trampoline (rel8), :meth:`_cascade_pushf` is used instead."""
         op = insn.operands[0]
         used = _operand_regs(op)
-        out = bytearray(LEA_RSP_MINUS_128 + _push(1))
+        w = X86Writer(new_addr)
+        w.put_lea(RSP, RSP, -RED_ZONE)
+        w.put_push_reg(RCX)
         fixups: list[Fixup] = []
         loaded = None
-        if op.type == X.X86_OP_REG and _REG64[op.reg] != 1:
-            v = _REG64[op.reg]
+        if op.type == X.X86_OP_REG and REG64[op.reg] != RCX:
+            v = REG64[op.reg]
         else:
-            loaded = next(r for r in range(16) if r not in used and r not in (1, 4))
-            out += _push(loaded)
+            loaded = next(r for r in range(16) if r not in used and r not in (RCX, RSP))
+            w.put_push_reg(loaded)
             if op.type == X.X86_OP_REG:                      # jmp rcx: copy it first
-                out += _mov_reg_reg(loaded, 1)
+                w.put_mov_reg_reg(loaded, RCX)
             else:
-                code, fx = self.load_target(insn, b, loaded, new_addr + len(out), len(out))
+                fx = self.put_load_target(w, insn, b, loaded)
                 if fx:
                     fixups.append(fx)
-                out += code
             v = loaded
-        leave = (_pop(loaded) if loaded is not None else b"") + _pop(1) + LEA_RSP_PLUS_128
-        jrcxz_at = []
-        for t, _dst in cases:
-            out += _mov_imm64(1, (-t) & 0xFFFFFFFFFFFFFFFF) + _lea_rcx_plus(v)
-            jrcxz_at.append(len(out))
-            out += b"\xe3\x00"                               # jrcxz hit_k (patched below)
-        out += leave
-        tail = self._ijmp_exit(insn, b, new_addr + len(out), len(out))
-        out += tail.code
+
+        def leave() -> None:
+            if loaded is not None:
+                w.put_pop_reg(loaded)
+            w.put_pop_reg(RCX)
+            w.put_lea(RSP, RSP, RED_ZONE)
+
+        for k, (t, _dst) in enumerate(cases):
+            w.put_mov_reg_imm64(RCX, (-t) & _MASK64)
+            w.put_lea(RCX, RCX, index=v)
+            w.put_jrcxz_label(f"hit{k}")
+        leave()
+        exit_fixups, exit_at = self._put_ijmp_exit(w, insn, b)
         for k, (t, dst) in enumerate(cases):
-            rel = len(out) - (jrcxz_at[k] + 2)
-            if rel > 127:
-                return self._cascade_pushf(insn, b, new_addr, cases)
-            out[jrcxz_at[k] + 1] = rel
-            out += leave
-            at = len(out)
-            out += jmp_rel32(new_addr + at, dst)
-            fixups.append(Fixup(at, at + 1, dst, t, False))
-        return Relocated(bytes(out), Kind.IJMP, fixups + tail.fixups, tail.dynamic_exits)
+            w.put_label(f"hit{k}")
+            leave()
+            at = w.offset
+            fixups.append(Fixup(at, w.put_jmp(dst), dst, t, False))
+        try:
+            w.flush()
+        except OutOfRange:
+            return self._cascade_pushf(insn, b, new_addr, cases)
+        return Relocated(bytes(w.code), Kind.IJMP, fixups + exit_fixups, [exit_at])
 
     def _cascade_pushf(self, insn, b: bytes, new_addr: int, cases) -> Relocated:
         """Compare cascade for an indirect jmp with in-buffer targets, flags saved.
@@ -541,35 +500,43 @@ class Relocator:
         """
         op = insn.operands[0]
         used = _operand_regs(op)
-        free = [r for r in range(16) if r not in used and r != 4]
-        out = bytearray(LEA_RSP_MINUS_128 + PUSHFQ)
+        free = [r for r in range(16) if r not in used and r != RSP]
+        w = X86Writer(new_addr)
+        w.put_lea(RSP, RSP, -RED_ZONE)
+        w.put_pushfq()
         fixups: list[Fixup] = []
         if op.type == X.X86_OP_REG:
-            reg, loaded = _REG64[op.reg], False
+            reg, loaded = REG64[op.reg], False
         else:
             reg, loaded = free.pop(0), True
-            out += _push(reg)
-            code, fx = self.load_target(insn, b, reg, new_addr + len(out), len(out))
+            w.put_push_reg(reg)
+            fx = self.put_load_target(w, insn, b, reg)
             if fx:
                 fixups.append(fx)
-            out += code
         scratch = free[0]
-        leave = (_pop(reg) if loaded else b"") + POPFQ + LEA_RSP_PLUS_128
-        for t, dst in cases:
-            if t < (1 << 31):
-                out += _cmp_reg_imm32(reg, t)
-            else:
-                out += _push(scratch) + _mov_imm64(scratch, t) + _cmp_reg_reg(reg, scratch) \
-                    + _pop(scratch)
-            body_at = len(out) + 2
-            body = leave + jmp_rel32(new_addr + body_at + len(leave), dst)
-            out += bytes((0x75, len(body))) + body
-            fixups.append(Fixup(body_at + len(leave), body_at + len(leave) + 1, dst, t, False))
-        out += leave
-        tail = self._ijmp_exit(insn, b, new_addr + len(out), len(out))
-        return Relocated(bytes(out) + tail.code, Kind.IJMP, fixups + tail.fixups,
-                         tail.dynamic_exits)
 
+        def leave() -> None:
+            if loaded:
+                w.put_pop_reg(reg)
+            w.put_popfq()
+            w.put_lea(RSP, RSP, RED_ZONE)
+
+        for k, (t, dst) in enumerate(cases):
+            if t < (1 << 31):
+                w.put_cmp_reg_imm32(reg, t)
+            else:
+                w.put_push_reg(scratch)
+                w.put_mov_reg_imm64(scratch, t)
+                w.put_cmp_reg_reg(reg, scratch)
+                w.put_pop_reg(scratch)
+            w.put_jcc_short_label(CC_NE, f"next{k}")
+            leave()
+            at = w.offset
+            fixups.append(Fixup(at, w.put_jmp(dst), dst, t, False))
+            w.put_label(f"next{k}")
+        leave()
+        exit_fixups, exit_at = self._put_ijmp_exit(w, insn, b)
+        return Relocated(w.finish(), Kind.IJMP, fixups + exit_fixups, [exit_at])
 
     def _cascade_abi(self, insn, b: bytes, new_addr: int, cases) -> Relocated:
         """Compare cascade for ``jmp [M]`` at a SysV ABI function entry (a PLT stub
@@ -588,23 +555,22 @@ class Relocator:
         red zone are untouched.  (The general :meth:`_cascade` saves the flags with
         pushfq/popfq, which made a hot loop with three inlined PLT calls 1.7x slower.)
         """
-        out = bytearray()
+        w = X86Writer(new_addr)
         fixups: list[Fixup] = []
-        code, fx = self.load_target(insn, b, 11, new_addr, 0)
+        fx = self.put_load_target(w, insn, b, R11)
         if fx:
             fixups.append(fx)
-        out += code
         for t, dst in cases:
             if t < (1 << 31):
-                out += _cmp_reg_imm32(11, t)
+                w.put_cmp_reg_imm32(R11, t)
             else:
-                out += _mov_imm64(10, t) + _cmp_reg_reg(11, 10)
-            at = len(out)
-            out += jcc_rel32(0x4, new_addr + at, dst)          # je
-            fixups.append(Fixup(at, at + 2, dst, t, False))
-        exit_at = len(out)
-        out += b"\x41\xff\xe3"                                  # jmp r11
-        return Relocated(bytes(out), Kind.IJMP, fixups, [exit_at])
+                w.put_mov_reg_imm64(R10, t)
+                w.put_cmp_reg_reg(R11, R10)
+            at = w.offset
+            fixups.append(Fixup(at, w.put_jcc(CC_E, dst), dst, t, False))
+        exit_at = w.offset
+        w.put_jmp_reg(R11)
+        return Relocated(bytes(w.code), Kind.IJMP, fixups, [exit_at])
 
 
 def _dest(t: int, target_map: TargetMap, exit_map: ExitMap | None = None) -> tuple[int, bool]:

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import capstone
 from capstone import x86 as X
 
+from dbr_service.codegen.x86 import REG_NAMES, X86Writer
 from dbr_service.errors import MemoryViewError
 from dbr_service.region.jumptable import MAX_TABLE, _reg64, _reg_size
 from dbr_service.region.model import END, BasicBlock, EdgeKind, NodeKey, SuperRegion, TermKind
@@ -69,8 +70,6 @@ DATA_LIMIT = 1 << 31
 #: Where :func:`record_tables` keeps the tables read, by the jump's address.
 INFO_KEY = "tables"
 
-_REGS = ["rax", "rcx", "rdx", "rbx", "rsp", "rbp", "rsi", "rdi",
-         "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15"]
 _PREFIXES = (0x3E, 0xF2)        # notrack, bnd: no effect on the operand
 
 _cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
@@ -191,7 +190,7 @@ def _and_bound(raw: bytes, addr: int, idx: int) -> int | None:
         return None
     dst, src = insn.operands
     if dst.type != X.X86_OP_REG or src.type != X.X86_OP_IMM or _reg_size(dst.reg) < 4 \
-            or _reg64(dst.reg) != _REGS[idx] or not 0 <= src.imm < MAX_TABLE:
+            or _reg64(dst.reg) != REG_NAMES[idx] or not 0 <= src.imm < MAX_TABLE:
         return None
     return src.imm + 1
 
@@ -267,7 +266,7 @@ def _site(sr: SuperRegion, key: NodeKey) -> tuple[int, list[Load], str | None] |
         bound, tables = max(bound, n), tables | {t}
     if len(tables) != 1:
         return None
-    return bound, loads, _REGS[r]
+    return bound, loads, REG_NAMES[r]
 
 
 def _table_of(load: Load) -> int:
@@ -400,8 +399,9 @@ def encode_load(plan: TablePlan, load: Load, data: int | None) -> bytes:
     None (sizing) or not addressable.  Both are the original's length."""
     if data is None or not addressable(data, plan):
         return load.raw
-    o = load.disp_off
-    return load.raw[:o] + struct.pack("<i", data) + load.raw[o + 4:]
+    w = X86Writer()
+    w.put_insn_disp32(load.raw, load.disp_off, data)
+    return bytes(w.code)
 
 
 def encode_jump(plan: TablePlan, data: int | None) -> bytes:
