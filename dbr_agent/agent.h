@@ -133,11 +133,22 @@ void dbr_atfork_register(void);
 void dbr_unblock_trap(void);          /* calling thread: SIGTRAP unblocked */
 int dbr_wait_unwrapped_starts(void);  /* agent thread: unwrapped thread starts done */
 
-/* ---- agent.c (session) ---- */
+/* ---- agent.c: start-up, the agent thread, fork ---- */
 extern pthread_mutex_t g_agent_mu;
 extern pid_t g_agent_tid;           /* tid of the agent thread, 0 if none */
 int dbr_sync_core_ready(void);      /* register SYNC_CORE if not yet; whether it is */
 extern uint64_t g_agent_lo, g_agent_hi; /* the agent library's own mapped range */
+void dbr_agent_start_thread(int forked);   /* now, or planned under the hint */
+/* program thread, before a call that needs a single-threaded process: end the
+ * session and the agent thread for good; 1 once the kernel no longer counts it */
+int dbr_agent_retire(const char *why);
+#define DBR_BIRTH_COOKIE 0xDBB17E0000000001ull   /* the birth timer's si_value */
+void dbr_agent_birth_signal(void);    /* census.c: the birth timer fired (signal handler) */
+int dbr_agent_birth_pending(void);    /* the agent's thread is still to be made by a timer */
+void dbr_agent_birth_now(const char *why); /* hooks.c: make it now, if pending */
+void dbr_fork_child_reset(void);
+
+/* ---- transport.c, session.c: the session (the rest of it: session.h) ---- */
 int dbr_connected(void);
 int dbr_thread_notices(void);   /* the service wants THREAD_NEW/THREAD_EXIT now */
 /* Send one message from any thread. fds: -1 or an fd for SCM_RIGHTS.
@@ -147,16 +158,7 @@ int dbr_send(void *msg, uint32_t type, uint32_t len, int fd, int from_client);
  * DBR_E_TIMEOUT or DBR_E_PROTO (not connected / session ended) otherwise. */
 int dbr_map_changed_wait(uint32_t kind, uint64_t lo, uint64_t hi, uint32_t prot);
 void dbr_map_changed_advise(uint32_t kind, uint64_t lo, uint64_t hi);
-void dbr_agent_start_thread(int forked);   /* now, or planned under the hint */
 void dbr_agent_poke(void);           /* any thread: wake the agent thread */
-/* program thread, before a call that needs a single-threaded process: end the
- * session and the agent thread for good; 1 once the kernel no longer counts it */
-int dbr_agent_retire(const char *why);
-#define DBR_BIRTH_COOKIE 0xDBB17E0000000001ull   /* the birth timer's si_value */
-void dbr_agent_birth_signal(void);    /* census.c: the birth timer fired (signal handler) */
-int dbr_agent_birth_pending(void);    /* the agent's thread is still to be made by a timer */
-void dbr_agent_birth_now(const char *why); /* hooks.c: make it now, if pending */
-void dbr_fork_child_reset(void);
 
 /* ---- objects.c ---- */
 struct dl_phdr_info;
