@@ -23,7 +23,7 @@
  *  - PATCH site checks, first failure wins: INVAL, NOSYNC, NOT_EXEC,
  *    FORBIDDEN, TARGET, RANGE, ALIGN, BUSY, MISMATCH, LIMIT; while writing:
  *    PROTECT, MISMATCH, BUSY (SIGTRAP blocked), INSIDE (an entry site with a
- *    thread inside: patch.c).  UNPATCH: NOT_PATCHED, NOSYNC, NOT_EXEC, MISMATCH,
+ *    thread inside: patch_write.c).  UNPATCH: NOT_PATCHED, NOSYNC, NOT_EXEC, MISMATCH,
  *    then PROTECT; only `site` is read, the recorded variant is used.
  *  - When every program thread has ended (main's pthread_exit, then the
  *    others), the process ends: glibc ends it, since it never counted the

@@ -176,7 +176,7 @@ out:
  * SIG_DFL).  So SIGTRAP is taken out of every mask the program installs:
  * handler masks (sigaction) and thread masks (sigprocmask/pthread_sigmask).
  * A mask set by a raw system call, or inherited from such a thread, is found
- * by the look at every thread's mask before a batch writes a CC (patch.c,
+ * by the look at every thread's mask before a batch writes a CC (patch_write.c,
  * guard_int3), not by an unblock in each new thread: that was a system call
  * per thread start, and it left the blocking thread itself exposed.
  */
