@@ -66,17 +66,17 @@ static int agent_main_hidden(void)
  * kernel (6.3 on) gives its signal to that thread: a program thread asleep in
  * nanosleep or epoll_wait is not cut short, as a wall-clock timer's signal
  * would cut it (tests/test_agent_birth.py).  A program thread that blocks the
- * signal while the birth is pending makes the thread at once (hooks.c: one
- * that blocks it everywhere would never get one); so does one about to take a
- * seccomp filter, which a thread made from it would inherit.  The thread takes
- * the constructor's CPU affinity, policy and nice value (the handler runs on
- * any program thread).  Stepping aside (dbr_agent_retire) and exit cancel a
- * pending birth; a fork child plans its own, born parent or not.  Without the
- * hint (no service, an older one, DBR_AGENT_QUIET_MS set), with a hint of 0
- * (--aggressive), where the thread cannot be hidden (pthread_create is not
- * safe in a handler), on a kernel older than 6.3, or when the timer cannot be
- * made, the thread is made in the constructor and waits out the quiet, as
- * before. */
+ * signal while the birth is pending makes the thread at once (hooks.c: one that
+ * blocks it everywhere would never get one); so does one about to take a
+ * seccomp filter (hooks_proc.c), which a thread made from it would inherit.
+ * The thread takes the constructor's CPU affinity, policy and nice value (the
+ * handler runs on any program thread).  Stepping aside (dbr_agent_retire) and
+ * exit cancel a pending birth; a fork child plans its own, born parent or not.
+ * Without the hint (no service, an older one, DBR_AGENT_QUIET_MS set), with a
+ * hint of 0 (--aggressive), where the thread cannot be hidden (pthread_create
+ * is not safe in a handler), on a kernel older than 6.3, or when the timer
+ * cannot be made, the thread is made in the constructor and waits out the
+ * quiet, as before. */
 #define BIRTH_STEP_MS    50u
 #define BIRTH_RETRY_MS   100u
 #define BIRTH_RETRIES    50u
@@ -263,8 +263,8 @@ int dbr_agent_birth_pending(void)
     return __atomic_load_n(&g_birth, __ATOMIC_ACQUIRE) != BIRTH_NONE;
 }
 
-/* hooks.c, a program thread about to make a later birth impossible or wrong:
- * make the agent's thread now. */
+/* hooks.c, hooks_proc.c: a program thread about to make a later birth
+ * impossible or wrong: make the agent's thread now. */
 void dbr_agent_birth_now(const char *why)
 {
     int rc;
@@ -363,13 +363,13 @@ static void *agent_main(void *arg)
  * thread, and setns into a user, mount or time namespace to a thread that
  * shares its address space or filesystem attributes (EINVAL, EUSERS): rootless
  * containers, bwrap and `unshare -U` failed under the agent.  Before such a
- * call (hooks.c) the agent steps aside for good: the session ends with BYE,
- * the sampler's timers are deleted, the agent's thread returns, and the
+ * call (hooks_proc.c) the agent steps aside for good: the session ends with
+ * BYE, the sampler's timers are deleted, the agent's thread returns, and the
  * caller waits, bounded, until the kernel no longer counts that thread.
- * Installed patches stay, as on a disconnect with `keep`: the map-change
- * hooks still restore sites before their code goes away.  Fork children of
- * such a process start no agent thread either; an exec loads a new agent.
- * The same happens before a seccomp filter with TSYNC (hooks.c), and when the
+ * Installed patches stay, as on a disconnect with `keep`: the map-change hooks
+ * still restore sites before their code goes away.  Fork children of such a
+ * process start no agent thread either; an exec loads a new agent.  The same
+ * happens before a seccomp filter with TSYNC (hooks_proc.c), and when the
  * agent's thread cannot take the program's new credentials (called on that
  * thread: nothing to wait for). */
 #define RETIRE_WAIT_MS 3000u

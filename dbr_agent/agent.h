@@ -2,7 +2,7 @@
  * agent.h — internal interfaces of libdbr_agent.so (the in-client agent).
  *
  * Every symbol here is hidden (-fvisibility=hidden); only the interposed
- * libc functions in hooks.c are exported (DBR_EXPORT).
+ * libc functions in hooks.c and hooks_proc.c are exported (DBR_EXPORT).
  *
  * Locking (every mutex is process-shared: dbr_mutex_init says why):
  * g_agent_mu ("the agent mutex") guards the site table, the code buffer
@@ -123,14 +123,16 @@ int dbr_real_sigaction(int sig, const struct sigaction *act, struct sigaction *o
 int dbr_real_pthread_create(pthread_t *t, const pthread_attr_t *attr,
                             void *(*start)(void *), void *arg);
 void dbr_hooks_resolve(void);          /* constructor, inert or not */
-void dbr_hooks_init(void);
 /* Install the agent's handler for `sig` (recording what the program had),
  * `handler` is the agent's SA_SIGINFO handler. */
 int dbr_signal_install(int sig, void (*handler)(int, siginfo_t *, void *), int flags);
 /* Give a signal the agent does not own to the program's recorded action. */
 void dbr_signal_chain(int sig, siginfo_t *si, void *uc);
-void dbr_atfork_register(void);
 void dbr_unblock_trap(void);          /* calling thread: SIGTRAP unblocked */
+
+/* ---- hooks_proc.c ---- */
+void dbr_hooks_init(void);
+void dbr_atfork_register(void);
 int dbr_wait_unwrapped_starts(void);  /* agent thread: unwrapped thread starts done */
 
 /* ---- agent.c: start-up, the agent thread, fork ---- */
@@ -145,7 +147,7 @@ int dbr_agent_retire(const char *why);
 #define DBR_BIRTH_COOKIE 0xDBB17E0000000001ull   /* the birth timer's si_value */
 void dbr_agent_birth_signal(void);    /* census.c: the birth timer fired (signal handler) */
 int dbr_agent_birth_pending(void);    /* the agent's thread is still to be made by a timer */
-void dbr_agent_birth_now(const char *why); /* hooks.c: make it now, if pending */
+void dbr_agent_birth_now(const char *why); /* hooks*.c: make it now, if pending */
 void dbr_fork_child_reset(void);
 
 /* ---- transport.c, session.c: the session (the rest of it: session.h) ---- */
