@@ -233,17 +233,20 @@ void dbr_census_init(void);
  * a failure too; returns the send's result */
 int dbr_census_run(uint32_t req_id, uint32_t timeout_ms, const struct dbr_range *ranges,
                    uint32_t n_ranges);
-/* TRANSFER (g_agent_mu held): checks, signals every thread, fills res->threads,
- * moved, no_reply; returns the result code */
-int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
-                     uint32_t timeout_ms, int evict, struct dbr_transfer_result *res);
 int dbr_inside_installed_site(uint64_t a);   /* strictly inside an installed site */
 /* Agent thread, no census open: whether any thread's PC, registers or stack words
  * lie in each of ranges[0..n) (ascending, disjoint, n <= DBR_MAX_SITES); hit[k] = 1
  * if so, and for every k when a thread's whereabouts are unknown.  DBR_OK, or
  * DBR_E_NOMEM / DBR_E_INVAL (nothing known). */
 int dbr_census_inside(const struct dbr_range *ranges, uint32_t n, uint8_t *hit);
-void dbr_transfer_fork_child(void);   /* fork child: no transfer open, no handler inside */
+
+/* ---- transfer.c ---- */
+/* TRANSFER (g_agent_mu held): checks, signals every thread, fills res->threads,
+ * moved, no_reply; returns the result code */
+int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
+                     uint32_t timeout_ms, int evict, struct dbr_transfer_result *res);
+/* fork child: no transfer or census open, no handler inside */
+void dbr_transfer_fork_child(void);
 
 /* ---- thread.c ---- */
 void dbr_thread_init(void);                  /* constructor */
