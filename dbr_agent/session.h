@@ -28,7 +28,7 @@ extern int g_forked;       /* this process is a fork child (HELLO flags) */
 extern int g_exiting;      /* the destructor ran */
 extern int g_retired;      /* the agent stopped for good here (dbr_agent_retire) */
 
-/* ---- transport.c: the session socket; g_send_mu guards every field ---- */
+/* ---- transport.c: the session socket (g_send_mu guards sending and closing it) ---- */
 /* Identity of the agent's own fds: a program may close fds it does not know
  * about (daemons close everything) and reuse the numbers; the agent then must
  * never read, write or close them. */
@@ -46,7 +46,7 @@ extern struct fd_id g_sock_id;
 extern int g_ready;          /* HELLO_ACK received: anything may be sent */
 extern uint32_t g_seq;
 extern int g_bye_sent;       /* this session's BYE went out */
-extern uint8_t g_rx[DBR_MSG_MAX];   /* the datagram received last (agent thread) */
+extern uint8_t g_rx[DBR_MSG_MAX];   /* the datagram received last (agent thread only) */
 
 int dbr_send_ack(uint32_t req_id, int result);
 void dbr_send_error(int code, uint32_t ref_seq, const char *text);
