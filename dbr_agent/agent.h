@@ -2,7 +2,7 @@
  * agent.h — internal interfaces of libdbr_agent.so (the in-client agent).
  *
  * Every symbol here is hidden (-fvisibility=hidden); only the interposed
- * libc functions in hooks.c are exported (DBR_EXPORT).
+ * libc functions in hooks.c and hooks_proc.c are exported (DBR_EXPORT).
  *
  * Locking (every mutex is process-shared: dbr_mutex_init says why):
  * g_agent_mu ("the agent mutex") guards the site table, the code buffer
@@ -23,7 +23,7 @@
  *  - PATCH site checks, first failure wins: INVAL, NOSYNC, NOT_EXEC,
  *    FORBIDDEN, TARGET, RANGE, ALIGN, BUSY, MISMATCH, LIMIT; while writing:
  *    PROTECT, MISMATCH, BUSY (SIGTRAP blocked), INSIDE (an entry site with a
- *    thread inside: patch.c).  UNPATCH: NOT_PATCHED, NOSYNC, NOT_EXEC, MISMATCH,
+ *    thread inside: patch_write.c).  UNPATCH: NOT_PATCHED, NOSYNC, NOT_EXEC, MISMATCH,
  *    then PROTECT; only `site` is read, the recorded variant is used.
  *  - When every program thread has ended (main's pthread_exit, then the
  *    others), the process ends: glibc ends it, since it never counted the
@@ -123,21 +123,34 @@ int dbr_real_sigaction(int sig, const struct sigaction *act, struct sigaction *o
 int dbr_real_pthread_create(pthread_t *t, const pthread_attr_t *attr,
                             void *(*start)(void *), void *arg);
 void dbr_hooks_resolve(void);          /* constructor, inert or not */
-void dbr_hooks_init(void);
 /* Install the agent's handler for `sig` (recording what the program had),
  * `handler` is the agent's SA_SIGINFO handler. */
 int dbr_signal_install(int sig, void (*handler)(int, siginfo_t *, void *), int flags);
 /* Give a signal the agent does not own to the program's recorded action. */
 void dbr_signal_chain(int sig, siginfo_t *si, void *uc);
-void dbr_atfork_register(void);
 void dbr_unblock_trap(void);          /* calling thread: SIGTRAP unblocked */
+
+/* ---- hooks_proc.c ---- */
+void dbr_hooks_init(void);
+void dbr_atfork_register(void);
 int dbr_wait_unwrapped_starts(void);  /* agent thread: unwrapped thread starts done */
 
-/* ---- agent.c (session) ---- */
+/* ---- agent.c: start-up, the agent thread, fork ---- */
 extern pthread_mutex_t g_agent_mu;
 extern pid_t g_agent_tid;           /* tid of the agent thread, 0 if none */
 int dbr_sync_core_ready(void);      /* register SYNC_CORE if not yet; whether it is */
 extern uint64_t g_agent_lo, g_agent_hi; /* the agent library's own mapped range */
+void dbr_agent_start_thread(int forked);   /* now, or planned under the hint */
+/* program thread, before a call that needs a single-threaded process: end the
+ * session and the agent thread for good; 1 once the kernel no longer counts it */
+int dbr_agent_retire(const char *why);
+#define DBR_BIRTH_COOKIE 0xDBB17E0000000001ull   /* the birth timer's si_value */
+void dbr_agent_birth_signal(void);    /* census.c: the birth timer fired (signal handler) */
+int dbr_agent_birth_pending(void);    /* the agent's thread is still to be made by a timer */
+void dbr_agent_birth_now(const char *why); /* hooks*.c: make it now, if pending */
+void dbr_fork_child_reset(void);
+
+/* ---- transport.c, session.c: the session (the rest of it: session.h) ---- */
 int dbr_connected(void);
 int dbr_thread_notices(void);   /* the service wants THREAD_NEW/THREAD_EXIT now */
 /* Send one message from any thread. fds: -1 or an fd for SCM_RIGHTS.
@@ -147,16 +160,7 @@ int dbr_send(void *msg, uint32_t type, uint32_t len, int fd, int from_client);
  * DBR_E_TIMEOUT or DBR_E_PROTO (not connected / session ended) otherwise. */
 int dbr_map_changed_wait(uint32_t kind, uint64_t lo, uint64_t hi, uint32_t prot);
 void dbr_map_changed_advise(uint32_t kind, uint64_t lo, uint64_t hi);
-void dbr_agent_start_thread(int forked);   /* now, or planned under the hint */
 void dbr_agent_poke(void);           /* any thread: wake the agent thread */
-/* program thread, before a call that needs a single-threaded process: end the
- * session and the agent thread for good; 1 once the kernel no longer counts it */
-int dbr_agent_retire(const char *why);
-#define DBR_BIRTH_COOKIE 0xDBB17E0000000001ull   /* the birth timer's si_value */
-void dbr_agent_birth_signal(void);    /* census.c: the birth timer fired (signal handler) */
-int dbr_agent_birth_pending(void);    /* the agent's thread is still to be made by a timer */
-void dbr_agent_birth_now(const char *why); /* hooks.c: make it now, if pending */
-void dbr_fork_child_reset(void);
 
 /* ---- objects.c ---- */
 struct dl_phdr_info;
@@ -229,17 +233,20 @@ void dbr_census_init(void);
  * a failure too; returns the send's result */
 int dbr_census_run(uint32_t req_id, uint32_t timeout_ms, const struct dbr_range *ranges,
                    uint32_t n_ranges);
-/* TRANSFER (g_agent_mu held): checks, signals every thread, fills res->threads,
- * moved, no_reply; returns the result code */
-int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
-                     uint32_t timeout_ms, int evict, struct dbr_transfer_result *res);
 int dbr_inside_installed_site(uint64_t a);   /* strictly inside an installed site */
 /* Agent thread, no census open: whether any thread's PC, registers or stack words
  * lie in each of ranges[0..n) (ascending, disjoint, n <= DBR_MAX_SITES); hit[k] = 1
  * if so, and for every k when a thread's whereabouts are unknown.  DBR_OK, or
  * DBR_E_NOMEM / DBR_E_INVAL (nothing known). */
 int dbr_census_inside(const struct dbr_range *ranges, uint32_t n, uint8_t *hit);
-void dbr_transfer_fork_child(void);   /* fork child: no transfer open, no handler inside */
+
+/* ---- transfer.c ---- */
+/* TRANSFER (g_agent_mu held): checks, signals every thread, fills res->threads,
+ * moved, no_reply; returns the result code */
+int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
+                     uint32_t timeout_ms, int evict, struct dbr_transfer_result *res);
+/* fork child: no transfer or census open, no handler inside */
+void dbr_transfer_fork_child(void);
 
 /* ---- thread.c ---- */
 void dbr_thread_init(void);                  /* constructor */

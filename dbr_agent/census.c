@@ -1,9 +1,7 @@
 /*
  * census.c — PC census: every thread reports its interrupted PC and the words of
- * its registers and stack that lie in ranges the service names; TRANSFER:
- * threads stopped at a listed original PC continue in replacement code; and
- * EVICT, the other way: threads stopped at a listed replacement PC continue in
- * original code.
+ * its registers and stack that lie in ranges the service names; and the census
+ * signal's handler, which also serves TRANSFER and EVICT (transfer.c).
  *
  * The agent thread queues the census signal to each thread with
  * rt_tgsigqueueinfo (the tgkill of a signal with a payload): si_code SI_QUEUE,
@@ -39,12 +37,9 @@
 #include <ucontext.h>
 #include <unistd.h>
 
-#include "agent.h"
+#include "census.h"
 
 #define CENSUS_COOKIE  0x0DBC3A5
-/* TRANSFER signals carry (TRANSFER_MAGIC << 32) | generation in si_value */
-#define TRANSFER_MAGIC 0x7AF5u
-#define TRANSFER_SETTLE_MS 500u
 /* bound on waiting for the threads' answers (census and transfer alike) */
 #define CENSUS_WAIT_MAX_MS 1000u
 #define CENSUS_WAIT_DEFAULT_MS 200u
@@ -52,50 +47,15 @@
  * stack table is freed (else it is left allocated: a late handler may read it) */
 #define CENSUS_SETTLE_MS 200u
 #define SCAN_CAP ((uint64_t)8 << 20)   /* bytes of one stack scanned at most */
-#define WAITING 0xffu   /* state of a signalled thread whose answer is awaited */
 /* ranges one census looks for: a request's (DBR_MAX_CENSUS_RANGES), or the entry
  * sites of one PATCH batch (DBR_MAX_SITES, dbr_census_inside) */
 #define CS_RANGES_MAX (DBR_MAX_SITES > DBR_MAX_CENSUS_RANGES ? DBR_MAX_SITES : DBR_MAX_CENSUS_RANGES)
 
-/* a TRANSFER's or an EVICT's answer slot (the census has its own, struct cslot) */
-struct slot {
-    int32_t  tid;
-    uint32_t done_gen;  /* == the generation pc answers */
-    uint64_t pc;
-};
-
-/* Signal handler: the calling thread's answer `value` for generation `gen`. */
-static void slot_answer(struct slot *slots, unsigned n, uint32_t gen, uint64_t value)
-{
-    pid_t tid = dbr_gettid();
-    unsigned i;
-
-    for (i = 0; i < n; i++) {
-        if (slots[i].tid != tid)
-            continue;
-        __atomic_store_n(&slots[i].pc, value, __ATOMIC_RELAXED);
-        __atomic_store_n(&slots[i].done_gen, gen, __ATOMIC_RELEASE);
-        break;
-    }
-}
-
-/* Agent thread: one slot per listed thread, none answered. */
-static void slots_reset(struct slot *slots, const pid_t *tids, int n)
-{
-    int i;
-
-    for (i = 0; i < n; i++) {
-        slots[i].tid = tids[i];
-        slots[i].pc = 0;
-        __atomic_store_n(&slots[i].done_gen, 0, __ATOMIC_RELAXED);
-    }
-}
-
 /* Agent thread: wait (bounded: 0 means the default, capped) until every slot whose
  * state is WAITING has answered generation `gen`.  `stride`: bytes between slots,
  * `gen_off`: offset of done_gen in a slot (the census and transfers have their own). */
-static void wait_answers_at(const void *slots, size_t stride, size_t gen_off, const uint8_t *state,
-                            int n, uint32_t gen, uint32_t timeout_ms)
+void dbr_wait_answers_at(const void *slots, size_t stride, size_t gen_off, const uint8_t *state,
+                         int n, uint32_t gen, uint32_t timeout_ms)
 {
     uint64_t deadline;
     int i, pending;
@@ -116,13 +76,6 @@ static void wait_answers_at(const void *slots, size_t stride, size_t gen_off, co
             return;
         dbr_sleep_ms(1);
     }
-}
-
-static void wait_answers(const struct slot *slots, const uint8_t *state, int n, uint32_t gen,
-                         uint32_t timeout_ms)
-{
-    wait_answers_at(slots, sizeof *slots, offsetof(struct slot, done_gen), state, n, gen,
-                    timeout_ms);
 }
 
 /* ---- census state ----
@@ -328,58 +281,6 @@ static void census_answer(const ucontext_t *uc)
     __atomic_sub_fetch(&g_cs_active, 1, __ATOMIC_SEQ_CST);
 }
 
-/* ---- TRANSFER and EVICT state ----
- * The table is written by the agent thread only while no handler can read it:
- * g_tp_gen is 0 (no transfer open) and g_tp_active is 0 (no handler between its
- * generation check and its last read).  A handler counts itself active, then
- * compares the generation its signal carries with g_tp_gen; a late delivery of
- * an earlier transfer sees a different generation and touches nothing.  The
- * table is kept as (from, to) pairs sorted by from: (orig, repl) for a TRANSFER,
- * (repl, orig) for an EVICT. */
-struct move {
-    uint64_t from, to;
-};
-static struct move g_tp[DBR_MAX_TRANSFER];
-static uint32_t g_tp_n;
-static uint64_t g_tp_lo, g_tp_hi;  /* EVICT: the region's code; else empty */
-static uint32_t g_tp_gen;       /* generation of the open transfer, 0: none */
-static uint32_t g_tp_counter;   /* last generation used */
-static int g_tp_active;         /* handlers inside the critical part */
-static struct slot g_tslots[DBR_CENSUS_SLOTS];   /* pc: a MOVE_* answer */
-static unsigned g_tn;
-
-#define MOVE_NONE 0u   /* not at a point, not in the evicted region */
-#define MOVE_DONE 1u   /* moved */
-#define MOVE_LEFT 2u   /* inside the evicted region's code, at no point */
-
-static void transfer_handler(ucontext_t *uc, uint32_t gen)
-{
-    unsigned lo, hi;
-    uint64_t pc, answer = MOVE_NONE;
-
-    __atomic_add_fetch(&g_tp_active, 1, __ATOMIC_SEQ_CST);
-    if (gen != 0 && gen == __atomic_load_n(&g_tp_gen, __ATOMIC_SEQ_CST)) {
-        pc = (uint64_t)uc->uc_mcontext.gregs[REG_RIP];
-        lo = 0;
-        hi = g_tp_n;
-        while (lo < hi) {           /* binary search: g_tp is sorted by from */
-            unsigned mid = lo + (hi - lo) / 2;
-            if (g_tp[mid].from < pc)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        if (lo < g_tp_n && g_tp[lo].from == pc) {
-            uc->uc_mcontext.gregs[REG_RIP] = (greg_t)g_tp[lo].to;
-            answer = MOVE_DONE;
-        } else if (pc >= g_tp_lo && pc < g_tp_hi) {
-            answer = MOVE_LEFT;
-        }
-        slot_answer(g_tslots, g_tn, gen, answer);
-    }
-    __atomic_sub_fetch(&g_tp_active, 1, __ATOMIC_SEQ_CST);
-}
-
 static void census_handler(int sig, siginfo_t *si, void *ucv)
 {
     ucontext_t *uc = ucv;
@@ -395,7 +296,7 @@ static void census_handler(int sig, siginfo_t *si, void *ucv)
         return;
     }
     if ((cookie >> 32) == TRANSFER_MAGIC) {
-        transfer_handler(uc, (uint32_t)cookie);
+        dbr_transfer_handler(uc, (uint32_t)cookie);
         return;
     }
     census_answer(uc);
@@ -406,7 +307,7 @@ void dbr_census_init(void)
     dbr_signal_install(g_cfg.census_sig, census_handler, SA_SIGINFO | SA_RESTART | SA_ONSTACK);
 }
 
-static int queue_signal_value(pid_t tid, uint64_t value)
+int dbr_queue_signal_value(pid_t tid, uint64_t value)
 {
     siginfo_t si;
 
@@ -421,7 +322,7 @@ static int queue_signal_value(pid_t tid, uint64_t value)
 
 static int queue_signal(pid_t tid)
 {
-    return queue_signal_value(tid, CENSUS_COOKIE);
+    return dbr_queue_signal_value(tid, CENSUS_COOKIE);
 }
 
 static uint64_t now_us(void)
@@ -433,7 +334,7 @@ static uint64_t now_us(void)
 }
 
 /* Agent thread: wait (bounded) until no handler counts itself in *active. */
-static int wait_idle(int *active, unsigned ms)
+int dbr_wait_idle(int *active, unsigned ms)
 {
     uint64_t deadline = dbr_now_ms() + ms;
 
@@ -485,7 +386,7 @@ static int census_close(void)
     int idle;
 
     __atomic_store_n(&g_cs_gen, 0, __ATOMIC_SEQ_CST);
-    idle = wait_idle(&g_cs_active, CENSUS_SETTLE_MS) == DBR_OK;
+    idle = dbr_wait_idle(&g_cs_active, CENSUS_SETTLE_MS) == DBR_OK;
     __atomic_store_n(&g_cs_table, NULL, __ATOMIC_RELEASE);
     if (idle)
         dbr_free(t);
@@ -513,8 +414,8 @@ static void census_round(const pid_t *tids, uint8_t *state, struct cslot *ans, i
     for (i = 0; i < n; i++)
         if (state[i] == WAITING && queue_signal(tids[i]) < 0)
             state[i] = errno == ESRCH ? DBR_CENSUS_GONE : DBR_CENSUS_NO_REPLY;
-    wait_answers_at(g_cslots, sizeof g_cslots[0], offsetof(struct cslot, done_gen), state, n, gen,
-                    timeout_ms);
+    dbr_wait_answers_at(g_cslots, sizeof g_cslots[0], offsetof(struct cslot, done_gen), state, n,
+                        gen, timeout_ms);
     census_close();
     for (i = 0; i < n; i++) {
         if (state[i] != WAITING ||
@@ -736,129 +637,13 @@ out:
     return rc;
 }
 
-void dbr_transfer_fork_child(void)
+void dbr_census_fork_child(void)
 {
-    /* A handler counted in g_tp_active belonged to a thread the child does not have:
-     * left as it was, every transfer in the child would wait for it and say BUSY. */
-    __atomic_store_n(&g_tp_gen, 0, __ATOMIC_SEQ_CST);
-    __atomic_store_n(&g_tp_active, 0, __ATOMIC_SEQ_CST);
-    g_tn = 0;
-    /* the same for a census the parent's agent thread had open; its table is the
-     * parent's (a copy here, left as it is: no thread here frees it) */
+    /* A census the parent's agent thread had open, and its handlers, are not the
+     * child's; its table is the parent's (a copy here, left as it is: no thread
+     * here frees it) */
     __atomic_store_n(&g_cs_gen, 0, __ATOMIC_SEQ_CST);
     __atomic_store_n(&g_cs_active, 0, __ATOMIC_SEQ_CST);
     __atomic_store_n(&g_cs_table, NULL, __ATOMIC_SEQ_CST);
     g_ncslots = 0;
-}
-
-static int wait_handlers_idle(unsigned ms)
-{
-    return wait_idle(&g_tp_active, ms);
-}
-
-/* The checks of a TRANSFER or an EVICT (see dbr_protocol.h); g_agent_mu held.
- * The region's code range in *lo, *hi. */
-static int transfer_check(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
-                          int evict, uint64_t *lo, uint64_t *hi)
-{
-    struct dbr_maps maps;
-    uint32_t i;
-    int rc = DBR_OK;
-
-    if (dbr_region_code(region_id, lo, hi) != DBR_OK)
-        return DBR_E_UNKNOWN;
-    if (n == 0 || n > DBR_MAX_TRANSFER)
-        return DBR_E_INVAL;
-    for (i = 1; i < n; i++)
-        if (evict ? p[i].repl <= p[i - 1].repl : p[i].orig <= p[i - 1].orig)
-            return DBR_E_INVAL;
-    for (i = 0; i < n; i++)
-        if (p[i].repl < *lo || p[i].repl >= *hi || !dbr_buffer_containing(p[i].repl, 1))
-            return DBR_E_TARGET;
-    if (dbr_maps_read(&maps) != DBR_OK)
-        return DBR_E_NOMEM;
-    for (i = 0; i < n && rc == DBR_OK; i++) {
-        const struct dbr_map_ent *m = dbr_maps_find(&maps, p[i].orig);
-
-        if (!m || !(m->prot & PROT_EXEC))
-            rc = DBR_E_NOT_EXEC;
-        else if (m->special || (p[i].orig >= g_agent_lo && p[i].orig < g_agent_hi) ||
-                 dbr_buffers_intersect(p[i].orig, p[i].orig + 1) ||
-                 (evict && dbr_inside_installed_site(p[i].orig)))
-            rc = DBR_E_FORBIDDEN;
-    }
-    dbr_maps_free(&maps);
-    return rc;
-}
-
-int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uint32_t n,
-                     uint32_t timeout_ms, int evict, struct dbr_transfer_result *res)
-{
-    pid_t *tids = NULL;
-    uint8_t *waiting = NULL;
-    int nt, i, rc;
-    uint32_t gen, k;
-    uint64_t lo, hi;
-
-    rc = transfer_check(region_id, p, n, evict, &lo, &hi);
-    if (rc != DBR_OK)
-        return rc;
-    /* a handler of an earlier transfer that passed its check may still read g_tp */
-    if (wait_handlers_idle(TRANSFER_SETTLE_MS) != DBR_OK)
-        return DBR_E_BUSY;
-    tids = dbr_alloc(DBR_CENSUS_SLOTS * sizeof *tids);
-    waiting = dbr_alloc(DBR_CENSUS_SLOTS);
-    if (!tids || !waiting) {
-        dbr_free(tids);
-        dbr_free(waiting);
-        return DBR_E_NOMEM;
-    }
-    for (k = 0; k < n; k++) {
-        g_tp[k].from = evict ? p[k].repl : p[k].orig;
-        g_tp[k].to = evict ? p[k].orig : p[k].repl;
-    }
-    g_tp_n = n;
-    g_tp_lo = evict ? lo : 0;
-    g_tp_hi = evict ? hi : 0;
-    nt = dbr_list_threads(tids, DBR_CENSUS_SLOTS);
-    if (nt > (int)DBR_CENSUS_SLOTS)
-        nt = DBR_CENSUS_SLOTS;
-    slots_reset(g_tslots, tids, nt);
-    g_tn = (unsigned)nt;
-    gen = ++g_tp_counter;
-    if (gen == 0)
-        gen = ++g_tp_counter;
-    __atomic_store_n(&g_tp_gen, gen, __ATOMIC_SEQ_CST);    /* open: handlers may read */
-
-    for (i = 0; i < nt; i++) {
-        if (tids[i] == g_agent_tid || tids[i] == dbr_gettid())
-            continue;
-        /* Only running threads can be in the middle of a loop; a sleeping one sits
-         * in a system call, and the signal would cut short an unrestartable sleep
-         * (nanosleep, epoll_wait) for nothing. */
-        if (dbr_thread_state(tids[i]) != 'R')
-            continue;
-        if (queue_signal_value(tids[i], ((uint64_t)TRANSFER_MAGIC << 32) | gen) == 0) {
-            waiting[i] = WAITING;
-            res->threads++;
-        }
-    }
-    wait_answers(g_tslots, waiting, nt, gen, timeout_ms);
-    __atomic_store_n(&g_tp_gen, 0, __ATOMIC_SEQ_CST);      /* closed: late signals do nothing */
-    /* handlers that passed the check finish before the table is reused (next call) */
-    (void)wait_handlers_idle(TRANSFER_SETTLE_MS);
-    for (i = 0; i < nt; i++) {
-        if (waiting[i] != WAITING)
-            continue;
-        if (__atomic_load_n(&g_tslots[i].done_gen, __ATOMIC_ACQUIRE) == gen) {
-            uint64_t a = __atomic_load_n(&g_tslots[i].pc, __ATOMIC_RELAXED);
-
-            res->moved += a == MOVE_DONE;
-            res->left += a == MOVE_LEFT;
-        } else
-            res->no_reply++;
-    }
-    dbr_free(tids);
-    dbr_free(waiting);
-    return DBR_OK;
 }

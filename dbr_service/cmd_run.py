@@ -308,7 +308,7 @@ def _start_embedded(args: argparse.Namespace, embedded: EmbeddedService,
     return True
 
 
-# A PROG that ended within its agent's quiet start (dbr_agent/agent.c, "quiet while
+# A PROG that ended within its agent's quiet start (dbr_agent/connect.c, "quiet while
 # the program starts"; paths.agent_quiet), plus this margin for the connection and
 # HELLO, had no session for that reason.
 QUIET_MARGIN_S = 0.05

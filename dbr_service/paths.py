@@ -121,8 +121,8 @@ def untrusted_dir(path: str | Path) -> str | None:
     return None
 
 
-# The agent's quiet start (dbr_agent/agent.c, "quiet while the program starts" and
-# "born when the service would look"; shared/dbr_protocol.h: DBR_QUIET_DEFAULT_MS,
+# The agent's quiet start (dbr_agent/connect.c, "quiet while the program starts", and
+# agent.c, "born when the service would look"; shared/dbr_protocol.h: DBR_QUIET_DEFAULT_MS,
 # DBR_QUIET_MAX_MS, DBR_QUIET_FILE, which tests/test_protocol_layout.py checks these
 # against).  DBR_AGENT_QUIET_MS if it holds a number, else the number a service wrote
 # to QUIET_FILE in its runtime dir (its min_client_age_s), else the default.  The
@@ -147,7 +147,7 @@ def parse_ms(text: str, maximum: int = QUIET_MAX_MS) -> int | None:
 def program_key(st: os.stat_result) -> str:
     """The name a service gives an executable (``st``, a stat of it) in its runtime
     dir: device, inode and mtime in seconds, in hex, as the agent's constructor forms
-    it from ``stat("/proc/self/exe")`` (dbr_agent/agent.c, program_hint).  A rebuilt or
+    it from ``stat("/proc/self/exe")`` (dbr_agent/connect.c, program_hint).  A rebuilt or
     replaced program is another one."""
     mtime = (st.st_mtime_ns // 1_000_000_000) & 0xFFFF_FFFF_FFFF_FFFF   # tv_sec, as C has it
     return f"{st.st_dev:x}-{st.st_ino:x}-{mtime:x}"

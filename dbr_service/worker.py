@@ -318,7 +318,7 @@ def set_autogroup_nice(nice: int) -> bool:
     of a CPU as a client in a session of its own (a service manager starts each
     program so): a nice-19 CPU hog in a session at autogroup niceness 0 made a
     2-thread program on 2 CPUs take 1.81x its time, 1.17x with its autogroup at 19
-    (docs/design-notes.md, "Selection workers in an autogroup of their own").
+    (docs/decisions/0030-selection-workers-own-autogroup.md).
     Whether the autogroup now has that niceness; False where there is no autogroup
     to set (kernel without it, or not our own)."""
     if not _OWN_AUTOGROUP:

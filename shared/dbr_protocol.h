@@ -157,7 +157,7 @@ enum dbr_map_kind {
 /* BYE.flags */
 #define DBR_BYE_REVERT 0x1u /* S->A: revert every patch before closing */
 
-/* The agent's quiet start (dbr_agent/agent.c, "quiet while the program starts"):
+/* The agent's quiet start (dbr_agent/connect.c, "quiet while the program starts"):
  * its thread waits this long before its first connection.  DBR_AGENT_QUIET_MS in
  * the program's environment sets it; else a service that samples younger programs
  * writes a shorter one, as decimal ms, to DBR_QUIET_FILE beside agent.sock

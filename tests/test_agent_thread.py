@@ -372,7 +372,7 @@ def _first_connection(svc: FakeService, alone_exe: str, env: dict[str, str]):
 
 @pytest.mark.parametrize("quiet", [None, "0", "400"], ids=["default", "0", "400"])
 def test_agent_thread_stays_quiet_before_its_first_connection(alone_exe, quiet):
-    """agent.c, "quiet while the program starts": the agent's thread waits
+    """connect.c, "quiet while the program starts": the agent's thread waits
     DBR_AGENT_QUIET_MS (default 50) before it first connects; 0 connects at once."""
     env = {"DBR_AGENT_THREAD": "", "DBR_AGENT_DEBUG": "1"}
     if quiet is not None:

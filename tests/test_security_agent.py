@@ -1,4 +1,4 @@
-"""The agent talks only to a listener it trusts (dbr_agent/agent.c, "what the agent
+"""The agent talks only to a listener it trusts (dbr_agent/connect.c, "what the agent
 trusts"; docs/agent.md).
 
 The exploit: an unprivileged user (mallory, uid 65534 here) owns a world-writable

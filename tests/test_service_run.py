@@ -49,7 +49,7 @@ def test_ld_preload_prepended(noservice_env, tmp_path):
 
 
 def test_aggressive_runs_have_the_agent_connect_at_once(noservice_env):
-    """The agent's thread stays quiet for its first 50 ms (dbr_agent/agent.c); `dbr run
+    """The agent's thread stays quiet for its first 50 ms (dbr_agent/connect.c); `dbr run
     --embedded --aggressive` wants optimization from PROG's first moments: its service
     is up before PROG and tells the agent to connect at once (paths.QUIET_FILE, 0); a
     DBR_AGENT_QUIET_MS the user set reaches PROG unchanged (the agent prefers it)."""

@@ -1,5 +1,5 @@
 """Programs whose runs end too soon to gain get their agent's thread later
-(dbr_service/shortruns.py; the agent's side: dbr_agent/agent.c, program_hint).
+(dbr_service/shortruns.py; the agent's side: dbr_agent/connect.c, program_hint).
 
 After SHORT_RUNS runs in a row that each ended within short_run_s of their start with
 nothing installed, the service writes short_run_s in ms to ``agent-quiet-ms.KEY`` in
