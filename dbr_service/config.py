@@ -102,6 +102,10 @@ class Config:
         "copies for real); 0: regions need a hot loop", min=0.0, max=1.0))
     min_region_size: int = field(default=16, metadata=_doc(
         "super-regions with fewer bytes of original code are dropped", min=0))
+    inline: bool = field(default=True, metadata=_doc(
+        "clone hot callees into their callers' copies; false: every call stays a call "
+        "(a real call under real_calls), e.g. to keep a callee's own frame for "
+        "debugging or tests"))
     inline_budget: float = field(default=1.0, metadata=_doc(
         "inlining growth per super-region as a ratio of its body bytes (1.0 = double)",
         min=0.0, max=64.0))

@@ -226,7 +226,8 @@ def region_config(cfg: Any, total_samples: int) -> Any:
                         min_loop_trip_count=cfg.min_loop_trip_count,
                         function_threshold=(max(1.0, cfg.hot_function_threshold * total_samples)
                                             if cfg.hot_function_threshold > 0 else None),
-                        min_region_size=cfg.min_region_size, inline_budget=cfg.inline_budget,
+                        min_region_size=cfg.min_region_size, inline=cfg.inline,
+                        inline_budget=cfg.inline_budget,
                         transfer_only=cfg.transfer, real_calls=cfg.real_calls,
                         entry_sites=cfg.entry_sites)
 
