@@ -901,3 +901,88 @@ def test_chains_win_where_the_compiler_put_a_rare_block_in_the_hot_path() -> Non
     assert layout_cost(sr, lay.order) == 99 + 1 + 1 < layout_cost(sr, original_order(sr))
     gen = emit_region(sr, 0x1000_0000)
     assert gen.layout_kind == "ext-tsp"
+
+
+HEAD_FIRST_SRC = """
+  mov rdx, rax
+  and edx, 0xfff
+  mov ecx, dword ptr [rdi + rdx*4]
+  test al, 0x3f
+  jne hot
+  lea edx, [rcx*8]
+  sub edx, ecx
+  add r8, rdx
+latch:
+  add rax, 1
+  cmp rsi, rax
+  jne 0x400000
+  ret
+hot:
+  add r10, rcx
+  xor r9, rcx
+  jmp latch
+"""
+
+
+def test_a_loop_head_split_off_before_the_entry_is_laid_out_first() -> None:
+    """A loop whose head `mov rdx, rax` is split off before the patch site (the
+    region's entry): the copy starts with the head and its latch jumps back with one
+    jcc, as the compiler lays out a bottom-tested loop, not `je exit; mov; jmp top`.
+    The copy computes what the original computes from random states."""
+    from dbr_service.codegen.layout import Layout, head_first, layout_cost
+
+    orig = 0x40_0000
+    code = asm(HEAD_FIRST_SRC, orig)
+    # the entry `and edx, 0xfff` a leader, as patch-point selection splits it off
+    bl = build_blocks(code, orig, indirect={0: [orig + 3]})
+    m, e, c, latch, _ret, hot = sorted(bl)
+    assert (bl[m].size, bl[e].term, bl[latch].term, bl[hot].term) == (
+        3, TermKind.JCC, TermKind.JCC, TermKind.JMP)
+    sr = SuperRegion("head-first")
+    for a in (m, e, c, latch, hot):
+        sr.add_block(bl[a])
+    sr.add_edge(START, e, EdgeKind.ENTRY, 1)
+    sr.add_edge(m, e, EdgeKind.FALLTHROUGH, 1000)
+    sr.add_edge(e, c, EdgeKind.FALLTHROUGH, 16)
+    sr.add_edge(e, hot, EdgeKind.FLOW, 984)
+    sr.add_edge(c, latch, EdgeKind.FALLTHROUGH, 16)
+    sr.add_edge(hot, latch, EdgeKind.FLOW, 984)
+    sr.add_edge(latch, m, EdgeKind.FLOW, 999)
+    sr.add_edge(latch, END, EdgeKind.EXIT, 1, target=latch + bl[latch].size)
+    sr.verify()
+    # ext-TSP keeps the entry first: [e, hot, latch, m, c] ends the loop `je exit;
+    # mov; jmp e`; head_first starts with m instead, at the same modelled cost
+    ext = [e, hot, latch, m, c]
+    assert head_first(sr, ext) == [m, e, hot, latch, c]
+    assert layout_cost(sr, [m, e, hot, latch, c]) <= layout_cost(sr, ext)
+    assert head_first(sr, [m, e, hot, latch, c]) == [m, e, hot, latch, c]   # once
+    # whatever compute_layout picks costs no more than either
+    assert layout_cost(sr, compute_layout(sr).order) <= layout_cost(sr, ext)
+    base = orig + 0x5000_0000
+    gen = emit_region(sr, base, layout=Layout([m, e, hot, latch, c], set()))
+    insns = linear(gen.code[:gen.data_start], gen.base)
+    # the latch's jcc goes back to the head, the first instruction of the copy
+    back = [i for i in insns if i.mnemonic == "jne" and int(i.op_str, 16) == base]
+    text = [f"{i.mnemonic} {i.op_str}" for i in insns]
+    assert len(back) == 1 and insns[0].mnemonic == "mov", text
+    # differential: from random states (rax below rsi so the loop ends), the copy
+    # entered at the entry ends where the original ends, with the same registers
+    rng = random.Random(7)
+    table = 0x70_0000
+    for _ in range(20):
+        n = rng.randrange(1, 200)
+        st = random_state(rng, 0x80_0000, {table: 0x4000, 0x7f_f000: 0x2000},
+                          {"rdi": table, "rax": 0, "rsi": n})
+        outs = []
+        for where, start in (("original", e), ("copy", gen.entries[e])):
+            mc = Machine([(orig, 0x1000), (base, 0x1000), (table, 0x4000),
+                          (0x7f_f000, 0x2000)])
+            mc.write(orig, code)
+            mc.write(base, gen.code)
+            mc.set_state(st)
+            stop = mc.run(start, lambda a: orig <= a < orig + len(code) - 0 and
+                          a != latch + bl[latch].size or base <= a < base + gen.size,
+                          limit=20000)
+            outs.append((stop, mc.snapshot([]).regs))
+        (so, ro), (sc, rc) = outs
+        assert so == sc == latch + bl[latch].size and ro == rc, (n, hex(so), hex(sc))

@@ -76,8 +76,43 @@ def compute_layout(sr: SuperRegion) -> Layout:
         if cost < limit and (best is None or (cost, rank) < best[:2]):
             best = (cost, rank, order, kind)
     if best is not None:
-        return Layout(best[2], _aligned(sr, best[2]), best[3])
+        order = head_first(sr, best[2])
+        return Layout(order, _aligned(sr, order), best[3])
     return Layout(orig, _aligned(sr, orig), "original")
+
+
+def head_first(sr: SuperRegion, order: list[NodeKey]) -> list[NodeKey]:
+    """Move a loop's head block in front of the block it falls into, when that block
+    comes first.
+
+    Patch-point selection splits a loop's head before its first instruction of 5 bytes
+    or more, so a head ``M: mov rdx, rax`` falls into the region's entry ``E``.  With
+    ``E`` first, the order ends the loop ``L: cmp; je exit`` then ``M; jmp E``: two
+    branches and a jump an iteration.  With ``M`` first (the region's code is entered
+    by jumps only, so nothing needs ``E`` at its start), ``L`` ends in one jcc back to
+    ``M``, as a compiler lays out a bottom-tested loop.  The cost in taken branches is
+    the same (:func:`layout_cost`): one jump instruction fewer an iteration.  Done for
+    a ``M`` laid out right after a latch ``L`` whose jcc's other side leaves the loop,
+    when ``M -> E`` runs at least as often as anything else enters ``E``."""
+    if len(order) < 3:
+        return order
+    e = order[0]
+    for i in range(2, len(order)):
+        m, latch = order[i], order[i - 1]
+        bm, bl = sr.block(m), sr.block(latch)
+        if bm.term not in (TermKind.FALLTHROUGH, TermKind.JMP) or bl.term is not TermKind.JCC:
+            continue
+        if list(sr.g.successors(m)) != [e] or not can_fall_into(sr, m, e) or \
+                not sr.g.has_edge(latch, m):
+            continue
+        back = sr.g.edges[m, e].get("count", 0.0)
+        other = sum(d.get("count", 0.0) for u, _, d in sr.g.in_edges(e, data=True) if u != m)
+        if back <= 0 or back < other:
+            continue
+        new = [m] + order[:i] + order[i + 1:]
+        if layout_cost(sr, new) <= layout_cost(sr, order):
+            return new
+    return order
 
 
 def layout_cost(sr: SuperRegion, order: list[NodeKey]) -> float:
