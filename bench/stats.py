@@ -10,6 +10,8 @@ import random
 import statistics
 from typing import Iterable, Sequence
 
+from dbr_service.compare import median_interval as _median_interval
+
 # ------------------------------------------------------------------ one sample
 
 def spread(xs: Sequence[float]) -> dict:
@@ -108,31 +110,16 @@ def verdict(ci: tuple[float, float] | None, limit: float) -> str:
     return "undecided"
 
 
-def _binom_cdf(k: int, n: int) -> float:
-    """P(X <= k), X ~ Binomial(n, 1/2)."""
-    if k < 0:
-        return 0.0
-    return sum(math.comb(n, i) for i in range(0, min(k, n) + 1)) / 2 ** n
-
-
 def median_interval(xs: Sequence[float], level: float = 0.95) -> dict | None:
-    """Order-statistic (sign-test) interval for the median: [x_(k), x_(n+1-k)] with
-    the largest k whose coverage 1 - 2 P(Binom(n, 1/2) <= k-1) is at least ``level``.
-    With too few values for ``level`` (n <= 5 at 95 %) it is the min–max interval and
-    its actual coverage, which is then below ``level`` (n=5: 93.8 %).  None for n < 2."""
-    xs = sorted(xs)
-    n = len(xs)
-    if n < 2:
+    """Order-statistic (sign-test) interval for the median, as `dbr run --compare`
+    gives it (dbr_service.compare.median_interval): [x_(k), x_(n+1-k)] with the largest
+    k whose coverage is at least ``level``; with too few values for ``level`` (n <= 5
+    at 95 %) the min–max interval and its actual coverage, then below ``level`` (n=5:
+    93.8 %).  None for n < 2."""
+    if len(xs) < 2:
         return None
-    best = 1
-    for k in range(1, n // 2 + 1):
-        if 1 - 2 * _binom_cdf(k - 1, n) >= level:
-            best = k
-        else:
-            break
-    cover = 1 - 2 * _binom_cdf(best - 1, n)
-    return {"lo": xs[best - 1], "hi": xs[n - best], "coverage": cover,
-            "level_met": cover >= level - 1e-12}
+    lo, hi, cover = _median_interval(list(xs), level)
+    return {"lo": lo, "hi": hi, "coverage": cover, "level_met": cover >= level - 1e-12}
 
 
 def summarize(ratios: Sequence[float]) -> dict:
