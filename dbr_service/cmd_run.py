@@ -151,12 +151,14 @@ def preload_env(base: Mapping[str, str], lib: str) -> dict[str, str]:
     return env
 
 
-def child_env(agent: str, runtime_dir: Path,
-              base: Mapping[str, str] | None = None) -> dict[str, str]:
+def child_env(agent: str, runtime_dir: Path, base: Mapping[str, str] | None = None,
+              jitdump: bool = False) -> dict[str, str]:
     """The environment of PROG (``base``: os.environ): agent preloaded, the service's
-    sockets in DBR_RUNTIME_DIR."""
+    sockets in DBR_RUNTIME_DIR, and with ``jitdump`` DBR_JITDUMP=1 (`--jitdump`)."""
     env = preload_env(os.environ if base is None else base, agent)
     env["DBR_RUNTIME_DIR"] = str(runtime_dir)
+    if jitdump:
+        env["DBR_JITDUMP"] = "1"
     return env
 
 
@@ -321,9 +323,7 @@ def _run_prog(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir
     # socket's backlog meanwhile).  --aggressive wants optimization from PROG's first
     # moments, so there the service is up first, as before.
     served = True
-    env = child_env(agent, runtime_dir)
-    if args.jitdump:
-        env["DBR_JITDUMP"] = "1"
+    env = child_env(agent, runtime_dir, jitdump=args.jitdump)
     if embedded is not None and args.aggressive:
         # up first: its hint (paths.QUIET_FILE, min_client_age_s 0) has the agent's
         # thread connect at once instead of staying quiet while PROG starts
@@ -407,10 +407,8 @@ def _compare(args: argparse.Namespace, prog: list[str], agent: str, runtime_dir:
            else (lambda t: print(f"dbr: {t}", file=sys.stderr)))
     control = ControlClient(runtime_dir)
     try:
-        denv = child_env(agent, runtime_dir)
-        if args.jitdump:
-            denv["DBR_JITDUMP"] = "1"
-        res = run_pairs(prog, args.compare, dict(os.environ), denv,
+        res = run_pairs(prog, args.compare, dict(os.environ),
+                        child_env(agent, runtime_dir, jitdump=args.jitdump),
                         lambda pid: collect_report(control, pid), progress=say)
     except CompareError as exc:
         print(f"dbr run: {exc}", file=sys.stderr)
