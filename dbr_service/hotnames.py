@@ -11,10 +11,9 @@ no ``symbol`` (a stripped program without exported functions)."""
 from __future__ import annotations
 
 import os
-import stat
 from typing import Any, Iterable, Protocol
 
-from dbr_service.procmaps import MapEntry, find_mapping, module_base
+from dbr_service.procmaps import MapEntry, find_mapping, mapped_file, module_base
 from dbr_service.symbols import SymbolTable, symbols_of
 
 
@@ -31,11 +30,10 @@ def mapped_symbols(path: str, dev: tuple[int, int], ino: int) -> SymbolTable | N
     if not path.startswith("/"):
         return None
     try:
-        st = os.stat(path)
+        st = mapped_file(path, dev, ino)
     except OSError:
         return None
-    if not stat.S_ISREG(st.st_mode) or \
-            (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) != (*dev, ino):
+    if st is None:
         return None
     table = symbols_of(path, st)
     return table if len(table) else None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import bisect
+import os
+import stat
 from typing import NamedTuple
 
 from dbr_service.errors import MemoryViewError
@@ -62,3 +64,15 @@ def find_mapping(maps: list[MapEntry], addr: int) -> MapEntry | None:
 def module_base(maps: list[MapEntry], path: str) -> int:
     """Load base of a file mapping: lowest address of a mapping of ``path``."""
     return min((m.lo - m.offset for m in maps if m.path == path), default=0)
+
+
+def mapped_file(path: str, dev: tuple[int, int], ino: int) -> os.stat_result | None:
+    """The stat of ``path`` when it is a regular file with the device (major, minor)
+    and inode a mapping shows, i.e. the file the process mapped; None when it is
+    another file (replaced since, another mount namespace's, not regular).  A path the
+    service cannot stat raises OSError."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode) or \
+            (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) != (*dev, ino):
+        return None
+    return st

@@ -27,12 +27,12 @@ emits the region without real calls (optimize.emit_with_frames).
 from __future__ import annotations
 
 import os
-import stat
 import struct
 import threading
 from typing import Callable, Iterable, NamedTuple
 
 from dbr_service.codegen.cfi import CfiBlob, CfiError, EhFrame, Glue, load_eh_frame, translate
+from dbr_service.procmaps import mapped_file
 
 
 class Module(NamedTuple):
@@ -127,9 +127,8 @@ class CfiSource:
             got = self._mods.get((path, base))
         if got is None:
             try:
-                st = os.stat(path)
-                if not stat.S_ISREG(st.st_mode) or \
-                        (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) != (*dev, ino):
+                st = mapped_file(path, dev, ino)
+                if st is None:
                     raise CfiError(f"{path} here is not the file the client mapped")
                 got = Module(path, base - _first_load_vaddr(path), self.eh_frame(path, st))
             except OSError as exc:
