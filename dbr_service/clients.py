@@ -571,7 +571,7 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
             "patches_removed": self.patches_removed,
             "regions_went_live": self.regions_went_live,
             **self.threads_moved(),
-            "regions": [r.to_json() for r in self.region_book.regions.values()],
+            "regions": [r.to_json(self.maps) for r in self.region_book.regions.values()],
             "sampling_source": self.sampling_source_name,
             "snapshots": self.snapshots,
             "hotspots": hotspots,

@@ -239,16 +239,13 @@ def verb_hotspots(service: Service, args: dict[str, Any]) -> dict[str, Any]:
 @verb("regions", pid=Arg((int,), required=True))
 def verb_regions(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Regions selected/installed for one client and the state of region selection."""
-    from dbr_service.hotnames import name_address
-
     s = _client(service, _int_arg(args["pid"], "pid"))
     inst = s.installer
     kept = inst.retained() if inst is not None else {}
     maps = list(s.maps)
     regions = []
     for r in list(s.region_book.regions.values()):
-        j = r.to_json()
-        j["entry_names"] = [name_address(e, maps) for e in r.entries]
+        j = r.to_json(maps)
         # a removed region's code stays until censuses find nothing of it in any thread
         held = kept.get(r.info.get("install_id")) if r.state.value == "removed" else None
         if held is not None:

@@ -8,7 +8,7 @@ branch hint calls the common case rare), then
    native and dbr runs alternated, outputs compared, dbr's time over native's with its
    interval (dbr_service/compare.py);
 2. one more run under dbr with a report, from which it prints the region that went
-   live: its entry (named from the program's symbols), blocks, bytes and layout.
+   live: its entry (by function name), blocks, bytes and layout.
 """
 
 from __future__ import annotations
@@ -34,22 +34,14 @@ def build_example(name: str, out_dir: str, extra_flags: tuple[str, ...] = ()) ->
 
 
 def describe_regions(report: dict, prog: str) -> list[str]:
-    """A line per region of PROG's client: state, entry by name, size, layout."""
-    from dbr_service.symbols import symbols_of
-
-    table = symbols_of(prog)
+    """A line per region of PROG's client: state, entry by name (the report names
+    entries after the functions holding them), size, layout."""
     out = []
     for c in report.get("clients", []):
         if c.get("exe") != prog:
             continue
-        hot = {h["ip"]: h for h in c.get("hotspots", [])}
-        base = min((h["ip"] - h["offset"] for h in hot.values()
-                    if h.get("module") == prog and h.get("offset") is not None), default=None)
         for r in c.get("regions", []):
-            names = []
-            for e in r["entries"]:
-                hit = table.at_offset(e - base) if base is not None else None
-                names.append(f"{hit[0]}+{hit[1]:#x}" if hit else f"{e:#x}")
+            names = r.get("entry_names") or [f"{e:#x}" for e in r["entries"]]
             out.append(f"demo: region {r['id']} {r['state']}: entry {', '.join(names)}; "
                        f"{r['blocks']} blocks copied into {r['code_bytes']} bytes, laid out "
                        f"by {r['info'].get('layout', '?')}")

@@ -18,6 +18,7 @@ from dbr_service.hotnames import name_address
 from dbr_service.install import Installer
 from dbr_service.jitdump import JitDump
 from dbr_service.optimize import Evaluator, install_regions, region_extent
+from dbr_service.procmaps import MapEntry
 from dbr_service.states import HELD, InstallState, RegionState
 
 log = logging.getLogger("dbr.clients")
@@ -51,10 +52,15 @@ class RegionRecord:
     #: check was abandoned (0: since it went live).
     recheck_mono: float = 0.0
 
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "module": self.module, "entries": list(self.entries),
-                "blocks": self.blocks, "code_bytes": self.code_bytes,
-                "state": self.state.value, "info": self.info}
+    def to_json(self, maps: list[MapEntry] | None = None) -> dict[str, Any]:
+        """The record as `dbr ctl regions` and reports show it; with the client's
+        ``maps``, its entries named after the functions holding them too."""
+        out = {"id": self.id, "module": self.module, "entries": list(self.entries),
+               "blocks": self.blocks, "code_bytes": self.code_bytes,
+               "state": self.state.value, "info": self.info}
+        if maps is not None:
+            out["entry_names"] = [name_address(e, maps) for e in self.entries]
+        return out
 
 
 #: Evaluation moves threads into a live region (TRANSFER) when a window finds at
