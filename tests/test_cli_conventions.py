@@ -162,9 +162,8 @@ def test_analyze_says_why_samples_miss_a_pie_binary(tmp_path):
 
 
 def test_the_run_summary_folds_quiet_clients_into_one_line():
-    """A script's short-lived children (shells, readlink) used to get a line each ('0
-    samples via none'); now the program's block comes first and the quiet rest share
-    one line.  A client dbr patched always keeps its block."""
+    """A script's short-lived children (shells, readlink) share one line instead of a
+    block each; the busiest client and every client dbr patched keep their blocks."""
     from dbr_service.report import format_report, run_report
 
     def client(pid, exe, samples, patches=0, regions=()):
