@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from dbr_service.errors import MemoryViewError
 from dbr_service.procfs import proc_dir
+from dbr_service.procmaps import mapped_file
 
 PAGE = 4096
 
@@ -460,11 +461,11 @@ class LiveMemoryView(MemoryView):
         if k not in self._identities:
             ident = None
             try:
-                st = os.stat(rng.module)
-                if st.st_ino == rng.inode and \
-                        f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}" == rng.dev:
+                major, _, minor = rng.dev.partition(":")
+                st = mapped_file(rng.module, (int(major, 16), int(minor, 16)), rng.inode)
+                if st is not None:
                     ident = (rng.module, rng.dev, rng.inode, st.st_mtime_ns, st.st_size)
-            except OSError:
+            except (OSError, ValueError):
                 pass
             self._identities[k] = ident
         ident = self._identities[k]
