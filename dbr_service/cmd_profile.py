@@ -225,7 +225,11 @@ def parse_import(data: bytes, now: float) -> tuple[list[Any], bool, int]:
     from dbr_service.profiledata import ProfileDataError, profiles_from_doc
 
     if data.lstrip()[:1] != b"{":
-        profiles, skipped = pprof.to_profiles(pprof.decode(data), now)
+        try:
+            profiles, skipped = pprof.to_profiles(pprof.decode(data), now)
+        except pprof.PprofError as exc:
+            raise pprof.PprofError(f"neither a JSON export nor a pprof profile: {exc}") \
+                from None
         return profiles, False, skipped
     try:
         doc = json.loads(data)
