@@ -106,6 +106,10 @@ class _Corrupt(Exception):
     pass
 
 
+class _Empty(Exception):
+    """A reader found a file without tables: an empty store."""
+
+
 @dataclass(frozen=True)
 class ModuleSummary:
     """A row of ``dbr profile list``."""
@@ -131,6 +135,9 @@ class ProfileStore:
 
     def __init__(self, state_dir: str | Path, *, readonly: bool = False,
                  half_life_s: float = HALF_LIFE_S, expiry_s: float = EXPIRY_S) -> None:
+        if not half_life_s > 0 or expiry_s < 0:
+            raise StoreError(f"half-life {half_life_s} s must be above 0 and expiry "
+                             f"{expiry_s} s not below 0")
         self.dir = Path(os.path.abspath(state_dir))
         self.path = self.dir / DB_NAME
         self.readonly = readonly
@@ -164,7 +171,10 @@ class ProfileStore:
         except OSError as exc:
             raise StoreError(f"profile store directory {self.dir}: {exc}") from None
         if self.readonly:
-            self._db = self._connect(check=True)
+            try:
+                self._db = self._connect(check=True)
+            except _Empty:
+                self._db = None
             return
         self._take_lock()
         try:
@@ -224,6 +234,7 @@ class ProfileStore:
         except sqlite3.DatabaseError as exc:
             db.close()
             self._corrupt(str(exc))
+            raise               # not reached: _corrupt raises
         except BaseException:
             db.close()
             raise
@@ -241,7 +252,7 @@ class ProfileStore:
             "SELECT name FROM sqlite_master WHERE type='table'")}
         if not tables:
             if self.readonly:
-                return
+                raise _Empty
             with self._transaction(db):
                 for stmt in filter(str.strip, _SCHEMA.split(";")):
                     db.execute(stmt)

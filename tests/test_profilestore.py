@@ -382,3 +382,17 @@ def test_a_hostile_store_row_is_ignored_not_fatal(tmp_path, caplog):
             ProfileStore(tmp_path, readonly=True) as rd:
         p = rd.lookup(_mk().key)
     assert p.hot_text == [] and p.counts == {1: 1.0} and "ignored" in caplog.text
+
+
+def test_an_empty_file_is_an_empty_store_and_bad_knobs_are_refused(tmp_path):
+    os.chmod(tmp_path, 0o700)
+    (tmp_path / ps.DB_NAME).write_bytes(b"")
+    with ProfileStore(tmp_path, readonly=True) as rd:
+        assert rd.summaries() == [] and rd.lookup(_mk().key) is None
+    with ProfileStore(tmp_path) as st:                    # a writer makes the schema
+        st.record_run(_mk(), {1: 1})
+    for knobs in ({"half_life_s": 0}, {"expiry_s": -1}):
+        with pytest.raises(StoreError, match="half-life"):
+            ProfileStore(tmp_path, **knobs)
+    with ProfileStore(tmp_path, readonly=True) as rd, pytest.raises(StoreError, match="read-only"):
+        rd.record_run(_mk(), {1: 1})
