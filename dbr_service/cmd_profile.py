@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "hot text)")
     p.add_argument("keys", nargs="*", metavar="KEY", help="modules (default: all)")
     p.add_argument("--format", choices=("json", "pprof"), default="json",
-                   help="json (default; everything) or pprof (sample counts only)")
+                   help="json (default: counts, edges and hot text) or pprof (sample "
+                        "counts only: no edges, no hot text)")
     p.add_argument("-o", "--output", default="-", metavar="FILE",
                    help="where to write (default -: standard output)")
     p = verb("import", "merge an export (json, or pprof counts) into the store")
