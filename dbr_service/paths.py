@@ -27,6 +27,22 @@ def resolve_runtime_dir(configured: str = "", env: Mapping[str, str] | None = No
     return Path(xdg) / "dbr"
 
 
+def resolve_state_dir(configured: str = "", env: Mapping[str, str] | None = None) -> Path:
+    """Configured value, else $DBR_STATE_DIR, else /var/lib/dbr (root) or
+    $XDG_STATE_HOME/dbr ($HOME/.local/state/dbr without it): where the profile store
+    lives (dbr_service/profilestore.py)."""
+    env = os.environ if env is None else env
+    if configured:
+        return Path(configured)
+    if env.get("DBR_STATE_DIR"):
+        return Path(env["DBR_STATE_DIR"])
+    if os.geteuid() == 0:
+        return Path("/var/lib/dbr")
+    xdg = env.get("XDG_STATE_HOME") or os.path.join(
+        env.get("HOME") or os.path.expanduser("~"), ".local", "state")
+    return Path(xdg) / "dbr"
+
+
 class UnsafeDirError(OSError):
     """A directory the service would write into could be changed by someone else."""
 
