@@ -478,6 +478,11 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
         else:  # HELLO again, or a service-only type
             raise ProtocolError(f"unexpected {t.name} from the agent")
 
+    def refresh_maps_now(self) -> None:
+        """Session thread: reread the client's map now (a warm start's first job needs
+        it before any sampling window has read it)."""
+        self._refresh_maps()
+
     def _refresh_maps(self, soon: bool = False) -> None:
         """Reread the client's map.  ``soon`` (a MAP_CHANGED): not more often than
         MAPS_REREAD_S; a reread due later is done by the session loop (a client

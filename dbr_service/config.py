@@ -163,6 +163,10 @@ class Config:
     state_dir: str = field(default="", metadata=_doc(
         "directory of the profile store, profiles.db (empty: $DBR_STATE_DIR, "
         "/var/lib/dbr as root, else $XDG_STATE_HOME/dbr or ~/.local/state/dbr)"))
+    warm_start: bool = field(default=True, metadata=_doc(
+        "keep each client's profile in the profile store (state_dir) and, for a program "
+        "whose executable has stored hot text, have its agents connect at their start and "
+        "its first region job select from the stored profile at once; false: no store"))
     profile_half_life_s: float = field(default=7 * 86400.0, metadata=_doc(
         "half-life of a module's stored sample counts: when a run is merged, the "
         "counts already stored are multiplied by 0.5^(age / this), age being the time "

@@ -261,6 +261,20 @@ class SnapshotCycle:
             # left unqueued (every worker busy) is not judged this time
         self.notifier.status(self._status_line())
 
+    def start_warm_job(self, s: ClientSession, selection: dict[int, int]) -> None:
+        """Control thread: a warm client's first region job, from its stored profile
+        (``selection``, samples by address: warmstart.WarmStart.job_input), queued at
+        once rather than after its first sampling windows."""
+        if not s.alive or s.paused or self.paused or s.jobs_done or \
+                s.session_id in self.scheduler.running:
+            return
+        job = ClientJob(s.session_id, s.pid, s.exe, dict(selection), dict(selection),
+                        list(s.maps), self.config.to_dict(), patched=s.patched_ranges())
+        if self.scheduler.schedule([job], self.config.max_workers):
+            s.mark("warm_job_queued")
+            if self.warm is not None:
+                self.warm.warm_jobs += 1
+
     def _job_due(self, s: ClientSession, selection: dict[int, int], now: float) -> bool:
         """Whether a client's snapshot gets a region job, after its first QUICK_JOBS + 1
         (which always may): not when nothing new is hot since its last job and nothing
