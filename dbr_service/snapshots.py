@@ -269,7 +269,8 @@ class SnapshotCycle:
                 s.session_id in self.scheduler.running:
             return
         job = ClientJob(s.session_id, s.pid, s.exe, dict(selection), dict(selection),
-                        list(s.maps), self.config.to_dict(), patched=s.patched_ranges())
+                        list(s.maps), self.config.to_dict(), patched=s.patched_ranges(),
+                        quick=True)
         if self.scheduler.schedule([job], self.config.max_workers):
             s.mark("warm_job_queued")
             if self.warm is not None:
