@@ -402,7 +402,7 @@ def _run(args: argparse.Namespace) -> int:
                   for f in getattr(result, "failures", [])]
     doc = {"schema": SCHEMA, "binary": os.path.abspath(args.binary), "base": args.base,
            "samples": info, "warnings": warnings, "notes": notes,
-           "discovery": {"blocks": len(first), "entries": st.entries,
+           "discovery": {"blocks": len(first), "entry_count": st.entries,
                          "jump_tables": st.jump_tables, "unsupported": st.unsupported,
                          "samples_unplaced": st.samples_unplaced},
            "regions": [region_json(sr, name) for sr in regions], "dot_files": []}
