@@ -188,3 +188,16 @@ def test_json_of_text_samples_parses(tmp_path):
     assert doc["samples"] == {"source": "text", "file": str(samples), "total": 30.0}
     assert doc["discovery"]["blocks"] > 0 and doc["discovery"]["samples_unplaced"] == 0
     assert isinstance(doc["regions"], list) and doc["warnings"] == [] and doc["base"] is None
+
+
+def test_text_samples_from_a_pipe_keep_their_first_line(tmp_path):
+    """`--samples <(...)`: a pipe is not sniffed for the perf.data header (the bytes
+    read would be lost to the text reader)."""
+    exe = _build(tmp_path, "hot", HOT)
+    syms = subprocess.run(["nm", exe], capture_output=True, text=True, check=True).stdout
+    lo = next(int(ln.split()[0], 16) for ln in syms.splitlines() if ln.endswith(" hot_loop"))
+    r = subprocess.run(["bash", "-c", f'"$@" --samples <(echo "{lo:#x} 7")', "-",
+                        *DBR, "analyze", exe, "--json"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["samples"]["total"] == 7.0

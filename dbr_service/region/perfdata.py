@@ -19,6 +19,7 @@ import glob
 import os
 import re
 import shutil
+import stat
 import struct
 import subprocess
 import tempfile
@@ -43,8 +44,12 @@ class PerfDataError(DbrError):
 
 
 def is_perf_data(path: str) -> bool:
-    """Whether ``path`` starts as a perf.data file does (False if it cannot be read)."""
+    """Whether ``path`` is a regular file that starts as a perf.data file does (False if
+    it cannot be read; a pipe, `--samples <(...)`, is not read here: its first bytes
+    would be gone for the text reader)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
         with open(path, "rb") as f:
             return f.read(8) in PERF_MAGIC
     except OSError:
