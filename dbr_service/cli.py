@@ -28,7 +28,7 @@ def _base_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dbr", description="dbr — sampling-driven dynamic binary rewriter for x86-64 Linux",
         epilog="examples:\n  dbr run --aggressive -- ./prog arg\n  dbr ctl status\n"
-               "  dbr analyze ./prog --samples samples.txt",
+               "  dbr analyze ./prog --samples perf.data",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"dbr {dbr_service.__version__}")
     return p

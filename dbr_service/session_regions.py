@@ -196,7 +196,7 @@ class SessionRegions:
                 rec.sites = reg.patched_sites
                 rec.orig_ranges = list(reg.orig_ranges)
                 rec.code_bytes = reg.gen.size
-                rec.info.update(install_id=reg.region_id, code_at=hex(reg.chunk.addr),
+                rec.info.update(install_id=reg.region_id, code_at=reg.chunk.addr,
                                 sites=len(reg.patched_sites), transferred=reg.transferred,
                                 transfer_only=not reg.sites, layout=reg.gen.layout_kind,
                                 real_calls=len(reg.gen.calls), frames=reg.frames)
