@@ -15,7 +15,7 @@ from dbr_service.errors import SamplingError
 from dbr_service.sampling.aggregate import SampleAggregator
 from dbr_service.cadence import hot_addresses, newly_hot, sampling_interval
 from dbr_service.budget import budget_limit, client_cpu_s
-from dbr_service.sources import make_agent_timer_source, make_perf_source
+from dbr_service.sources import is_perf_kind, make_agent_timer_source, make_perf_source
 from dbr_service.speedcheck import SETTLE_PHASES
 from dbr_service.worker import QUICK_JOBS, ClientJob, quick_job
 
@@ -55,7 +55,7 @@ class SnapshotCycle:
         """Session thread: the sampling source for one client (perf, else agent timer)."""
         cfg = self.config
         kind = s.forced_source or self.source_kind
-        if kind.startswith("perf-"):
+        if is_perf_kind(kind):
             try:
                 return make_perf_source(s, cfg, kind)
             except SamplingError as exc:
@@ -238,6 +238,7 @@ class SnapshotCycle:
                 jobs.append(ClientJob(s.session_id, s.pid, s.exe, dict(counts),
                                       selection, list(s.maps), self.config.to_dict(),
                                       branches=window.branch_counts(s.pid),
+                                      fallthroughs=window.fallthrough_counts(s.pid),
                                       patched=s.patched_ranges(),
                                       quick=quick_job(s.jobs_done, bool(s.region_book.regions)),
                                       max_blocks=s.cpu_budget.max_blocks(

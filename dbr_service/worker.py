@@ -73,6 +73,9 @@ class ClientJob:
     config: dict[str, Any]
     #: Taken branches seen in the snapshot ``{src: {dst: count}}`` (sources with branch info).
     branches: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: Fall-through ranges of the snapshot's branch stacks ``{(start, end): count}``:
+    #: their not-taken branches join ``branches`` in the worker (sampling/fulltrace.py).
+    fallthroughs: dict[tuple[int, int], int] = field(default_factory=dict)
     #: Byte ranges of installed patches: discovery stops at them (docs/architecture.md,
     #: "Region selection").
     patched: list[tuple[int, int]] = field(default_factory=list)
@@ -256,8 +259,13 @@ def select_client_regions(job: ClientJob, cfg: Any
             rcfg = dataclasses.replace(rcfg, max_discovery_blocks=min(
                 job.max_blocks, rcfg.max_discovery_blocks or job.max_blocks))
         functions = job.function_entries()
-        res = pipeline.select_regions(job.cumulative, job.memory_view(), rcfg,
-                                      branch_samples=job.branches or None,
+        mem = job.memory_view()
+        branches = job.branches
+        if job.fallthroughs:
+            from dbr_service.sampling.fulltrace import full_branch_counts
+            branches = full_branch_counts(job.branches, job.fallthroughs, mem.read)
+        res = pipeline.select_regions(job.cumulative, mem, rcfg,
+                                      branch_samples=branches or None,
                                       patched=is_patched if patched else None,
                                       functions=functions)
     except Exception as exc:  # per-client: recorded, the service goes on

@@ -890,7 +890,7 @@ def test_recorded_stream_ibs_and_lbr(tmp_path):
     src.open(555)
     assert src.read() == []  # disabled: nothing comes out
     src.enable()
-    agg = SampleAggregator()
+    agg = SampleAggregator(lbr_cbt_size=None)   # whole 2-entry stacks
     while src.remaining:
         agg.add(src.read())
     src.close()
