@@ -45,6 +45,7 @@ class SnapshotCycle:
     # ------------------------------------------------------------------ sampling
     def sampling_status(self) -> dict[str, Any]:
         return {"configured": self.config.sampling_source, "active": self.source_kind,
+                "branch_records_used": self.source_kind == "lbr",
                 "capabilities": self.capabilities,
                 "continuous": self.config.continuous_sampling,
                 "interval_s": self.config.snapshot_interval_s,

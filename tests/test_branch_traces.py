@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 
 import branchsynth as S
+from dbr_service.region.memview import MappedRange, MemoryView
+from dbr_service.region.model import END
+from dbr_service.region.pipeline import RegionConfig, select_regions
 from dbr_service.sampling import perf_abi as A
 from dbr_service.sampling.aggregate import SampleAggregator
 from dbr_service.sampling.base import Sample
@@ -249,3 +252,71 @@ def test_recorded_stream_replayed_through_the_aggregation():
     js = json.loads(json.dumps(window.to_json()))
     assert js["clients"]["99"]["fallthroughs"]
 
+
+
+# ------------------------------------------------------------------------ region selection
+class _Code(MemoryView):
+    """The synthetic program's bytes, read-only and executable, and nothing else."""
+
+    def __init__(self, prog: S.Program) -> None:
+        super().__init__()
+        self.prog = prog
+
+    def ranges(self):
+        return [MappedRange(S.BASE, S.BASE + len(self.prog.code), "r-x", "synthetic")]
+
+    def _read_range(self, rng, addr, n):
+        return self.prog.read(addr, n)
+
+
+def test_selection_counts_come_from_the_branch_profile():
+    """Region selection on the synthetic program: with the full branch counts every
+    conditional's taken share is its probability (within 0.03); from the IPs alone the
+    not-taken side of ``a`` and the loop in ``f1`` are badly off."""
+    prog = S.build()
+    run = S.run(prog, 200_000, RandomPeriod(97, rng=random.Random(5)).draw)
+    branches = _estimate(prog, run)
+    cfg = RegionConfig(hot_threshold=1.0, min_loop_trip_count=0, min_region_size=0)
+
+    def taken_shares(branch_samples):
+        res = select_regions(dict(Counter(run.ips)), _Code(prog), cfg,
+                             branch_samples=branch_samples)
+        assert len(res.regions) == 1 and not res.failures
+        sr = res.regions[0]
+        shares = {}
+        for name in ("a", "d", "f1"):
+            b = prog.by_name[name]
+            node = next(n for n, bb in sr.blocks() if bb.start <= b.branch < bb.start + bb.size)
+            out = {v: d["count"] for _, v, d in sr.g.out_edges(node, data=True)}
+            taken = sum(c for v, c in out.items()
+                        if v != END and sr.block(v).start == prog.by_name[b.target].start)
+            shares[name] = taken / max(1e-9, sum(out.values()))
+        return shares
+
+    measured = taken_shares(branches)
+    for name, share in measured.items():
+        assert abs(share - prog.by_name[name].p_taken) < 0.03, measured
+    guessed = taken_shares(None)
+    assert max(abs(s - prog.by_name[n].p_taken) for n, s in guessed.items()) > 0.2, guessed
+
+
+
+def test_status_says_whether_branch_records_are_used():
+    from dbr_service.cmd_ctl import render
+    from dbr_service.sources import sampling_capabilities
+
+    caps = sampling_capabilities()
+    assert "branch_records" in caps and "reason" in caps["branch_records"]
+    base = {"version": "x", "pid": 1, "uptime_s": 1.0, "runtime_dir": "/r", "clients": 0,
+            "clients_seen": 0, "snapshots": 0, "paused": False, "scheduler": {}, "config": {},
+            "sampling": {"configured": "auto", "active": caps["best"], "interval_s": 1,
+                         "window_s": 0.2, "period_us": 1000, "capabilities": caps,
+                         "branch_records_used": caps["best"] == "lbr"}}
+    text = render("status", base)
+    line = next(x for x in text.splitlines() if x.startswith("branch records:"))
+    if not caps["branch_records"]["available"]:
+        assert line.startswith("branch records: no (") and line.endswith("IP samples")
+    used = dict(base, sampling=dict(base["sampling"], active="lbr", branch_records_used=True,
+                                    capabilities=dict(caps, branch_records={
+                                        "available": True, "event": "ex_ret_brn_tkn"})))
+    assert "branch records: used (ex_ret_brn_tkn" in render("status", used)
