@@ -320,3 +320,29 @@ def test_status_says_whether_branch_records_are_used():
                                     capabilities=dict(caps, branch_records={
                                         "available": True, "event": "ex_ret_brn_tkn"})))
     assert "branch records: used (ex_ret_brn_tkn" in render("status", used)
+
+
+def test_a_client_without_branch_stacks_gets_the_perf_clock(spinner):
+    """Asked for lbr on a host (or for a client) that refuses branch stacks, the session's
+    source is the perf clock, and the session remembers it."""
+    from types import SimpleNamespace
+
+    from dbr_service.config import Config
+    from dbr_service.sampling import branchperf
+    from dbr_service.sources import make_perf_source
+
+    if branchperf.host_branch_event() is not None:
+        pytest.skip("this host gives branch stacks")
+    tracker = SimpleNamespace(window_notices=lambda: None, switch_gate=None,
+                              gated_timer_failed=None)
+    session = SimpleNamespace(pid=spinner.pid, hello_flags=0, forced_source=None,
+                              thread_tracker=tracker)
+    try:
+        src = make_perf_source(session, Config(), "lbr")
+    except Exception as exc:
+        pytest.skip(f"perf refused here: {exc}")
+    try:
+        assert src.name == "perf-cpu-clock" and src.tids
+        assert session.forced_source == "perf-cpu-clock"
+    finally:
+        src.close()
