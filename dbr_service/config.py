@@ -82,7 +82,8 @@ class Config:
         "sample_period_us of their CPU time, which can make a blocking call it lands in "
         "return EINTR); false: leave them unsampled"))
     sampling_source: str = field(default="auto", metadata=_doc(
-        "auto | perf | agent-timer (auto: perf, agent-timer when perf is refused)",
+        "auto | perf | agent-timer (auto and perf: branch stacks where the host has them, "
+        "else the perf clock; auto: agent-timer when perf is refused)",
         choices=SAMPLING_SOURCES))
     hot_threshold: float = field(default=0.01, metadata=_doc(
         "fraction of a client's samples an address needs to be a hot spot (region "
