@@ -346,3 +346,43 @@ def test_a_client_without_branch_stacks_gets_the_perf_clock(spinner):
         assert session.forced_source == "perf-cpu-clock"
     finally:
         src.close()
+
+
+def test_worker_joins_the_fall_through_ranges_before_selection():
+    """A job carries the window's taken edges and fall-through ranges; the worker
+    decodes the ranges in the client's memory and selection sees both sides."""
+    from dataclasses import dataclass
+
+    from dbr_service.config import Config
+    from dbr_service.region.functions import FunctionEntries
+    from dbr_service.worker import ClientJob, select_client_regions
+
+    prog = S.build()
+    run = S.run(prog, 100_000, RandomPeriod(97, rng=random.Random(6)).draw)
+    agg = SampleAggregator()
+    agg.add([Sample(7, 7, ip, None, st) for ip, st in zip(run.ips, run.stacks)])
+
+    @dataclass
+    class Job(ClientJob):
+        def memory_view(self):
+            return _Code(prog)
+
+        def function_entries(self):
+            return FunctionEntries()
+
+    cfg = Config(hot_threshold=0.001, min_loop_trip_count=0, min_region_size=0)
+    ips = dict(Counter(run.ips))
+
+    def selected(fallthroughs):
+        job = Job(1, 7, "synthetic", ips, ips, [], cfg.to_dict(),
+                  branches=agg.branch_counts(7), fallthroughs=fallthroughs)
+        regions, status, srs = select_client_regions(job, cfg)
+        assert regions, status
+        a = prog.by_name["a"]
+        node = next(n for n, bb in srs[0].blocks() if bb.start <= a.branch < bb.start + bb.size)
+        return {v: d["count"] for _, v, d in srs[0].g.out_edges(node, data=True)
+                if v != END and srs[0].block(v).start == a.end}
+
+    with_ranges = selected(agg.fallthrough_counts(7))
+    assert with_ranges and all(c > 0 for c in with_ranges.values())
+    assert not any(c > 0 for c in selected({}).values())  # taken edges alone: none not taken
