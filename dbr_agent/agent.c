@@ -5,6 +5,7 @@
  * session with the service: session.c, with transport.c, messages.c and
  * connect.c (session.h).
  */
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -23,6 +24,7 @@
 
 #define BACKOFF_MIN_MS   50u
 #define BACKOFF_MAX_MS   2000u
+#define DORMANT_TICK_MS  100u
 
 pthread_mutex_t g_agent_mu = PTHREAD_MUTEX_INITIALIZER;
 pid_t g_agent_tid;
@@ -37,6 +39,8 @@ static int g_born_late;      /* the running agent thread was started by birth_ar
 static unsigned g_quiet_ms;  /* what the agent's thread waits before it connects */
 static int g_hinted;         /* g_quiet_ms is the service's hint: above 0, births are planned */
 int g_forked;
+int g_attached;
+int g_dormant;
 
 static void *agent_main(void *arg);
 
@@ -345,6 +349,12 @@ static void *agent_main(void *arg)
         take_birth_attributes();
     stay_quiet();
     while (!dbr_stopping()) {
+        if (__atomic_load_n(&g_dormant, __ATOMIC_ACQUIRE)) {
+            /* attached, or detached: no connection until dbr_agent_activate */
+            dbr_wait_until(dbr_now_ms() + DORMANT_TICK_MS);
+            backoff = BACKOFF_MIN_MS;
+            continue;
+        }
         if (dbr_session_run())
             backoff = BACKOFF_MIN_MS;
         if (dbr_stopping())
@@ -535,12 +545,64 @@ void dbr_fork_child_reset(void)
     dbr_agent_start_thread(1);
 }
 
+/* Loaded by dlopen (`dbr attach`) rather than LD_PRELOAD: the process's libc
+ * functions are then not the agent's.  One dlsym, in the constructor only. */
+static int loaded_by_dlopen(void)
+{
+    Dl_info ours, found;
+    void *p = dlsym(RTLD_DEFAULT, "munmap");
+
+    if (!p || !dladdr(p, &found) || !dladdr((void *)&dbr_agent_poke, &ours))
+        return 1;
+    return found.dli_fbase != ours.dli_fbase;
+}
+
+/* `dbr attach`: called on a program thread by the attaching process (ptrace, after
+ * its dlopen of the agent).  runtime_dir (NULL: the agent's default) names where
+ * agent.sock is; it is checked at each connection like DBR_RUNTIME_DIR (connect.c:
+ * the directory's owner and mode, the listener's uid).  Stores and a write to the
+ * wake pipe only: the thread may have been stopped anywhere.  0 activated; 1
+ * already active; -1 runtime_dir too long or not absolute; -2 no agent thread;
+ * -3 the agent is inert (DBR_AGENT_DISABLE, a seccomp filter); -4 it stepped aside. */
+DBR_EXPORT int dbr_agent_activate(const char *runtime_dir)
+{
+    static const char sock[] = "/agent.sock";
+    size_t n = 0;
+
+    if (g_cfg.disabled)
+        return -3;
+    if (__atomic_load_n(&g_retired, __ATOMIC_ACQUIRE))
+        return -4;
+    if (!__atomic_load_n(&g_thread_started, __ATOMIC_ACQUIRE))
+        return -2;
+    if (!__atomic_load_n(&g_dormant, __ATOMIC_ACQUIRE))
+        return 1;
+    if (runtime_dir && runtime_dir[0]) {
+        if (runtime_dir[0] != '/')
+            return -1;
+        while (runtime_dir[n] && n + sizeof sock <= sizeof g_cfg.sock_path)
+            n++;
+        if (n + sizeof sock > sizeof g_cfg.sock_path)
+            return -1;
+        /* the agent's thread reads the path only after it sees g_dormant cleared */
+        memcpy(g_cfg.sock_path, runtime_dir, n);
+        memcpy(g_cfg.sock_path + n, sock, sizeof sock);
+    }
+    __atomic_store_n(&g_dormant, 0, __ATOMIC_RELEASE);
+    dbr_agent_poke();
+    return 0;
+}
+
 __attribute__((constructor)) static void dbr_agent_init(void)
 {
     dbr_config_load();
     dbr_hooks_resolve();
     if (g_cfg.disabled)
         return;
+    /* attached: no quiet and no planned birth (the program's start is long past); a
+     * pthread agent thread that waits, dormant, for dbr_agent_activate */
+    g_attached = loaded_by_dlopen();
+    g_dormant = g_attached;
     dbr_mutex_init(&g_agent_mu);
     dbr_mutex_init(&g_send_mu);
     dbr_mutex_init(&g_wait_mu);
@@ -557,7 +619,8 @@ __attribute__((constructor)) static void dbr_agent_init(void)
     make_wake_pipe();
     dbr_log("loaded: sync_core %d, census signal %d, sampler signal %d, agent [%#lx,%#lx)", g_sync_avail,
             g_cfg.census_sig, g_cfg.sampler_sig, (unsigned long)g_agent_lo, (unsigned long)g_agent_hi);
-    g_quiet_ms = dbr_quiet_ms(&g_hinted);
+    if (!g_attached)
+        g_quiet_ms = dbr_quiet_ms(&g_hinted);
     dbr_jitdump_open();
     dbr_agent_start_thread(0);
 }
