@@ -310,3 +310,26 @@ def test_injector_restores_every_register():
         assert ctypes.sizeof(A.Regs) == 27 * 8
     finally:
         kill(p)
+
+
+def test_agent_timer_samples_threads_started_after_attach(program):
+    """With the agent-timer sampler (perf refused or not chosen), a thread started after
+    the attach, which no pthread_create hook announced, is sampled: every window's
+    SAMPLER_START arms the threads /proc/self/task lists then."""
+    svc = ServiceProc("sampling_source=agent-timer").wait_ready()
+    try:
+        prog = program(hot=1)
+        r = dbr("attach", str(prog.pid), env={"DBR_RUNTIME_DIR": svc.dir})
+        assert r.returncode == 0, r.stderr
+        svc.wait_for(lambda: client_row(svc, prog.pid), timeout=10, what="the client")
+        before = set(os.listdir(f"/proc/{prog.pid}/task"))
+        prog.send("spawn")
+        prog.out.expect("spawned")
+        new = set(os.listdir(f"/proc/{prog.pid}/task")) - before
+        assert len(new) == 1
+        tid = new.pop()
+        svc.wait_for(lambda: svc.call("hotspots", {"pid": prog.pid})["threads"].get(tid),
+                     timeout=30, what=f"samples of thread {tid}, started after the attach")
+        assert client_row(svc, prog.pid)["source"] == "agent-timer"
+    finally:
+        svc.stop()

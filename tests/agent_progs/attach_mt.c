@@ -9,6 +9,8 @@
  * on a pipe, a sleeper in nanosleep.  Commands on stdin, one a line:
  *   ping    main writes to the pipe; the reader prints "reader got N"
  *   report  "hot K rounds R bad B value V" per hot thread, "sleeper ticks T", "end"
+ *   spawn   one more thread, spinning in late_sum() (started after an attach: the
+ *           agent has no pthread_create hook to hear of it); "spawned"
  *   stop    every thread ends; "done" */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -58,6 +60,23 @@ static void *hot(void *arg)
     return NULL;
 }
 
+__attribute__((noipa)) unsigned long late_sum(unsigned long x, long n)
+{
+    for (long i = 0; i < n; i++)
+        x = (x ^ (x >> 7)) * 0x9E3779B97F4A7C15UL + (unsigned long)i;
+    return x;
+}
+
+static void *late(void *arg)
+{
+    unsigned long x = 1;
+
+    (void)arg;
+    while (!g_stop)
+        x = late_sum(x, 1000000);
+    return (void *)(x & 1);
+}
+
 static void *reader(void *arg)
 {
     char c;
@@ -84,7 +103,8 @@ static void *sleeper(void *arg)
 int main(int argc, char **argv)
 {
     int n = argc > 1 ? atoi(argv[1]) : 2;
-    pthread_t t[MAX_HOT + 2];
+    pthread_t t[MAX_HOT + 2], spawned;
+    int nspawned = 0;
     char line[64];
 
     if (n < 1 || n > MAX_HOT)
@@ -109,6 +129,10 @@ int main(int argc, char **argv)
                        __atomic_load_n(&g_hot[k].value, __ATOMIC_ACQUIRE));
             printf("sleeper ticks %lu\nend\n", __atomic_load_n(&g_ticks, __ATOMIC_RELAXED));
             fflush(stdout);
+        } else if (strncmp(line, "spawn", 5) == 0 && !nspawned) {
+            nspawned = pthread_create(&spawned, NULL, late, NULL) == 0;
+            printf("spawned\n");
+            fflush(stdout);
         } else if (strncmp(line, "stop", 4) == 0) {
             break;
         }
@@ -118,6 +142,8 @@ int main(int argc, char **argv)
         return 1;
     for (int k = 0; k < n + 2; k++)
         pthread_join(t[k], NULL);
+    if (nspawned)
+        pthread_join(spawned, NULL);
     printf("done\n");
     return 0;
 }
