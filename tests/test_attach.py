@@ -148,9 +148,16 @@ def test_attach_patch_detach_reattach(service, program, mt_binary):
     for (r0, bad0, v0), (r1, bad1, v1) in zip(before, after):
         assert r1 > r0 and bad1 == 0 and v1 == v0 == after[0][2]   # patched rounds agree
 
+    # a SIGTRAP action the program installs (no hook sees it) is taken back into the
+    # agent's chain at the next patch batch: the detach's unpatching
+    prog.send("trap")
+    prog.out.expect("trap set")
+
     r = dbr("detach", str(prog.pid), env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 differ, 0 not compared" in r.stdout
+    prog.send("raise")
+    assert prog.out.expect("traps") == "traps 1 handler other"   # chained by the agent
     assert text_differences(prog.pid, str(mt_binary)) == 0
     # dormant: no new session within a second
     time.sleep(1.0)

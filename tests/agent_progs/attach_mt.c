@@ -11,9 +11,14 @@
  *   report  "hot K rounds R bad B value V" per hot thread, "sleeper ticks T", "end"
  *   spawn   one more thread, spinning in late_sum() (started after an attach: the
  *           agent has no pthread_create hook to hear of it); "spawned"
+ *   trap    installs a SIGTRAP handler of its own (with libc's sigaction, which an
+ *           attached agent does not interpose); "trap set"
+ *   raise   raises SIGTRAP; "traps N handler mine|other": the handler's count, and
+ *           whether the action in force now is the one it installed
  *   stop    every thread ends; "done" */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +32,13 @@ static int g_pipe[2];
 static struct { unsigned long rounds, bad, value; } g_hot[MAX_HOT];
 static unsigned long g_ticks;
 static volatile unsigned long g_seed = 12345;
+static volatile sig_atomic_t g_traps;
+
+static void on_trap(int sig)
+{
+    (void)sig;
+    g_traps++;
+}
 
 __attribute__((noipa)) unsigned long checksum(unsigned long seed, long n)
 {
@@ -132,6 +144,22 @@ int main(int argc, char **argv)
         } else if (strncmp(line, "spawn", 5) == 0 && !nspawned) {
             nspawned = pthread_create(&spawned, NULL, late, NULL) == 0;
             printf("spawned\n");
+            fflush(stdout);
+        } else if (strncmp(line, "trap", 4) == 0) {
+            struct sigaction sa;
+
+            memset(&sa, 0, sizeof sa);
+            sa.sa_handler = on_trap;
+            sigaction(SIGTRAP, &sa, NULL);
+            printf("trap set\n");
+            fflush(stdout);
+        } else if (strncmp(line, "raise", 5) == 0) {
+            struct sigaction now;
+
+            raise(SIGTRAP);
+            sigaction(SIGTRAP, NULL, &now);
+            printf("traps %d handler %s\n", (int)g_traps,
+                   now.sa_handler == on_trap ? "mine" : "other");
             fflush(stdout);
         } else if (strncmp(line, "stop", 4) == 0) {
             break;
