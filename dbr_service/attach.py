@@ -149,6 +149,12 @@ def check_target(pid: int) -> Target:
         other = next(u for u in uids if u != me)
         raise AttachError(f"pid {pid} ({name}) runs as uid {_user(other)}, you are uid "
                           f"{_user(me)}: only its owner or root (CAP_SYS_PTRACE) may attach")
+    gids = [int(x) for x in st.get("Gid", "").split()[:3]] or [-1]
+    if not cap and any(g != os.getegid() for g in gids):
+        other = next(g for g in gids if g != os.getegid())
+        raise AttachError(f"pid {pid} ({name}) runs with gid {other}, you with gid "
+                          f"{os.getegid()} (a set-group-ID program?): only root "
+                          "(CAP_SYS_PTRACE) may attach")
     tracer = int(st.get("TracerPid", "0") or 0)
     if tracer:
         raise AttachError(f"pid {pid} ({name}) is already traced by pid {tracer} "
@@ -242,10 +248,16 @@ class Injector:
         self.mem = -1
         self.attached = False
 
+    #: Held off while a thread is traced: this process ending mid-call would let the
+    #: thread run on into its return address 0 (SIGKILL cannot be held off).
+    HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
+
     def __enter__(self) -> Injector:
+        self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.HELD_SIGNALS)
         try:
             _ptrace(PTRACE_SEIZE, self.tid)
         except OSError as exc:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
             raise AttachError(self._seize_error(exc)) from None
         self.attached = True
         try:
@@ -302,15 +314,15 @@ class Injector:
         if self.mem >= 0:
             os.close(self.mem)
             self.mem = -1
-        if not self.attached:
-            return
-        try:
-            if restore:
-                _ptrace(PTRACE_SETREGS, self.tid, 0, ctypes.byref(self.saved))
-            _ptrace(PTRACE_DETACH, self.tid, 0, self.pending)
-        except OSError:
-            pass   # gone, or never stopped: the kernel detaches it when this process ends
-        self.attached = False
+        if self.attached:
+            try:
+                if restore:
+                    _ptrace(PTRACE_SETREGS, self.tid, 0, ctypes.byref(self.saved))
+                _ptrace(PTRACE_DETACH, self.tid, 0, self.pending)
+            except OSError:
+                pass   # gone, or never stopped: the kernel detaches it when this process ends
+            self.attached = False
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
 
     def call(self, fn: int, args: tuple[int, ...] = (), data: bytes = b"") -> tuple[int, int]:
         """Run ``fn(*args)`` on the stopped thread; ``data`` is copied below its stack
