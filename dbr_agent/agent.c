@@ -23,6 +23,7 @@
 
 #define BACKOFF_MIN_MS   50u
 #define BACKOFF_MAX_MS   2000u
+#define DORMANT_TICK_MS  100u
 
 pthread_mutex_t g_agent_mu = PTHREAD_MUTEX_INITIALIZER;
 pid_t g_agent_tid;
@@ -37,6 +38,8 @@ static int g_born_late;      /* the running agent thread was started by birth_ar
 static unsigned g_quiet_ms;  /* what the agent's thread waits before it connects */
 static int g_hinted;         /* g_quiet_ms is the service's hint: above 0, births are planned */
 int g_forked;
+int g_attached;
+int g_dormant;
 
 static void *agent_main(void *arg);
 
@@ -345,6 +348,12 @@ static void *agent_main(void *arg)
         take_birth_attributes();
     stay_quiet();
     while (!dbr_stopping()) {
+        if (__atomic_load_n(&g_dormant, __ATOMIC_ACQUIRE)) {
+            /* attached, or detached: no connection until dbr_agent_activate */
+            dbr_wait_until(dbr_now_ms() + DORMANT_TICK_MS);
+            backoff = BACKOFF_MIN_MS;
+            continue;
+        }
         if (dbr_session_run())
             backoff = BACKOFF_MIN_MS;
         if (dbr_stopping())
@@ -535,12 +544,22 @@ void dbr_fork_child_reset(void)
     dbr_agent_start_thread(1);
 }
 
+/* attach.c: whether an agent thread was made (it may not have run yet) */
+int dbr_agent_thread_started(void)
+{
+    return __atomic_load_n(&g_thread_started, __ATOMIC_ACQUIRE);
+}
+
 __attribute__((constructor)) static void dbr_agent_init(void)
 {
     dbr_config_load();
     dbr_hooks_resolve();
     if (g_cfg.disabled)
         return;
+    /* attached: no quiet and no planned birth (the program's start is long past); a
+     * pthread agent thread that waits, dormant, for dbr_agent_activate */
+    g_attached = dbr_loaded_by_dlopen();
+    g_dormant = g_attached;
     dbr_mutex_init(&g_agent_mu);
     dbr_mutex_init(&g_send_mu);
     dbr_mutex_init(&g_wait_mu);
@@ -557,7 +576,8 @@ __attribute__((constructor)) static void dbr_agent_init(void)
     make_wake_pipe();
     dbr_log("loaded: sync_core %d, census signal %d, sampler signal %d, agent [%#lx,%#lx)", g_sync_avail,
             g_cfg.census_sig, g_cfg.sampler_sig, (unsigned long)g_agent_lo, (unsigned long)g_agent_hi);
-    g_quiet_ms = dbr_quiet_ms(&g_hinted);
+    if (!g_attached)
+        g_quiet_ms = dbr_quiet_ms(&g_hinted);
     dbr_jitdump_open();
     dbr_agent_start_thread(0);
 }

@@ -72,6 +72,8 @@ struct dbr_config {
     char sock_path[108];    /* $DBR_RUNTIME_DIR/agent.sock; "" if unknown */
 };
 extern struct dbr_config g_cfg;
+extern int g_attached;     /* loaded by dlopen (`dbr attach`): no libc call is interposed */
+extern int g_dormant;      /* connects no more until dbr_agent_activate (attached, BYE_DORMANT) */
 
 /* ---- util.c ---- */
 void dbr_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -125,7 +127,9 @@ int dbr_real_pthread_create(pthread_t *t, const pthread_attr_t *attr,
 void dbr_hooks_resolve(void);          /* constructor, inert or not */
 /* Install the agent's handler for `sig` (recording what the program had),
  * `handler` is the agent's SA_SIGINFO handler. */
-int dbr_signal_install(int sig, void (*handler)(int, siginfo_t *, void *), int flags);
+int dbr_signal_install(int sig, void (*handler)(int, siginfo_t *, void *), int flags,
+                       const sigset_t *mask);
+void dbr_signals_reclaim(void);
 /* Give a signal the agent does not own to the program's recorded action. */
 void dbr_signal_chain(int sig, siginfo_t *si, void *uc);
 void dbr_unblock_trap(void);          /* calling thread: SIGTRAP unblocked */

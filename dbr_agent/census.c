@@ -304,7 +304,7 @@ static void census_handler(int sig, siginfo_t *si, void *ucv)
 
 void dbr_census_init(void)
 {
-    dbr_signal_install(g_cfg.census_sig, census_handler, SA_SIGINFO | SA_RESTART | SA_ONSTACK);
+    dbr_signal_install(g_cfg.census_sig, census_handler, SA_SIGINFO | SA_RESTART | SA_ONSTACK, NULL);
 }
 
 int dbr_queue_signal_value(pid_t tid, uint64_t value)

@@ -193,7 +193,9 @@ int dbr_send_hello(void)
     m.uid = (uint32_t)getuid();
     m.flags = (g_sync_avail ? DBR_HELLO_SYNC_CORE : 0) | (g_forked ? DBR_HELLO_FORKED : 0) |
               (g_forked && dbr_any_installed() ? DBR_HELLO_INHERITED : 0) |
-              (dbr_thread_hidden() ? DBR_HELLO_HIDDEN_THREAD : 0) | DBR_HELLO_QUIET_THREADS |
+              (dbr_thread_hidden() ? DBR_HELLO_HIDDEN_THREAD : 0) |
+              /* attached: pthread_create is not interposed, so no thread notices at all */
+              (g_attached ? DBR_HELLO_ATTACHED : DBR_HELLO_QUIET_THREADS) |
               DBR_HELLO_SAMPLER_LISTED | DBR_HELLO_EVICT |
               DBR_HELLO_FRAMES | DBR_HELLO_ENTRY_SITES;
     m.agent_version = DBR_AGENT_VERSION;

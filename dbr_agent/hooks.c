@@ -71,6 +71,7 @@ struct managed_sig {
     int sig;                  /* 0: unused */
     int installed;
     struct sigaction prog;    /* the program's action, as it believes it is installed */
+    struct sigaction ours;    /* the agent's action (dbr_signals_reclaim) */
 };
 static struct managed_sig g_managed[3];
 
@@ -84,7 +85,8 @@ static struct managed_sig *managed_find(int sig)
     return NULL;
 }
 
-int dbr_signal_install(int sig, void (*handler)(int, siginfo_t *, void *), int flags)
+int dbr_signal_install(int sig, void (*handler)(int, siginfo_t *, void *), int flags,
+                       const sigset_t *mask)
 {
     struct managed_sig *m = NULL;
     struct sigaction sa, old;
@@ -100,15 +102,43 @@ int dbr_signal_install(int sig, void (*handler)(int, siginfo_t *, void *), int f
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = handler;
     sa.sa_flags = flags;
-    sigemptyset(&sa.sa_mask);
+    if (mask)
+        sa.sa_mask = *mask;
+    else
+        sigemptyset(&sa.sa_mask);
     if (dbr_real_sigaction(sig, &sa, &old) < 0)
         return DBR_E_INVAL;
+    m->ours = sa;
     if (!m->installed) {
         m->prog = old;            /* whatever the program had before us */
         m->sig = sig;
         __atomic_store_n(&m->installed, 1, __ATOMIC_RELEASE);
     }
     return DBR_OK;
+}
+
+/* Attached (docs/agent.md, "Attached"): nothing interposes sigaction, so a program
+ * may have replaced the agent's action for a signal it owns (SIGTRAP, whose handler
+ * an int3 patch in progress needs).  Such an action becomes the program's, which
+ * the agent's handler chains to, as the interposed sigaction would have made it,
+ * and the agent's goes back in.  The agent's thread, before a patch batch. */
+void dbr_signals_reclaim(void)
+{
+    struct sigaction cur;
+    unsigned i;
+
+    for (i = 0; i < sizeof g_managed / sizeof g_managed[0]; i++) {
+        struct managed_sig *m = &g_managed[i];
+
+        if (!__atomic_load_n(&m->installed, __ATOMIC_ACQUIRE) ||
+            dbr_real_sigaction(m->sig, NULL, &cur) < 0 ||
+            (void *)cur.sa_sigaction == (void *)m->ours.sa_sigaction)
+            continue;
+        if (dbr_real_sigaction(m->sig, &m->ours, NULL) == 0) {
+            m->prog = cur;
+            dbr_log("signal %d: the program's new action is chained, the agent's put back", m->sig);
+        }
+    }
 }
 
 void dbr_signal_chain(int sig, siginfo_t *si, void *uc)

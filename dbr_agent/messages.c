@@ -131,6 +131,8 @@ static int on_patch(const struct dbr_msg_hdr *h)
     rep->batch_id = b->batch_id;
     rep->n = b->n;
     pthread_mutex_lock(&g_agent_mu);
+    if (g_attached)
+        dbr_signals_reclaim();
     dbr_patch_batch(b->sites, b->n, h->type == DBR_MSG_UNPATCH, rep->results);
     pthread_mutex_unlock(&g_agent_mu);
     rc = dbr_send(rep, DBR_MSG_PATCH_RESULT, (uint32_t)len, -1, 0);
@@ -207,9 +209,15 @@ static int on_bye(const struct dbr_msg_hdr *h)
 {
     const struct dbr_bye *b = (const void *)h;
 
-    if (b->flags & DBR_BYE_REVERT) {
+    if (b->flags & (DBR_BYE_REVERT | DBR_BYE_DORMANT)) {
         int k = dbr_unpatch_all();
         dbr_log("BYE with revert: %d sites restored", k);
+    }
+    if (b->flags & DBR_BYE_DORMANT) {
+        /* `dbr detach`: no samples, no thread work, no connection until activated */
+        dbr_sampler_stop();
+        __atomic_store_n(&g_dormant, 1, __ATOMIC_RELEASE);
+        dbr_log("BYE dormant: the agent waits for dbr attach");
     }
     return END_BYE;
 }

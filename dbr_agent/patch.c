@@ -129,18 +129,13 @@ static void trap_handler(int sig, siginfo_t *si, void *ucv)
  */
 void dbr_patch_init(void)
 {
-    struct sigaction sa;
+    sigset_t mask;
 
+    sigemptyset(&mask);
+    sigaddset(&mask, g_cfg.census_sig);
     if (dbr_signal_install(SIGTRAP, trap_handler, SA_SIGINFO | SA_ONSTACK | SA_RESTART |
-                           SA_NODEFER) != DBR_OK)
-        return;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_sigaction = trap_handler;
-    sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART | SA_NODEFER;
-    sigemptyset(&sa.sa_mask);
-    sigaddset(&sa.sa_mask, g_cfg.census_sig);
-    if (dbr_real_sigaction(SIGTRAP, &sa, NULL) < 0)
-        dbr_log("SIGTRAP: cannot block the census signal in the handler");
+                           SA_NODEFER, &mask) != DBR_OK)
+        dbr_log("SIGTRAP: the agent's handler cannot be installed");
 }
 
 /* ---------------- regions ---------------- */

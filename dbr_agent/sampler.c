@@ -88,7 +88,7 @@ static void sampler_handler(int sig, siginfo_t *si, void *ucv)
 void dbr_sampler_init(void)
 {
     dbr_mutex_init(&g_sampler_mu);
-    dbr_signal_install(g_cfg.sampler_sig, sampler_handler, SA_SIGINFO | SA_RESTART | SA_ONSTACK);
+    dbr_signal_install(g_cfg.sampler_sig, sampler_handler, SA_SIGINFO | SA_RESTART | SA_ONSTACK, NULL);
 }
 
 /* g_sampler_mu held.  Free the slots of threads that have ended; how many.

@@ -27,6 +27,10 @@ extern int g_sync_avail;   /* the kernel offers membarrier SYNC_CORE */
 extern int g_forked;       /* this process is a fork child (HELLO flags) */
 extern int g_exiting;      /* the destructor ran */
 extern int g_retired;      /* the agent stopped for good here (dbr_agent_retire) */
+int dbr_agent_thread_started(void);
+
+/* ---- attach.c ---- */
+int dbr_loaded_by_dlopen(void);
 
 /* ---- transport.c: the session socket (g_send_mu guards sending and closing it) ---- */
 /* Identity of the agent's own fds: a program may close fds it does not know

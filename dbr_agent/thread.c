@@ -111,6 +111,12 @@ void dbr_thread_init(void)
         g_unusable = "DBR_AGENT_THREAD=pthread";
         return;
     }
+    /* attached: glibc's set*id reaches only threads it knows of, and no hook makes a
+     * hidden thread follow a privilege drop */
+    if (g_attached) {
+        g_unusable = "attached by dlopen";
+        return;
+    }
     g_allocate_tls = (allocate_tls_fn)dlsym(RTLD_DEFAULT, "_dl_allocate_tls");
     g_deallocate_tls = (deallocate_tls_fn)dlsym(RTLD_DEFAULT, "_dl_deallocate_tls");
     tid_desc = dlsym(RTLD_DEFAULT, "_thread_db_pthread_tid");   /* { bits, count, offset } */

@@ -454,9 +454,12 @@ class AgentConnection:
         """Answer an agent request (MAP_CHANGED)."""
         self.send(P.MsgType.ACK, P.Ack(req_id=req_id, result=result))
 
-    def bye(self, revert: bool = False) -> None:
+    def bye(self, revert: bool = False, dormant: bool = False) -> None:
+        """End the session; ``dormant`` (`dbr detach`): the agent reverts every patch
+        and connects no more until `dbr attach` activates it."""
+        flags = (P.BYE_REVERT if revert else 0) | (P.BYE_DORMANT if dormant else 0)
         try:
-            self.send(P.MsgType.BYE, P.Bye(flags=P.BYE_REVERT if revert else 0))
+            self.send(P.MsgType.BYE, P.Bye(flags=flags))
         except AgentError:
             pass
 

@@ -16,6 +16,8 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("run", "dbr_service.cmd_run", "run PROG under dbr and report what it did"),
     ("service", "dbr_service.cmd_service", "the per-host daemon (foreground, Type=notify)"),
     ("ctl", "dbr_service.cmd_ctl", "talk to a running service's control socket"),
+    ("attach", "dbr_service.cmd_attach", "load the agent into a running process (ptrace)"),
+    ("detach", "dbr_service.cmd_detach", "remove a client's patches; its agent goes dormant"),
     ("profile", "dbr_service.cmd_profile", "the profile store: list, show, forget, export, import"),
     ("analyze", "dbr_service.region.analyze", "offline region selection on an ELF file"),
     ("agent-path", "dbr_service.cmd_agent_path", "print the path of libdbr_agent.so"),

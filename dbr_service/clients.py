@@ -526,7 +526,11 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
                 "state": self.state.value, "threads": tt.count(self.alive),
                 "agent_thread": ("hidden" if self.hello_flags & P.HELLO_HIDDEN_THREAD
                                  else "pthread"),
-                "thread_notices": (("on" if tt.thread_notices_on else "off")
+                # attached (dbr attach): nothing interposed, so no notices and no
+                # map-change hooks (docs/agent.md, "Attached")
+                "attached": bool(self.hello_flags & P.HELLO_ATTACHED),
+                "thread_notices": ("none (attached)" if self.hello_flags & P.HELLO_ATTACHED
+                                   else ("on" if tt.thread_notices_on else "off")
                                    if self.hello_flags & P.HELLO_QUIET_THREADS else "always"),
                 "thread_notices_received": tt.thread_notices_received,
                 "short_thread_windows": tt.short_thread_windows,

@@ -301,6 +301,24 @@ def verb_unpatch(service: Service, args: dict[str, Any]) -> dict[str, Any]:
             "until": f"dbr ctl resume {s.pid}"}
 
 
+@verb("detach", pid=Arg((int,), required=True))
+def verb_detach(service: Service, args: dict[str, Any]) -> dict[str, Any]:
+    """Remove every patch of a client and end its session; its agent goes dormant until
+    `dbr attach` (docs/operators.md, "Attaching").  ``text`` compares the client's
+    executable mappings with their files once the agent reverted its sites."""
+    from dbr_service.textcheck import compare_text
+
+    s = _client(service, _int_arg(args["pid"], "pid"))
+    if not s.alive:
+        raise Fault(Code.NO_CLIENT, f"client {s.pid} is no longer connected")
+    try:
+        removed = service.detach(s)
+    except (AgentError, ProtocolError, TimeoutError) as exc:
+        raise Fault(Code.AGENT, f"detach of pid {s.pid} failed: {exc}") from None
+    return {"pid": s.pid, "regions_removed": removed, "session_ended": not s.alive,
+            "text": compare_text(s.pid)}
+
+
 @verb("pause", pid=Arg((int,)))
 def verb_pause(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Stop sampling and optimizing one client, or the whole service."""

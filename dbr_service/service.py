@@ -499,6 +499,22 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
                 removed += 1
         return removed
 
+    def detach(self, s: ClientSession) -> int:
+        """`dbr detach`: remove every region of ``s`` (threads evicted as for `dbr ctl
+        unpatch`), then end its session with BYE dormant: the agent reverts whatever is
+        left, stops sampling and waits for `dbr attach`.  Regions removed."""
+        removed = self.unpatch(s, None)
+
+        def farewell() -> None:
+            s._close_source()
+            s.conn.bye(revert=True, dormant=True)
+            s.stop("detached (dbr detach)")
+
+        s.call(farewell, timeout=6.0)
+        if s.thread is not None:
+            s.thread.join(5.0)
+        return removed
+
     def set_config(self, new: Config) -> None:
         with self.lock:
             old, self.config = self.config, new

@@ -178,3 +178,46 @@ def describe(table: SymbolTable, module: str, offset: int) -> str:
         name, off = hit
         return f"{name}+{off:#x}" if off else name
     return f"{os.path.basename(module)}+{offset:#x}"
+
+
+def dynamic_functions(path: str, names: set[str],
+                      max_size: int = 256 << 20) -> tuple[dict[str, int], int]:
+    """Link-time addresses of the defined ``STT_FUNC`` symbols named in ``names`` in the
+    ``.dynsym`` of the ELF64 file at ``path`` (what another process's loader exports:
+    `dbr attach` looks up ``dlopen`` this way), and the page of its first ``PT_LOAD``
+    (the load bias is a mapping's start minus it).  OSError if unreadable; an empty
+    dict for a file that is not little-endian ELF64 or is over ``max_size``."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_size:
+            return {}, 0
+        data = os.pread(fd, st.st_size, 0)
+    finally:
+        os.close(fd)
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return {}, 0
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    if shentsize < 64 or shoff + shentsize * shnum > len(data):
+        return {}, 0
+    secs = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    found: dict[str, int] = {}
+    wanted = {n.encode() for n in names}
+    for sec in secs:
+        _name, typ, _flags, _addr, off, size, link, _info, _align, entsize = sec
+        if typ != SHT_DYNSYM or entsize < 24 or link >= len(secs) or off + size > len(data):
+            continue
+        stroff, strsize = secs[link][4], secs[link][5]
+        if stroff + strsize > len(data):
+            continue
+        for i in range(min(size // entsize, MAX_SYMBOLS)):
+            st_name, st_info, _other, shndx, value, _sz = struct.unpack_from(
+                "<IBBHQQ", data, off + i * entsize)
+            if st_info & 0xF != STT_FUNC or shndx == 0 or not value or st_name >= strsize:
+                continue
+            end = data.find(b"\0", stroff + st_name, stroff + strsize)
+            name = data[stroff + st_name:end] if end >= 0 else b""
+            if name in wanted and name.decode() not in found:
+                found[name.decode()] = value
+    return found, _first_load(data)

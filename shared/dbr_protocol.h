@@ -127,6 +127,8 @@ enum dbr_variant {
 #define DBR_HELLO_EVICT      0x40u /* DBR_MSG_EVICT understood */
 #define DBR_HELLO_FRAMES     0x80u /* DBR_MSG_FRAMES_ADD/DEL understood */
 #define DBR_HELLO_ENTRY_SITES 0x100u /* PATCH takes DBR_SITE_F_ENTRY sites */
+#define DBR_HELLO_ATTACHED   0x200u /* loaded by `dbr attach` (dlopen), not LD_PRELOAD: no libc
+                                     * call is interposed; no thread notices (docs/agent.md) */
 
 /* dbr_patch_site.flags */
 #define DBR_SITE_F_ENTRY     0x1u /* several instructions at a function entry that together
@@ -156,6 +158,8 @@ enum dbr_map_kind {
 
 /* BYE.flags */
 #define DBR_BYE_REVERT 0x1u /* S->A: revert every patch before closing */
+#define DBR_BYE_DORMANT 0x2u /* S->A (`dbr detach`): revert every patch, stop the sampler and
+                              * connect no more until `dbr attach` activates the agent again */
 
 /* The agent's quiet start (dbr_agent/connect.c, "quiet while the program starts"):
  * its thread waits this long before its first connection.  DBR_AGENT_QUIET_MS in
