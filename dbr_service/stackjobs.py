@@ -73,10 +73,39 @@ def _answer(prof: StackProfile, stats: dict[str, Any], job: Job) -> dict[str, An
             "calls": prof.graph.top_calls(TOP_CALLS), "stats": stats}
 
 
+class _Attributer:
+    """Replacement-code address -> original address for one collection: by the
+    installer's live regions, and by those seen live earlier in the collection (a
+    region removed meanwhile may still have threads, or return addresses, in it)."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self._live: Any = None
+        self._seen: dict[int, tuple[int, int, Any]] = {}
+
+    def __call__(self, addr: int) -> int:
+        inst = getattr(self.session, "installer", None)
+        if inst is None:
+            return addr
+        live = inst.live
+        if live is not self._live:
+            self._live = live
+            for lo, hi, reg in live:
+                self._seen.setdefault(id(reg), (lo, hi, reg))
+        orig, reg = inst.attribute(addr)
+        if reg is not None:
+            return orig
+        for lo, hi, old in self._seen.values():
+            if lo <= addr < hi:
+                got = old.original_of(addr)
+                return addr if got is None else got
+        return addr
+
+
 def _run(job: Job, session: Any) -> None:
     try:
         prof, stats = collect(session.proc, job.pid, job.seconds,
-                              attribute=session.original_address)
+                              attribute=_Attributer(session))
         if "error" in stats:
             job.error = stats["error"]
         else:

@@ -153,3 +153,34 @@ def test_cpython_flamegraph(tmp_path):
     finally:
         kill(client)
         svc.stop()
+
+
+def test_attribution_remembers_regions_removed_meanwhile():
+    """Replacement-code addresses fold to original ones while the region lives and
+    after it is removed during the collection (threads may still return into it)."""
+    from types import SimpleNamespace
+
+    from dbr_service.stackjobs import _Attributer
+
+    class Reg:
+        def original_of(self, a):
+            return 0x401000 + (a - 0x7000_0000) if 0x7000_0000 <= a < 0x7000_0100 else None
+
+    reg = Reg()
+
+    class Inst:
+        live = ((0x7000_0000, 0x7000_0100, reg),)
+
+        def attribute(self, a):
+            for lo, hi, r in self.live:
+                if lo <= a < hi:
+                    return r.original_of(a), r
+            return a, None
+
+    inst = Inst()
+    attr = _Attributer(SimpleNamespace(installer=inst))
+    assert attr(0x7000_0010) == 0x401010
+    assert attr(0x5000) == 0x5000
+    inst.live = ()                           # removed
+    assert attr(0x7000_0020) == 0x401020
+    assert _Attributer(SimpleNamespace(installer=None))(0x7000_0020) == 0x7000_0020
