@@ -8,8 +8,9 @@ A finished collection is kept :data:`KEEP_S` seconds for its answer, then droppe
 
 Bounds: at most :data:`MAX_JOBS` collections at once (each opens an event and a
 512 KiB ring per thread of its client, at most 64 threads), at most
-:data:`MAX_SECONDS` seconds each, at most :data:`MAX_LINES` folded lines in an answer
-(the rest is summed into one ``[other]`` line).  Only clients of the service can be
+:data:`MAX_SECONDS` seconds each, at most :data:`MAX_LINES` folded lines and
+:data:`MAX_BYTES` bytes of them in an answer (the rest is summed into one ``[other]``
+line).  Only clients of the service can be
 profiled: their uid passed the service's ``allowed_uids`` check when they connected,
 and they are read through the session's ``/proc/PID`` handle, which fails once that
 process has ended even if its pid is reused.
@@ -36,6 +37,9 @@ log = logging.getLogger("dbr.stacks")
 MAX_JOBS = 4
 KEEP_S = 60.0
 MAX_LINES = 20_000
+#: Most bytes of folded lines in one answer (a line is up to 128 frames of 200
+#: characters).
+MAX_BYTES = 8 << 20
 TOP_CALLS = 50
 DEFAULT_SECONDS = 5.0
 
@@ -61,12 +65,25 @@ def _table(service: Service) -> dict[int, Job]:
         return _jobs.setdefault(service, {})
 
 
+def bound_lines(lines: list[str], max_lines: int = MAX_LINES,
+                max_bytes: int = MAX_BYTES) -> list[str]:
+    """The heaviest folded lines within both bounds, sorted, and the samples of the
+    others summed into one ``[other]`` line."""
+    if len(lines) <= max_lines and sum(len(x) + 1 for x in lines) <= max_bytes:
+        return lines
+    lines = sorted(lines, key=lambda line: -int(line.rpartition(" ")[2]))
+    kept, size, rest = [], 0, 0
+    for line in lines:
+        if len(kept) < max_lines and size + len(line) + 1 <= max_bytes:
+            kept.append(line)
+            size += len(line) + 1
+        else:
+            rest += int(line.rpartition(" ")[2])
+    return sorted(kept) + [f"[other] {rest}"]
+
+
 def _answer(prof: StackProfile, stats: dict[str, Any], job: Job) -> dict[str, Any]:
-    lines = prof.folded_lines()
-    if len(lines) > MAX_LINES:
-        lines.sort(key=lambda line: -int(line.rpartition(" ")[2]))
-        rest = sum(int(line.rpartition(" ")[2]) for line in lines[MAX_LINES:])
-        lines = sorted(lines[:MAX_LINES]) + [f"[other] {rest}"]
+    lines = bound_lines(prof.folded_lines())
     return {"state": "done", "pid": job.pid, "exe": job.exe, "seconds": job.seconds,
             "samples": prof.samples, "truncated": prof.truncated,
             "methods": dict(prof.methods), "folded": lines,

@@ -184,3 +184,16 @@ def test_attribution_remembers_regions_removed_meanwhile():
     inst.live = ()                           # removed
     assert attr(0x7000_0020) == 0x401020
     assert _Attributer(SimpleNamespace(installer=None))(0x7000_0020) == 0x7000_0020
+
+
+def test_answer_bounded_by_lines_and_bytes():
+    from dbr_service.stackjobs import bound_lines
+
+    lines = [f"main;f{i} {i + 1}" for i in range(100)]
+    assert bound_lines(lines) == lines
+    few = bound_lines(lines, max_lines=10)
+    assert len(few) == 11 and few[-1] == f"[other] {sum(range(1, 91))}"
+    assert "main;f99 100" in few and "main;f0 1" not in few
+    small = bound_lines(lines, max_bytes=60)
+    assert sum(len(x) + 1 for x in small[:-1]) <= 60 and small[-1].startswith("[other] ")
+    assert sum(int(x.rpartition(" ")[2]) for x in small) == sum(range(1, 101))
