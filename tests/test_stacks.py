@@ -104,7 +104,7 @@ def test_known_call_paths_appear(callpath):
 @needs_perf
 def test_cfi_preferred_over_frame_pointers(callpath):
     """With frame pointers the kernel's chain and the CFI walk agree; without them the
-    chain misses callers that the CFI walk finds."""
+    chain loses the callers that the CFI walk finds."""
     flags, pid = callpath
     maps = read_maps(pid)
     cfi = CfiSource(lambda: [(m.lo, m.hi, m.path, m.dev, m.ino) for m in maps])
@@ -123,12 +123,13 @@ def test_cfi_preferred_over_frame_pointers(callpath):
     for s in samples:
         u = unwinder.unwind(s)
         kernel = tuple(s.chain[:1]) + tuple(a - 1 for a in s.chain[1:])
-        agree += u.frames[:len(kernel)] == kernel[:len(u.frames)]
+        # the innermost three frames (the IP, its caller, theirs) found by both
+        agree += len(kernel) >= 3 and kernel[:3] == u.frames[:3]
     share = agree / len(samples)
     if flags == "-fno-omit-frame-pointer":
         assert share > 0.9, share
     else:
-        assert share < 0.5, share
+        assert share < 0.2, share
     mod = cfi.module_at(samples[0].ip)
     assert unwinder.keeps_frame_pointers(mod) == (flags == "-fno-omit-frame-pointer")
 
