@@ -2,6 +2,7 @@
 
 Verbs: status, clients [--all], waiting, hotspots PID [--top N], regions PID,
 region PID ID [--dot FILE | --svg FILE], unpatch PID [ID], pause [PID], resume [PID],
+flamegraph PID [--seconds S] [--svg FILE] [--folded FILE] (cmd_flame.py),
 config get [KEY], config set KEY VALUE, events [--follow], shutdown.
 Human-readable tables by default, --json for scripts.  Exit status: 0 ok, 1 the
 service refused the request or did not answer, 2 usage error.
@@ -18,6 +19,8 @@ from typing import Any
 
 from dbr_service.paths import resolve_runtime_dir, untrusted_dir
 from dbr_service.ctlclient import Code, ControlClient
+from dbr_service.cmd_flame import add_parser as add_flame_parser
+from dbr_service.cmd_flame import run as run_flamegraph
 from dbr_service.speedcheck import verdict_text
 
 EPILOG = """examples:
@@ -26,6 +29,7 @@ EPILOG = """examples:
   dbr ctl events --follow
   dbr ctl hotspots 1234 --top 5
   dbr ctl region 1234 r1 --dot r1.dot
+  dbr ctl flamegraph 1234 --seconds 5 --svg flame.svg
   dbr ctl config set snapshot_interval_s 0.5
   dbr ctl pause 1234; dbr ctl resume
   DBR_RUNTIME_DIR=/tmp/dbr dbr ctl shutdown
@@ -110,6 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "object a line)")
     p.add_argument("--since", type=int, default=0, metavar="SEQ",
                    help="only events after this sequence number")
+    add_flame_parser(verb, _pid, pid_help)
     verb("shutdown", "stop the service")
 
 
@@ -158,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dbr ctl: not talking to a service there: {why}", file=sys.stderr)
         return 1
     client = ControlClient(rdir, timeout=args.timeout)
+    if args.verb == "flamegraph":
+        return run_flamegraph(client, args, _output_problem)
     verb, vargs = request_of(args)
     out = (args.dot or args.svg) if args.verb == "region" else None
     why = _output_problem(out) if out else None

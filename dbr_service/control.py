@@ -400,6 +400,14 @@ def verb_report(service: Service, args: dict[str, Any]) -> list[dict[str, Any]]:
     return [s.report() for s in sessions if s.pid in wanted and s.exe]
 
 
+@verb("flamegraph", pid=Arg((int,), required=True), seconds=Arg((int, float)))
+def verb_flamegraph(service: Service, args: dict[str, Any]) -> dict[str, Any]:
+    """Start, poll or collect a client's call-stack profile (stackjobs.py)."""
+    from dbr_service.stackjobs import flamegraph
+
+    return flamegraph(service, _int_arg(args["pid"], "pid"), args["seconds"])
+
+
 @verb("events", since=Arg((int,), default=0))
 def verb_events(service: Service, args: dict[str, Any]) -> list[dict[str, Any]]:
     """Recent events (the same ones the events socket publishes), after seq ``since``."""

@@ -54,16 +54,21 @@ class SymbolTable:
     def __len__(self) -> int:
         return len(self._syms)
 
-    def lookup(self, vaddr: int) -> tuple[str, int] | None:
-        """``(name, offset)`` of the function containing link-time address ``vaddr``."""
+    def find(self, vaddr: int) -> Symbol | None:
+        """The function symbol containing link-time address ``vaddr``."""
         i = bisect.bisect_right(self._starts, vaddr) - 1
         # the nearest start may be a size-0 label inside a bigger function: look back
         # over the few symbols that start at or below vaddr
         for j in range(i, max(-1, i - 8), -1):
             s = self._syms[j]
             if s.start <= vaddr < s.start + max(s.size, 1):
-                return s.name, vaddr - s.start
+                return s
         return None
+
+    def lookup(self, vaddr: int) -> tuple[str, int] | None:
+        """``(name, offset)`` of the function containing link-time address ``vaddr``."""
+        s = self.find(vaddr)
+        return None if s is None else (s.name, vaddr - s.start)
 
     def starts(self) -> frozenset[int]:
         """Link-time addresses where a named function starts."""
