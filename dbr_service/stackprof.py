@@ -144,8 +144,11 @@ class CallGraph:
         return c3_order(sizes, self.samples, calls)
 
     def top_calls(self, n: int) -> list[dict[str, Any]]:
-        return [{"caller": self.funcs[u].name, "callee": self.funcs[v].name, "count": c}
-                for (u, v), c in self.calls.most_common(n)]
+        """The ``n`` most frequent calls; ties by caller, then callee name (the calls
+        of one stack are counted through a set: their order is not the stack's)."""
+        named = sorted(((c, self.funcs[u].name, self.funcs[v].name)
+                        for (u, v), c in self.calls.items()), key=lambda t: (-t[0], t[1], t[2]))
+        return [{"caller": u, "callee": v, "count": c} for c, u, v in named[:n]]
 
 
 @dataclass
