@@ -73,6 +73,10 @@ class JobResults:
                                                  d["code_bytes"], dot=d.get("dot"),
                                                  info={"pipeline_id": d["id"]})
                 book.regions = keep
+            if s.warm_job_maps is not None and self.warm is not None and s.jobs_done == 1:
+                # before installation annotates the regions it emits
+                self.warm.remember(s, s.warm_job_maps, res)
+                s.warm_job_maps = None
             if self.config.patching and res.srs and s.alive and not s.paused:
                 fut = s.post(lambda s=s, srs=res.srs, ids=ids: s.install_selected(srs, ids))
                 fut.add_done_callback(lambda f, s=s: self._task_failed(s, f, "installation"))

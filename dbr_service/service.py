@@ -399,7 +399,12 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
             s.stop("service shutting down")
             return
         warm = self.warm
-        if warm is not None and not self.paused:
+        if warm is not None and not self.paused and warm.is_warm(s):
+            s.refresh_maps_now()
+            res = warm.reused_result(s)
+            if res is not None:
+                self.post(lambda: self.apply_reused_selection(s, res))
+                return
             selection = warm.job_input(s)
             if selection:
                 self.post(lambda: self.start_warm_job(s, selection))

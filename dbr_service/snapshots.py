@@ -275,8 +275,18 @@ class SnapshotCycle:
                         quick=True)
         if self.scheduler.schedule([job], self.config.max_workers):
             s.mark("warm_job_queued")
+            s.warm_job_maps = job.maps     # what its result is kept with (_apply_result)
             if self.warm is not None:
                 self.warm.warm_jobs += 1
+
+    def apply_reused_selection(self, s: ClientSession, res: Any) -> None:
+        """Control thread: a warm client's first regions, the kept selection of an
+        earlier process of its program moved to this one (warmstart.reused_result):
+        installed as a job's result is, with no job."""
+        if not s.alive or s.paused or self.paused or s.jobs_done:
+            return
+        s.mark("warm_selection_reused")
+        self._apply_result(res, s.session_id)
 
     def _job_due(self, s: ClientSession, selection: dict[int, int], now: float) -> bool:
         """Whether a client's snapshot gets a region job, after its first QUICK_JOBS + 1

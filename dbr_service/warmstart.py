@@ -22,10 +22,12 @@ safe) leaves the service without warm start, with a WARNING; it never stops it.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sqlite3
 import threading
+import time
 from typing import Any, Callable
 
 from dbr_service.errors import DbrError
@@ -34,6 +36,7 @@ from dbr_service.paths import program_key, program_quiet_file, write_ms_file
 from dbr_service.procmaps import MapEntry, mapped_file, module_base
 from dbr_service.profiledata import (ModuleProfile, ProfileDataError, module_counts,
                                      module_hot_text, selection_params)
+from dbr_service.rebase import NoRebase, rebase
 from dbr_service.profilestore import ProfileStore, StoreBusyError, StoreError
 
 log = logging.getLogger("dbr.warm")
@@ -44,6 +47,11 @@ MIN_RUN_SAMPLES = 50
 MAX_RUN_MODULES = 16
 #: Stored programs whose birth hint is written at the service's start, at most.
 MAX_START_HINTS = 256
+#: A warm job's selection is reused for the program's next processes this many times,
+#: for at most this long; then a warm job selects anew from the store.
+REUSE_MAX_TIMES = 20
+REUSE_MAX_S = 600.0
+MAX_KEPT_SELECTIONS = 64
 
 
 class WarmStart:
@@ -60,6 +68,10 @@ class WarmStart:
         self.warm_jobs = 0
         self.errors = 0
         self._closed = False
+        #: exe store key -> the first warm job's result for a process of it, the maps
+        #: it was selected on, when, and how often it was reused.
+        self._results: dict[str, list] = {}
+        self.reuses = 0
 
     @classmethod
     def open(cls, config: Any, embedded: bool = False) -> WarmStart | None:
@@ -96,7 +108,8 @@ class WarmStart:
 
     def status(self) -> dict[str, Any]:
         return {"store": str(self.store.path), "runs_recorded": self.runs_recorded,
-                "warm_jobs": self.warm_jobs, "errors": self.errors}
+                "warm_jobs": self.warm_jobs, "reused_selections": self.reuses,
+                "errors": self.errors}
 
     # ---------------------------------------------------------------- module keys
     def _key(self, path: str, maps: list[MapEntry]) -> ModuleKey | None:
@@ -165,12 +178,9 @@ class WarmStart:
         return prof is not None and bool(prof.hot_text)
 
     def job_input(self, s: Any) -> dict[int, int]:
-        """Session thread, when a client connects: the samples by address its first
-        job selects from, from the stored profiles of the modules it maps (those with
-        hot text), if its executable is warm; else {}.  Reads the client's map."""
-        if not self.is_warm(s):
-            return {}
-        s.refresh_maps_now()
+        """Session thread, when a warm client connects (its map read): the samples by
+        address its first job selects from, from the stored profiles of the modules it
+        maps that have hot text."""
         maps = list(s.maps)
         out: dict[int, int] = {}
         for path in sorted({m.path for m in maps if m.executable and m.path.startswith("/")}):
@@ -185,6 +195,45 @@ class WarmStart:
                 if c > 0 and any(m.lo <= addr < m.hi for m in ends):
                     out[addr] = out.get(addr, 0) + c
         return out
+
+    # ---------------------------------------------------------------- selections kept
+    def remember(self, s: Any, maps: list[MapEntry], res: Any) -> None:
+        """Control thread: keep a warm job's result (a copy: installation annotates
+        the regions it emits) to reuse for the next processes of the program."""
+        key = self._exe_key(s)
+        if key and res.srs:
+            self._results[key] = [list(maps), copy.deepcopy(res), time.monotonic(), 0]
+            while len(self._results) > MAX_KEPT_SELECTIONS:
+                self._results.pop(next(iter(self._results)))
+
+    def reused_result(self, s: Any) -> Any:
+        """Session thread, when a warm client connects (its map read): the kept
+        selection of its program moved to where this process maps its files
+        (rebase.py), ready to install; None when there is none, it is stale
+        (REUSE_MAX_S, REUSE_MAX_TIMES) or names memory this process has no
+        counterpart of."""
+        key = self._exe_key(s)
+        kept = self._results.get(key) if key else None
+        if kept is None:
+            return None
+        maps, res, since, uses = kept
+        if uses >= REUSE_MAX_TIMES or time.monotonic() - since > REUSE_MAX_S:
+            self._results.pop(key, None)
+            return None
+        try:
+            moved = rebase(res, maps, list(s.maps))
+        except NoRebase as exc:
+            log.info("pid %d: the kept selection of %s cannot be moved: %s", s.pid, s.exe, exc)
+            self._results.pop(key, None)
+            return None
+        kept[3] += 1
+        self.reuses += 1
+        moved.session_id, moved.pid = s.session_id, s.pid
+        moved.cpu_s = moved.elapsed_s = 0.0
+        moved.decode_cached = moved.decode_new = 0
+        for d in moved.regions or []:
+            d["dot"] = None          # its labels name the other process's addresses
+        return moved
 
     # ---------------------------------------------------------------- birth hints
     def write_hint(self, exe_key: str, dir_fd: int) -> None:

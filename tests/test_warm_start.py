@@ -1,6 +1,7 @@
 """Warm start (dbr_service/warmstart.py): a program's second run is patched from the
 profile its first run left in the store, from its start, where a cold run of the
-same length is never patched."""
+same length is never patched; the next runs reuse that selection, moved to where each
+process maps the program (dbr_service/rebase.py)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,14 @@ def test_a_second_run_is_patched_from_the_stored_profile(tmp_path):
         assert "warm_job_queued" in warm["timeline"], warm["timeline"]
         assert warm["time_to_first_patch_s"] is not None, warm
         assert svc.call("status")["warm_start"]["warm_jobs"] >= 1
+
+        out, pid = _run(svc, prog, SHORT)       # the next: that selection, moved here
+        assert out == native[SHORT]
+        again = _report(svc, pid)
+        assert "warm_selection_reused" in again["timeline"], again["timeline"]
+        assert "warm_job_queued" not in again["timeline"], again["timeline"]
+        assert again["time_to_first_patch_s"] is not None, again
+        assert svc.call("status")["warm_start"]["reused_selections"] >= 1
     finally:
         svc.stop()
     # a new service on the same store writes the hint at its start
