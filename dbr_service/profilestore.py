@@ -67,7 +67,7 @@ log = logging.getLogger("dbr.profiles")
 
 DB_NAME = "profiles.db"
 LOCK_NAME = "profiles.db.lock"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: Defaults of the config keys profile_half_life_s and profile_expiry_s.
 HALF_LIFE_S = 7 * 86400.0
 EXPIRY_S = 30 * 86400.0
@@ -86,8 +86,11 @@ CREATE TABLE counts (key TEXT NOT NULL, offset INTEGER NOT NULL, count REAL NOT 
 CREATE TABLE edges (key TEXT NOT NULL, src INTEGER NOT NULL, dst INTEGER NOT NULL,
     count REAL NOT NULL, PRIMARY KEY (key, src, dst)) WITHOUT ROWID;
 CREATE INDEX modules_last_seen ON modules (last_seen);
+CREATE TABLE programs (key TEXT PRIMARY KEY, path TEXT NOT NULL, last_seen REAL NOT NULL);
 """
-_TABLES = {"meta", "modules", "counts", "edges"}
+_TABLES = {"meta", "modules", "counts", "edges", "programs"}
+#: Version 1 had no programs table; it is added in place.
+_V1_TABLES = {"meta", "modules", "counts", "edges"}
 
 
 class StoreError(DbrError):
@@ -273,6 +276,16 @@ class ProfileStore:
             raise SchemaError(f"profile store {self.path} has schema version {version}, "
                               f"newer than this dbr's {SCHEMA_VERSION}: use a newer dbr, "
                               "or another state_dir")
+        if version == 1 and _V1_TABLES <= tables and not self.readonly:
+            with self._transaction(db):
+                db.execute("CREATE TABLE IF NOT EXISTS programs (key TEXT PRIMARY KEY, "
+                           "path TEXT NOT NULL, last_seen REAL NOT NULL)")
+                db.execute("UPDATE meta SET value=? WHERE name='schema_version'",
+                           (str(SCHEMA_VERSION),))
+            log.info("profile store %s: schema 1 upgraded to %d", self.path, SCHEMA_VERSION)
+            return
+        if version == 1 and _V1_TABLES <= tables:
+            return           # a reader of a version 1 store: it has no programs yet
         if version != SCHEMA_VERSION or not _TABLES <= tables:
             self._corrupt(f"schema version {version} with tables {sorted(tables)}")
 
@@ -415,10 +428,29 @@ class ProfileStore:
                                              (cutoff,))]
             for key in keys:
                 self._delete(db, key)
+            db.execute("DELETE FROM programs WHERE last_seen<?", (cutoff,))
         if keys:
             log.info("profile store: %d module(s) not seen for %.0f days expired",
                      len(keys), self.expiry_s / 86400)
         return len(keys)
+
+    # ---------------------------------------------------------------- programs
+    def mark_program(self, key: str, path: str, now: float | None = None) -> None:
+        """Record that a run of the program whose executable has store key ``key``
+        left hot text in some module it maps (warm start: warmstart.py)."""
+        check_text(path, "path")
+        now = time.time() if now is None else now
+        with self._lock, self._transaction() as db:
+            db.execute("INSERT INTO programs VALUES (?, ?, ?) ON CONFLICT(key) DO UPDATE "
+                       "SET path=excluded.path, last_seen=excluded.last_seen",
+                       (key, path, now))
+
+    def programs(self) -> dict[str, str]:
+        """Programs marked so: store key of the executable -> its path."""
+        try:
+            return dict(self._rows("SELECT key, path FROM programs ORDER BY last_seen DESC"))
+        except sqlite3.OperationalError:      # a reader of a version 1 store
+            return {}
 
     def forget(self, key: str) -> bool:
         """Delete one module's profile; whether there was one."""
@@ -427,7 +459,7 @@ class ProfileStore:
 
     @staticmethod
     def _delete(db: sqlite3.Connection, key: str) -> bool:
-        for table in ("counts", "edges"):
+        for table in ("counts", "edges", "programs"):
             db.execute(f"DELETE FROM {table} WHERE key=?", (key,))
         return db.execute("DELETE FROM modules WHERE key=?", (key,)).rowcount > 0
 

@@ -71,6 +71,10 @@ class WarmStart:
         #: exe store key -> the first warm job's result for a process of it, the maps
         #: it was selected on, when, and how often it was reused.
         self._results: dict[str, list] = {}
+        #: Store keys of executables a recorded run of which left hot text in some
+        #: module (warm even when it is not the executable's: libpython for python3);
+        #: the store's programs table, mirrored.
+        self._programs: set[str] = set(self._call("list programs", store.programs) or ())
         self.reuses = 0
 
     @classmethod
@@ -163,6 +167,10 @@ class WarmStart:
         if recorded:
             self.runs_recorded += 1
             log.info("pid %d (%s): profile of %d module(s) stored", s.pid, s.exe, recorded)
+            exe = self._exe_key(s)
+            if exe and any(hot.values()) and self._call(
+                    f"mark {s.exe}", lambda: self.store.mark_program(exe, s.exe) or True):
+                self._programs.add(exe)
         return self.is_warm(s)
 
     # ---------------------------------------------------------------- warm clients
@@ -173,8 +181,15 @@ class WarmStart:
         return None if mk is None else mk.key
 
     def is_warm(self, s: Any) -> bool:
+        """Whether the client's program is warm: its executable has stored hot text, or
+        a run of it recorded by this service left hot text in a module it maps (a
+        library, as libpython for python3)."""
         key = self._exe_key(s)
-        prof = self._lookup(key) if key else None
+        if not key:
+            return False
+        if key in self._programs:
+            return True
+        prof = self._lookup(key)
         return prof is not None and bool(prof.hot_text)
 
     def job_input(self, s: Any) -> dict[int, int]:
@@ -250,7 +265,17 @@ class WarmStart:
         file at their path is still the one profiled (a library's hint names a file no
         process runs as its program: harmless); how many were written."""
         summaries = self._call("list it", self.store.summaries) or []
+        progs = self._call("list programs", self.store.programs) or {}
         n = 0
+        for key, path in list(progs.items())[:MAX_START_HINTS]:
+            try:
+                st = os.stat(path)
+                if module_key(path).key != key:
+                    continue
+            except (OSError, ModuleKeyError, DbrError):
+                continue
+            self.write_hint(program_key(st), dir_fd)
+            n += 1
         for sm in sorted(summaries, key=lambda x: -x.last_seen)[:MAX_START_HINTS]:
             if not sm.regions:
                 continue
