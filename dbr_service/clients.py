@@ -187,8 +187,6 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
         self._perf_map: PerfMap | None = None
         self._jitdump: JitDump | None = None
         self._where_names: dict[str, str] = {}    # region id -> named entry (_where)
-        #: The maps a warm job selected on, until its result is kept (results.py).
-        self.warm_job_maps: list[MapEntry] | None = None
         self._maps_due = 0.0     # monotonic s a deferred maps reread is due (0: none)
         self._maps_read = 0.0    # monotonic s of the last reread
         self._alive_look = time.monotonic()

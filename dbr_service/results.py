@@ -24,6 +24,10 @@ class JobResults:
         self.post(lambda: self._apply_result(res, session_id))
 
     def _apply_result(self, res: JobResult | BaseException, session_id: int) -> None:
+        if self.warm is not None:
+            # a warm job's selection is kept for the program's next processes, also
+            # when this one has ended meanwhile; before installation annotates it
+            self.warm.job_done(session_id, None if isinstance(res, BaseException) else res)
         s = self._session_by_id(session_id)
         if s is None:
             return
@@ -73,10 +77,6 @@ class JobResults:
                                                  d["code_bytes"], dot=d.get("dot"),
                                                  info={"pipeline_id": d["id"]})
                 book.regions = keep
-            if s.warm_job_maps is not None and self.warm is not None and s.jobs_done == 1:
-                # before installation annotates the regions it emits
-                self.warm.remember(s, s.warm_job_maps, res)
-                s.warm_job_maps = None
             if self.config.patching and res.srs and s.alive and not s.paused:
                 fut = s.post(lambda s=s, srs=res.srs, ids=ids: s.install_selected(srs, ids))
                 fut.add_done_callback(lambda f, s=s: self._task_failed(s, f, "installation"))

@@ -275,7 +275,8 @@ class SnapshotCycle:
                         quick=True)
         if self.scheduler.schedule([job], self.config.max_workers):
             s.mark("warm_job_queued")
-            s.warm_job_maps = job.maps     # what its result is kept with (_apply_result)
+            if self.warm is not None:      # its result is kept with these (_apply_result)
+                self.warm.job_queued(s, job.maps)
             if self.warm is not None:
                 self.warm.warm_jobs += 1
 

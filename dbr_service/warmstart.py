@@ -22,6 +22,7 @@ safe) leaves the service without warm start, with a WARNING; it never stops it.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import logging
 import os
@@ -71,6 +72,8 @@ class WarmStart:
         #: exe store key -> the first warm job's result for a process of it, the maps
         #: it was selected on, when, and how often it was reused.
         self._results: dict[str, list] = {}
+        #: session id -> (exe store key, maps) of a warm job queued and not done.
+        self._pending: dict[int, tuple[str, list[MapEntry]]] = {}
         #: Store keys of executables a recorded run of which left hot text in some
         #: module (warm even when it is not the executable's: libpython for python3);
         #: the store's programs table, mirrored.
@@ -194,8 +197,10 @@ class WarmStart:
 
     def job_input(self, s: Any) -> dict[int, int]:
         """Session thread, when a warm client connects (its map read): the samples by
-        address its first job selects from, from the stored profiles of the modules it
-        maps that have hot text."""
+        address its first job selects from: the stored counts of the modules it maps
+        that have hot text, those within that hot text's code only, so that the job
+        selects what was installed before and not the whole profile again (a large
+        one, libpython's, takes a worker seconds)."""
         maps = list(s.maps)
         out: dict[int, int] = {}
         for path in sorted({m.path for m in maps if m.executable and m.path.startswith("/")}):
@@ -205,19 +210,38 @@ class WarmStart:
                 continue
             base = module_base(maps, path)
             ends = [m for m in maps if m.path == path and m.executable]
+            spans: list[tuple[int, int]] = []
+            for lo, hi in sorted(b for r in prof.hot_text for b in r.blocks):
+                if spans and lo <= spans[-1][1]:
+                    spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
+                else:
+                    spans.append((lo, hi))
+            starts = [lo for lo, _ in spans]
             for off, n in prof.counts.items():
+                i = bisect.bisect_right(starts, off) - 1
+                if i < 0 or off >= spans[i][1]:
+                    continue
                 addr, c = base + off, int(round(n))
                 if c > 0 and any(m.lo <= addr < m.hi for m in ends):
                     out[addr] = out.get(addr, 0) + c
         return out
 
     # ---------------------------------------------------------------- selections kept
-    def remember(self, s: Any, maps: list[MapEntry], res: Any) -> None:
-        """Control thread: keep a warm job's result (a copy: installation annotates
-        the regions it emits) to reuse for the next processes of the program."""
+    def job_queued(self, s: Any, maps: list[MapEntry]) -> None:
+        """Control thread: a warm job of session ``s`` selects on ``maps``."""
         key = self._exe_key(s)
-        if key and res.srs:
-            self._results[key] = [list(maps), copy.deepcopy(res), time.monotonic(), 0]
+        if key:
+            self._pending[s.session_id] = (key, list(maps))
+            while len(self._pending) > MAX_KEPT_SELECTIONS:   # jobs lost on the way
+                self._pending.pop(next(iter(self._pending)))
+
+    def job_done(self, session_id: int, res: Any) -> None:
+        """Control thread, before the result is installed: keep a warm job's result (a
+        copy: installation annotates the regions it emits) to reuse for the next
+        processes of the program."""
+        key, maps = self._pending.pop(session_id, (None, None))
+        if key and res is not None and res.srs:
+            self._results[key] = [maps, copy.deepcopy(res), time.monotonic(), 0]
             while len(self._results) > MAX_KEPT_SELECTIONS:
                 self._results.pop(next(iter(self._results)))
 
