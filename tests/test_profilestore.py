@@ -396,3 +396,38 @@ def test_an_empty_file_is_an_empty_store_and_bad_knobs_are_refused(tmp_path):
             ProfileStore(tmp_path, **knobs)
     with ProfileStore(tmp_path, readonly=True) as rd, pytest.raises(StoreError, match="read-only"):
         rd.record_run(_mk(), {1: 1})
+
+
+def test_programs_are_marked_kept_and_forgotten_with_their_key(tmp_path):
+    st = ProfileStore(tmp_path, expiry_s=30 * DAY)
+    t0 = time.time()
+    st.mark_program(_mk(1).key, "/usr/bin/python3.11", now=t0)
+    st.mark_program(_mk(2).key, "/usr/bin/old", now=t0 - 40 * DAY)
+    assert st.programs() == {_mk(1).key: "/usr/bin/python3.11", _mk(2).key: "/usr/bin/old"}
+    assert st.expire(now=t0) == 0 and st.programs() == {_mk(1).key: "/usr/bin/python3.11"}
+    st.record_run(_mk(1), {0x10: 3}, None, None, now=t0)
+    assert st.forget(_mk(1).key) and st.programs() == {}
+    st.close()
+
+
+def test_a_version_1_store_is_upgraded_in_place_with_its_data(tmp_path):
+    st = ProfileStore(tmp_path)
+    st.record_run(_mk(), {0x10: 5}, None, _hot(0x10), now=time.time())
+    st.close()
+    db = sqlite3.connect(tmp_path / ps.DB_NAME)
+    db.execute("DROP TABLE programs")
+    db.execute("UPDATE meta SET value='1' WHERE name='schema_version'")
+    db.commit()
+    db.close()
+    reader = ProfileStore(tmp_path, readonly=True)      # a reader sees it as it is
+    assert reader.programs() == {} and reader.lookup(_mk().key).counts == {0x10: 5}
+    reader.close()
+    st = ProfileStore(tmp_path)                         # a writer upgrades it
+    assert st.lookup(_mk().key).hot_text == _hot(0x10)
+    st.mark_program(_mk(3).key, "/bin/p")
+    assert st.programs() == {_mk(3).key: "/bin/p"}
+    st.close()
+    db = sqlite3.connect(tmp_path / ps.DB_NAME)
+    assert db.execute("SELECT value FROM meta WHERE name='schema_version'").fetchone() == \
+        (str(ps.SCHEMA_VERSION),)
+    db.close()
