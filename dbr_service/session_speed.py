@@ -162,7 +162,8 @@ class SessionSpeedChecks:
                             rec.recheck_mono = time.monotonic()  # not judged: checked later
                         else:
                             rec.info["speed_check"] = {"verdict": chk.verdict,
-                                                       "ratio": chk.ratio}
+                                                       "ratio": chk.ratio,
+                                                       "measure": chk.measure}
                 if not held:
                     continue
                 if slower:

@@ -16,8 +16,9 @@ from dbr_service.cadence import SessionCadence
 from dbr_service.clients import ClientSession
 from dbr_service.session_regions import RegionBook, RegionRecord, RegionState
 from dbr_service.install import InstallState
-from dbr_service.speedcheck import (CHECK_TRIES, MIN_CPU_S, MIN_IO_BYTES, ORIGINAL, REPLACEMENT,
-                                    Progress, SpeedCheck, read_progress)
+from dbr_service.speedcheck import (CHECK_TRIES, MIN_CPU_S, MIN_ENTRIES, MIN_IO_BYTES, ORIGINAL,
+                                    REPLACEMENT, Progress, SpeedCheck, read_progress,
+                                    verdict_text)
 
 
 def run_check(rates: dict[str, list[float]], pairs: int = 6, cpu_s: float = 0.4,
@@ -95,6 +96,60 @@ def test_a_program_with_little_io_is_unmeasurable_after_one_phase():
     idle.begin(REPLACEMENT, Progress(0, 0), 1.0)
     idle.end(Progress(10 * MIN_IO_BYTES, int(MIN_CPU_S * 1e9) - 1))
     assert idle.verdict == "unmeasurable"
+
+
+def run_counted_check(rates: dict[str, float], io_rate: float = 1000.0,
+                      cpu_s: float = 0.4) -> SpeedCheck:
+    """Drive a check of a program with little I/O whose progress points are passed
+    rates[K] times per CPU second in phases of kind K."""
+    chk = SpeedCheck([1], ["a"], pairs=4)
+    io, cpu, n = 0, 10**9, 0
+    while (kind := chk.next_kind()) is not None:
+        chk.begin(kind, Progress(io, cpu, n), 1.0)
+        io += int(io_rate * cpu_s)
+        cpu += int(cpu_s * 1e9)
+        n += int(rates[kind] * cpu_s)
+        chk.end(Progress(io, cpu, n))
+    return chk
+
+
+def test_a_program_with_little_io_is_judged_by_its_progress_points():
+    slower = run_counted_check({REPLACEMENT: 90_000.0, ORIGINAL: 100_000.0})
+    assert (slower.verdict, slower.measure) == ("slower", "entries"), slower.why
+    assert slower.ratio == pytest.approx(0.9, abs=0.001)
+    assert slower.summary()["measure"] == "entries"
+    same = run_counted_check({REPLACEMENT: 100_000.0, ORIGINAL: 100_000.0})
+    assert (same.verdict, same.measure) == ("same", "entries")
+    faster = run_counted_check({REPLACEMENT: 125_000.0, ORIGINAL: 100_000.0})
+    assert (faster.verdict, faster.measure) == ("faster", "entries")
+
+
+def test_enough_io_is_measured_by_io_even_with_progress_points():
+    chk = run_counted_check({REPLACEMENT: 90_000.0, ORIGINAL: 100_000.0},
+                            io_rate=10 * MIN_IO_BYTES)
+    assert (chk.verdict, chk.measure) == ("same", "io"), chk.why
+
+
+def test_too_few_passes_and_too_little_io_are_unmeasurable():
+    chk = SpeedCheck([1], ["a"])
+    chk.begin(REPLACEMENT, Progress(0, 0, 0), 1.0)
+    chk.end(Progress(100, 10**9, MIN_ENTRIES - 1))
+    assert chk.verdict == "unmeasurable" and chk.measure is None
+    assert f"{MIN_ENTRIES - 1} passes" in chk.why
+    # points lost after the check chose them (their trampolines were removed): ends it
+    chk = SpeedCheck([1], ["a"])
+    chk.begin(REPLACEMENT, Progress(0, 0, 0), 1.0)
+    chk.end(Progress(100, 10**9, 10 * MIN_ENTRIES))
+    assert chk.measure == "entries" and not chk.done
+    chk.begin(chk.next_kind(), Progress(100, 10**9, 10 * MIN_ENTRIES), 2.0)
+    chk.end(Progress(200, 2 * 10**9, None))
+    assert chk.verdict == "unmeasurable" and "progress points" in chk.why
+
+
+def test_verdict_text_names_the_entries_measure():
+    assert verdict_text("slower", 0.9, "entries") == "slower x0.900 by entries"
+    assert verdict_text("slower", 0.9, "io") == "slower x0.900"
+    assert verdict_text("unmeasurable", None, None) == "unmeasurable"
 
 
 def test_unreadable_progress_ends_the_check():
