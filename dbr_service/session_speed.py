@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 
-from dbr_service.errors import AgentError
+from dbr_service.errors import AgentError, ProtocolError
+from dbr_service.progress_points import CounterSpace, ProgressPoints, choose_points
 from dbr_service.session_regions import RegionRecord
 from dbr_service.states import HELD, InstallState, RegionState
-from dbr_service.speedcheck import CHECK_TRIES, ORIGINAL, SpeedCheck, read_progress
+from dbr_service.speedcheck import CHECK_TRIES, ORIGINAL, Progress, SpeedCheck, read_progress
 
 #: Speed checks whose summaries a client keeps (dbr ctl clients, the report).
 SPEED_CHECKS_KEPT = 16
@@ -75,7 +76,8 @@ class SessionSpeedChecks:
         chk = SpeedCheck([i for _, i in todo], [r for r, _ in todo], pairs=pairs,
                          phase_s=phase_s, margin=margin)
         self.speed_check = chk
-        chk.begin(chk.next_kind() or "", read_progress(self.pid), time.monotonic())
+        self._speed_points_install(chk)
+        chk.begin(chk.next_kind() or "", self._speed_progress(), time.monotonic())
         if chk.done:
             self._speed_finish()
         return True
@@ -86,12 +88,12 @@ class SessionSpeedChecks:
         chk = self.speed_check
         if chk is None:
             return
-        chk.end(read_progress(self.pid))
+        chk.end(self._speed_progress())
         kind = chk.next_kind()
         if kind is not None:
             try:
                 if self._speed_set(chk, kind):
-                    chk.begin(kind, read_progress(self.pid), time.monotonic())
+                    chk.begin(kind, self._speed_progress(), time.monotonic())
                 else:
                     chk.stop("abandoned", "a region of the check was removed meanwhile")
             except AgentError as exc:
@@ -100,6 +102,31 @@ class SessionSpeedChecks:
                 chk.stop("abandoned", f"the agent refused a step: {exc}")
         if chk.done:
             self._speed_finish()
+
+    def _speed_points_install(self, chk: SpeedCheck) -> None:
+        """Patch the check's progress points to counting trampolines
+        (dbr_service/progress_points.py), for programs with too little I/O to measure;
+        any failure leaves the check to I/O alone."""
+        inst = self.installer
+        if self.counter_space is None:
+            self.counter_space = CounterSpace(inst.conn)
+        checked = [inst.regions[i] for i in chk.region_ids]
+        held = [r for r in inst.regions.values() if r.state in HELD]
+        points = ProgressPoints(inst, self.counter_space)
+        self.speed_points = points
+        try:
+            points.install(choose_points(checked, held, inst.read_original))
+        except (AgentError, ProtocolError, OSError) as exc:
+            points.refused[0] = str(exc)
+        chk.points = sorted(points.points)
+
+    def _speed_progress(self) -> Progress | None:
+        """The program's progress now, with its progress points' passes if any."""
+        at = read_progress(self.pid)
+        points = self.speed_points
+        if at is None or points is None or not points.points:
+            return at
+        return Progress(at.io_bytes, at.cpu_ns, points.read())
 
     def _speed_set(self, chk: SpeedCheck, kind: str) -> bool:
         """Suspend (ORIGINAL) or resume (REPLACEMENT) every region of the check; False
@@ -135,9 +162,12 @@ class SessionSpeedChecks:
         their original code is left alone from then on; every other region of the
         check is patched again (if it is suspended) and stays."""
         chk, self.speed_check = self.speed_check, None
+        points, self.speed_points = self.speed_points, None
         if chk is None or self.installer is None:
             return
         inst = self.installer
+        if points is not None:
+            points.remove()
         slower = chk.verdict == "slower"
         why = f"slower than its original code (speed check: {chk.why})"
         # held before any removal: a region of the check that a removal below takes

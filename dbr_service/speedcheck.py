@@ -166,6 +166,8 @@ class SpeedCheck:
     interval: tuple[float, float] | None = None
     #: IO or ENTRIES, chosen at the end of the first phase (None until then).
     measure: str | None = None
+    #: The progress points counted (original addresses).
+    points: list[int] = field(default_factory=list)
 
     @property
     def order(self) -> list[str]:
@@ -259,7 +261,7 @@ class SpeedCheck:
 
     def summary(self) -> dict:
         return {"regions": list(self.names), "verdict": self.verdict, "why": self.why,
-                "measure": self.measure,
+                "measure": self.measure, "points": [hex(p) for p in self.points],
                 "ratio": None if self.ratio is None else round(self.ratio, 4),
                 "interval": None if self.interval is None else
                 [round(x, 4) for x in self.interval],

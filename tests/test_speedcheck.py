@@ -253,6 +253,7 @@ def _session(monkeypatch):
     s = ClientSession.__new__(ClientSession)
     s.pid, s.lock, s.installer = 1, threading.RLock(), _Installer()
     s.speed_check, s.slow_ranges, s.region_book = None, [], RegionBook(s.lock)
+    s.speed_points = s.counter_space = None
     s.speed_checks, s.cadence, s.patches_removed = collections.deque(maxlen=16), SessionCadence(), 0
     s.service = types.SimpleNamespace(events=types.SimpleNamespace(publish=lambda *a, **k: None))
     monkeypatch.setattr(s, "_write_perf_map", lambda: None)

@@ -90,6 +90,8 @@ class Trampoline:
     code: bytes
     #: Bytes of original code from ``site`` that it stands for (the patch covers 5).
     covered: int
+    #: (address in ``code``, original target) of each branch back to original code.
+    exits: tuple[tuple[int, int], ...] = ()
 
 
 #: What a trampoline relocates: code that neither calls nor leaves by an indirect
@@ -110,6 +112,7 @@ def counting_trampoline(code: bytes, site: int, at: int, counter: int,
         raise CannotRelocate(f"flags live at {site:#x}: no counter there")
     rel = relocator or Relocator()
     out = bytearray(counter_bytes(at, counter))
+    exits: list[tuple[int, int]] = []
     n = 0
     ended = False
     while n < JMP_LEN:
@@ -122,6 +125,7 @@ def counting_trampoline(code: bytes, site: int, at: int, counter: int,
                 site < insn.operands[0].imm < site + max(JMP_LEN, n + insn.size):
             raise CannotRelocate(f"branch at {insn.address:#x} into the patched bytes")
         r = rel.relocate_insn(code[n:n + insn.size], site + n, at + len(out))
+        exits += [(at + len(out) + f.insn_off, f.orig_target) for f in r.exits]
         out += r.code
         n += insn.size
         if kind is Kind.JMP:
@@ -133,5 +137,6 @@ def counting_trampoline(code: bytes, site: int, at: int, counter: int,
     if not ended:
         w = X86Writer(at + len(out))
         w.put_jmp(site + n)
+        exits.append((at + len(out), site + n))
         out += w.finish()
-    return Trampoline(site, at, bytes(out), n)
+    return Trampoline(site, at, bytes(out), n, tuple(exits))
