@@ -2,14 +2,22 @@
 (docs/decisions/0028-speed-checks.md).
 
 A progress point is an address of original code that the program passes equally
-often per unit of its work whichever code runs.  The points chosen are the checked
-regions' exit targets -- where their copies jump back to original code, which is where
-the original code goes the same way -- that lie outside every held region's copied
-code (so no copy runs past them) and outside every patch site.  Each is patched, for
-the length of the check and in both of its phases, to a counting trampoline
-(codegen/counting.py): the same counter code in both phases, so its cost falls on
-both sides of every pair.  A trampoline is installed like a tiny region, through the
-installer's relocation and patch machinery; its counter lives in a data buffer
+often per unit of its work whichever code runs.  Two kinds are counted:
+
+* **Entry points**: a checked region's plain entry sites that no edge inside the
+  region targets (a loop head is passed by its back edge inside the copy: not one),
+  of a region that neither calls another's copy nor is called by one (calls that
+  enter a copy without passing its site).  With the regions in, the site is patched
+  to a *counting entry* instead of the copy's entry: ``lock inc`` of the counter and
+  ``jmp`` to the copy's entry; with them out, to a counting trampoline at the site.
+* **Exit points**: the checked regions' exit targets, where their copies jump back
+  to original code just where the original code goes.  Patched to a counting
+  trampoline in both phases.
+
+Either kind lies outside every other held region's copied code (no copy runs past
+it).  Both phases run the same counter instruction per pass, so its cost falls on
+both sides of every pair.  Trampolines are installed like tiny regions, through the
+installer's relocation and patch machinery; counters live in a data buffer
 (CODE_BUFFER_REQ with DBR_BUFFER_F_DATA) that the service reads.
 
 A point is used only where a plain patch site is valid (its first instruction spans
@@ -20,11 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from dbr_service import protocol as P
-from dbr_service.agentconn import CodeBufferHandle
-from dbr_service.codegen.counting import counting_trampoline
-from dbr_service.codegen.relocate import CannotRelocate, Relocator
+from dbr_service.agentconn import CodeBufferHandle, make_site
+from dbr_service.codegen.counting import counter_bytes, counting_trampoline
+from dbr_service.codegen.relocate import CannotRelocate, Relocator, jmp_rel32
 from dbr_service.errors import AgentError, CodegenError, ProtocolError
 from dbr_service.installed import InstalledRegion
 from dbr_service.states import HELD, InstallState
@@ -33,6 +42,8 @@ from dbr_service.states import HELD, InstallState
 POINTS_MAX = 16
 #: Bytes of one counter.
 SLOT = 8
+#: Bytes of a counting entry: ``lock inc qword [rip+d]``, ``jmp rel32``.
+COUNTING_ENTRY_LEN = 13
 #: A data buffer is used for counters within this distance of both ends (rel32 reach
 #: less the agent's own margin).
 _REACH = (1 << 31) - (64 << 10)
@@ -109,8 +120,19 @@ class CounterSpace:
         return buf, addr
 
 
+@dataclass
+class _Entry:
+    """A counted entry site of a checked region."""
+
+    region_id: int
+    site: int
+    trampoline_id: int          # the counting trampoline at the site (original phases)
+    stub: Any                   # the chunk holding the counting entry (codespace.Chunk)
+    direct: P.PatchSite         # the region's own record for the site
+
+
 class ProgressPoints:
-    """The counting trampolines of one speed check."""
+    """The counting trampolines and counting entries of one speed check."""
 
     def __init__(self, installer, space: CounterSpace) -> None:
         self.installer = installer
@@ -118,6 +140,96 @@ class ProgressPoints:
         #: point -> (its trampoline's region id, counter buffer, counter address)
         self.points: dict[int, tuple[int, CodeBufferHandle, int]] = {}
         self.refused: dict[int, str] = {}                   # point -> why not counted
+        self.entries: dict[int, _Entry] = {}                # entry point -> its parts
+
+    def _trampoline(self, t: int, buf: CodeBufferHandle, ctr: int, rel: Relocator):
+        """Install the counting trampoline for ``t`` (patched); its InstalledRegion."""
+        inst = self.installer
+        code = inst.read_original(t, 64)
+        probe = counting_trampoline(code, t, t, ctr, rel)
+        chunk = inst.reserve(len(probe.code), [t, t + probe.covered, ctr])
+        tr = counting_trampoline(code, t, chunk.addr, ctr, rel)
+        gen = TrampolineCode(tr.code, chunk.addr, {t: chunk.addr},
+                             [(chunk.addr, chunk.addr + len(tr.code), t)], list(tr.exits))
+        return inst.install(chunk, gen, name=f"count@{t:#x}",
+                            orig_ranges=[(t, t + tr.covered)],
+                            exit_ranges=[(t, t + tr.covered + 1),
+                                         *((x, x + 1) for _, x in tr.exits)])
+
+    def install_entries(self, checked: Sequence[InstalledRegion],
+                        held: Sequence[InstalledRegion]) -> int:
+        """Count the checked regions' entry points (module docstring); each region is
+        suspended and resumed once to retarget its sites.  How many are counted."""
+        inst = self.installer
+        rel = Relocator()
+        for reg in checked:
+            if reg.state is not InstallState.INSTALLED or reg.calls_into or \
+                    inst.linkers(reg):
+                continue
+            others = [r for x in held if x is not reg for r in x.orig_ranges]
+            wanted = []
+            for s in reg.patched_sites:
+                if s.flags & P.SITE_F_ENTRY or s.site not in reg.free_entries or \
+                        s.site in self.points or _overlaps(s.site, s.site + P.PATCH_LEN, others):
+                    continue
+                try:
+                    # the site holds the region's jmp now: its own bytes from the record
+                    code = bytes(s.orig)[:P.PATCH_LEN] + \
+                        inst.read_original(s.site + P.PATCH_LEN, 64 - P.PATCH_LEN)
+                    counting_trampoline(code, s.site, s.site, s.site, rel)
+                except (CannotRelocate, OSError, ValueError) as exc:
+                    self.refused[s.site] = str(exc)
+                    continue
+                wanted.append(s)
+            if wanted:
+                self._count_entries(reg, wanted, rel)
+        return len(self.entries)
+
+    def _count_entries(self, reg: InstalledRegion, wanted: list[P.PatchSite],
+                       rel: Relocator) -> None:
+        inst = self.installer
+        inst.suspend(reg.region_id)
+        retarget: dict[int, P.PatchSite] = {}
+        try:
+            for s in wanted:
+                try:
+                    buf, ctr = self.space.counter(s.site)
+                    entry = reg.gen.entries[s.site]
+                    stub = inst.reserve(COUNTING_ENTRY_LEN, [s.site, ctr, entry])
+                    stub.buffer.write(stub.addr, counter_bytes(stub.addr, ctr) +
+                                      jmp_rel32(stub.addr + COUNTING_ENTRY_LEN - 5, entry))
+                    tramp = self._trampoline(s.site, buf, ctr, rel)
+                    if tramp.state is not InstallState.INSTALLED:
+                        inst.space.release(stub)
+                        self.refused[s.site] = tramp.why_removed
+                        continue
+                    inst.suspend(tramp.region_id)
+                except (CodegenError, AgentError, ProtocolError, OSError) as exc:
+                    self.refused[s.site] = str(exc)
+                    continue
+                retarget[s.site] = make_site(s.site, stub.addr, bytes(s.orig)[:P.PATCH_LEN],
+                                             s.variant, reg.region_id)
+                self.entries[s.site] = _Entry(reg.region_id, s.site, tramp.region_id, stub, s)
+                self.points[s.site] = (tramp.region_id, buf, ctr)
+        finally:
+            _retarget(reg, retarget)
+            inst.resume(reg.region_id)
+
+    def original_phase(self, region_id: int) -> None:
+        """The region was just suspended: its counted entries go to their trampolines."""
+        for e in self.entries.values():
+            t = self.installer.regions.get(e.trampoline_id)
+            if e.region_id == region_id and t is not None and \
+                    t.state is InstallState.SUSPENDED:
+                self.installer.resume(e.trampoline_id)
+
+    def replacement_phase(self, region_id: int) -> None:
+        """The region is about to be resumed: its entries' trampolines come off first."""
+        for e in self.entries.values():
+            t = self.installer.regions.get(e.trampoline_id)
+            if e.region_id == region_id and t is not None and \
+                    t.state is InstallState.INSTALLED:
+                self.installer.suspend(e.trampoline_id)
 
     def install(self, points: Sequence[int]) -> int:
         """Patch each point to a counting trampoline; how many are counted.  A point
@@ -150,25 +262,58 @@ class ProgressPoints:
 
     def read(self) -> int | None:
         """Passes of every counted point so far; None if there is none, or one of them
-        is no longer patched (a map change took it: the sum would lose its passes)."""
+        is gone (a map change took its trampoline or its region: the sum would lose
+        its passes)."""
         if not self.points:
             return None
         total = 0
-        for rid, buf, ctr in self.points.values():
-            reg = self.installer.regions.get(rid)
+        for t, (rid, buf, ctr) in self.points.items():
+            held = [rid] + ([self.entries[t].region_id] if t in self.entries else [])
             n = buf.read_u64(ctr)
-            if reg is None or reg.state is not InstallState.INSTALLED or n is None:
+            if n is None or any((r := self.installer.regions.get(i)) is None or
+                                r.state not in HELD for i in held):
                 return None
             total += n
         return total
 
     def remove(self, why: str = "speed check over") -> None:
-        """Restore every point (the trampolines' code goes to quarantine)."""
+        """Restore every point (the trampolines' code goes to quarantine) and the
+        counted regions' own entries: a region still patched through its counting
+        entries is suspended and left so, with its own records back, for the caller
+        to resume (or remove)."""
+        inst = self.installer
         for rid, _, _ in self.points.values():
-            reg = self.installer.regions.get(rid)
+            reg = inst.regions.get(rid)
             if reg is not None and reg.state in HELD:
                 try:
-                    self.installer.uninstall(rid, why)
+                    inst.uninstall(rid, why)
                 except AgentError:
                     pass
+        by_region: dict[int, dict[int, P.PatchSite]] = {}
+        for e in self.entries.values():
+            by_region.setdefault(e.region_id, {})[e.site] = e.direct
+        for rid, direct in by_region.items():
+            reg = inst.regions.get(rid)
+            if reg is None or reg.state not in HELD:
+                continue
+            if reg.state is InstallState.INSTALLED:
+                try:
+                    inst.suspend(rid)
+                except AgentError:
+                    # the sites stay patched through the counting entries: the region
+                    # keeps those records (and the stubs their code) until it goes
+                    by_region[rid] = {}
+                    continue
+            _retarget(reg, direct)
+        for e in self.entries.values():
+            if e.site in by_region.get(e.region_id, {}):
+                inst.space.release(e.stub)
         self.points.clear()
+        self.entries.clear()
+
+
+def _retarget(reg: InstalledRegion, records: dict[int, P.PatchSite]) -> None:
+    """Replace a region's patch records for the sites in ``records`` (its suspended
+    ones too): what it patches on resume and unpatches on removal."""
+    reg.sites = [records.get(s.site, s) for s in reg.sites]
+    reg.suspended_sites = [records.get(s.site, s) for s in reg.suspended_sites]

@@ -3,6 +3,7 @@ session thread: regions suspended and resumed phase by phase, and the verdict ac
 
 from __future__ import annotations
 
+import logging
 import time
 
 from dbr_service.errors import AgentError, ProtocolError
@@ -13,6 +14,8 @@ from dbr_service.speedcheck import CHECK_TRIES, ORIGINAL, Progress, SpeedCheck, 
 
 #: Speed checks whose summaries a client keeps (dbr ctl clients, the report).
 SPEED_CHECKS_KEPT = 16
+
+log = logging.getLogger("dbr.clients")
 
 
 class SessionSpeedChecks:
@@ -111,14 +114,19 @@ class SessionSpeedChecks:
         if self.counter_space is None:
             self.counter_space = CounterSpace(inst.conn)
         checked = [inst.regions[i] for i in chk.region_ids]
-        held = [r for r in inst.regions.values() if r.state in HELD]
         points = ProgressPoints(inst, self.counter_space)
         self.speed_points = points
         try:
+            points.install_entries(checked, [r for r in inst.regions.values()
+                                             if r.state in HELD])
+            held = [r for r in inst.regions.values() if r.state in HELD]
             points.install(choose_points(checked, held, inst.read_original))
         except (AgentError, ProtocolError, OSError) as exc:
             points.refused[0] = str(exc)
         chk.points = sorted(points.points)
+        log.info("pid %d: speed check of %s counts %d progress point(s) (%d entries)%s",
+                 self.pid, ", ".join(chk.names), len(points.points), len(points.entries),
+                 "".join(f"; {a:#x} not: {why}" for a, why in points.refused.items()))
 
     def _speed_progress(self) -> Progress | None:
         """The program's progress now, with its progress points' passes if any."""
@@ -137,11 +145,16 @@ class SessionSpeedChecks:
             reg = inst.regions.get(iid)
             if reg is None or reg.state not in HELD:
                 return False
+            points = self.speed_points
             if kind == ORIGINAL and reg.state is InstallState.INSTALLED:
                 inst.suspend(iid)
-            elif kind != ORIGINAL and reg.state is InstallState.SUSPENDED and \
-                    not self._speed_resume(iid):
-                return False
+                if points is not None:
+                    points.original_phase(iid)
+            elif kind != ORIGINAL and reg.state is InstallState.SUSPENDED:
+                if points is not None:
+                    points.replacement_phase(iid)
+                if not self._speed_resume(iid):
+                    return False
         return True
 
     def _speed_resume(self, iid: int) -> bool:

@@ -62,6 +62,9 @@ def _code(lines: list[str], at: int = ORIG) -> bytes:
     ("mov rax, rbx; mov rcx, rdx", False),      # code ends before any write
     ("setb al; add eax, 1", True),              # CF is not inc's
     ("and eax, 1; jp 0x400100", True),          # and writes all five first
+    ("xor rax, rdx; test rsi, rsi; jle 0x400100", True),   # AF undefined after xor
+    ("bsf rax, rbx; jz 0x400100", True),        # OF SF AF PF undefined, ZF written
+    ("bt rax, 3; jz 0x400100", False),          # CF only: ZF is still the old one
 ])
 def test_inc_flags_dead(text: str, dead: bool) -> None:
     assert inc_flags_dead(asm(text, ORIG), ORIG) is dead, text

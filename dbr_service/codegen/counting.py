@@ -67,7 +67,11 @@ def inc_flags_dead(code: bytes, addr: int, max_insns: int = FLAG_SCAN_MAX) -> bo
         if any(fl & _READS[f] for f in pending):
             return False
         if insn.id not in _COUNTED_SHIFTS:
-            pending -= {f for f in _FLAGS if fl & _WRITES[f]}
+            written = {f for f in _FLAGS if fl & _WRITES[f]}
+            if {"OF", "SF", "ZF", "PF"} <= written:
+                # and, or, xor, test: the SDM leaves AF undefined, capstone leaves it out
+                written.add("AF")
+            pending -= written
         if not pending:
             return True
     return False
