@@ -77,9 +77,8 @@ class SessionSpeedChecks:
         if not todo:
             return False
         chk = SpeedCheck([i for _, i in todo], [r for r, _ in todo], pairs=pairs,
-                         phase_s=phase_s, margin=margin)
+                         phase_s=phase_s, margin=margin, may_count=True)
         self.speed_check = chk
-        self._speed_points_install(chk)
         chk.begin(chk.next_kind() or "", self._speed_progress(), time.monotonic())
         if chk.done:
             self._speed_finish()
@@ -92,6 +91,14 @@ class SessionSpeedChecks:
         if chk is None:
             return
         chk.end(self._speed_progress())
+        if chk.wants_points:
+            why, chk.wants_points = chk.wants_points, ""
+            try:
+                counted = self._speed_points_install(chk)
+            except AgentError as exc:
+                counted, why = 0, f"{why}; counting failed: {exc}"
+            if not counted:
+                chk.stop("unmeasurable", f"{why}; no progress point could be counted")
         kind = chk.next_kind()
         if kind is not None:
             try:
@@ -106,10 +113,10 @@ class SessionSpeedChecks:
         if chk.done:
             self._speed_finish()
 
-    def _speed_points_install(self, chk: SpeedCheck) -> None:
-        """Patch the check's progress points to counting trampolines
-        (dbr_service/progress_points.py), for programs with too little I/O to measure;
-        any failure leaves the check to I/O alone."""
+    def _speed_points_install(self, chk: SpeedCheck) -> int:
+        """Patch the check's progress points to counting trampolines and counting
+        entries (dbr_service/progress_points.py), for a program with too little I/O to
+        measure; how many are counted.  A point that fails is not counted."""
         inst = self.installer
         if self.counter_space is None:
             self.counter_space = CounterSpace(inst.conn)
@@ -127,6 +134,7 @@ class SessionSpeedChecks:
         log.info("pid %d: speed check of %s counts %d progress point(s) (%d entries)%s",
                  self.pid, ", ".join(chk.names), len(points.points), len(points.entries),
                  "".join(f"; {a:#x} not: {why}" for a, why in points.refused.items()))
+        return len(points.points)
 
     def _speed_progress(self) -> Progress | None:
         """The program's progress now, with its progress points' passes if any."""

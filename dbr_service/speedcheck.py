@@ -168,6 +168,10 @@ class SpeedCheck:
     measure: str | None = None
     #: The progress points counted (original addresses).
     points: list[int] = field(default_factory=list)
+    #: The caller can count progress points; once the first phase has shown too little
+    #: I/O, ``wants_points`` says so (why it was too little) and the phase runs again.
+    may_count: bool = False
+    wants_points: str = ""
 
     @property
     def order(self) -> list[str]:
@@ -221,10 +225,15 @@ class SpeedCheck:
         least = MIN_ENTRIES if measure == ENTRIES else MIN_IO_BYTES
         if res.amount < least or res.cpu_s < MIN_CPU_S:
             counted = "" if entries is None else f", {entries} passes of its progress points"
-            self.stop("unmeasurable",
-                      f"a {self.phase_s:g} s phase saw {res.io_bytes} bytes of I/O{counted} "
-                      f"and {res.cpu_s:.3f} s of CPU (at least {MIN_IO_BYTES} bytes or "
-                      f"{MIN_ENTRIES} passes, and {MIN_CPU_S:g} s, are needed)")
+            why = (f"a {self.phase_s:g} s phase saw {res.io_bytes} bytes of I/O{counted} "
+                   f"and {res.cpu_s:.3f} s of CPU (at least {MIN_IO_BYTES} bytes or "
+                   f"{MIN_ENTRIES} passes, and {MIN_CPU_S:g} s, are needed)")
+            if self.may_count and entries is None and res.cpu_s >= MIN_CPU_S:
+                # too little I/O: the caller counts progress points, and the first
+                # phase runs again with them
+                self.may_count, self.wants_points = False, why
+                return
+            self.stop("unmeasurable", why)
             return
         self.measure = measure
         self.phases.append(res)

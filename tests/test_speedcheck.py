@@ -146,6 +146,31 @@ def test_too_few_passes_and_too_little_io_are_unmeasurable():
     assert chk.verdict == "unmeasurable" and "progress points" in chk.why
 
 
+def test_too_little_io_asks_for_progress_points_once_then_runs_the_first_phase_again():
+    chk = SpeedCheck([1], ["a"], may_count=True)
+    chk.begin(REPLACEMENT, Progress(0, 0), 1.0)
+    chk.end(Progress(100, 10**9))
+    assert not chk.done and "bytes of I/O" in chk.wants_points
+    assert chk.next_kind() == REPLACEMENT and chk.phases == []
+    chk.wants_points = ""
+    chk.begin(REPLACEMENT, Progress(100, 10**9, 0), 2.0)
+    chk.end(Progress(200, 2 * 10**9, 5 * MIN_ENTRIES))
+    assert chk.measure == "entries" and len(chk.phases) == 1
+    # counted and still too few: unmeasurable, not asked again
+    again = SpeedCheck([1], ["a"], may_count=True)
+    again.begin(REPLACEMENT, Progress(0, 0), 1.0)
+    again.end(Progress(100, 10**9))
+    again.wants_points = ""
+    again.begin(REPLACEMENT, Progress(0, 10**9, 0), 2.0)
+    again.end(Progress(100, 2 * 10**9, 3))
+    assert again.verdict == "unmeasurable" and not again.wants_points
+    # too little CPU is not helped by counting
+    idle = SpeedCheck([1], ["a"], may_count=True)
+    idle.begin(REPLACEMENT, Progress(0, 0), 1.0)
+    idle.end(Progress(0, 1000))
+    assert idle.verdict == "unmeasurable" and not idle.wants_points
+
+
 def test_verdict_text_names_the_entries_measure():
     assert verdict_text("slower", 0.9, "entries") == "slower x0.900 by entries"
     assert verdict_text("slower", 0.9, "io") == "slower x0.900"

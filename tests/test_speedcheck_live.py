@@ -1,7 +1,8 @@
 """Speed checks on the real service daemon (dbr_service/speedcheck.py): a streaming
 filter's region is measured in alternated phases with its patches in and out, and
-kept or removed by the verdict; a program without I/O cannot be measured and keeps
-its region; a loop that never leaves its region (stayloop.c) is moved out of it for
+kept or removed by the verdict; a CPU-bound program is measured by its progress
+points (dbr_service/progress_points.py); a program without I/O and without a
+progress point passed often enough cannot be measured and keeps its region; a loop that never leaves its region (stayloop.c) is moved out of it for
 the phases with the original code, and out of a region found slower.  The client's
 output equals the native run's in every case.
 
@@ -232,6 +233,62 @@ def test_regions_found_slower_are_removed_and_not_installed_again(stream):
     assert not live, (live, events_ok[-2000:])
 
 
+@pytest.fixture(scope="module")
+def cpuwork() -> list[str]:
+    """A CPU-bound program without I/O (a hashing loop of 4096 steps in a function
+    called once per round) and arguments for a native run of about 10 s: its first
+    region (the loop alone, entered by TRANSFER) is not effective, the next is patched
+    at the function's entry."""
+    exe = compile_c([HERE / "e2e_progs" / "cpuwork.c"], flags=["-O2", "-s"],
+                    out_name="cpuwork")
+    t = time.monotonic()
+    _native([str(exe), "200000", "4096"])
+    per = max((time.monotonic() - t) / 200000, 1e-7)
+    return [str(exe), str(int(min(max(10.0 / per, 200000), 2 * 10**7))), "4096"]
+
+
+#: Longer phases than CHECK: a CPU-bound program on a loaded 2-core machine must get
+#: MIN_CPU_S of CPU in each.
+COUNTED = ["speed_check_phase_s=0.2", "speed_check_pairs=4"]
+
+
+def _counted_checks(rep: dict) -> list[dict]:
+    checks = rep["speed_checks"]
+    counted = [c for c in checks if c["measure"] == "entries"]
+    assert counted, (checks, rep["region_status"])
+    for c in counted:
+        assert c["points"] and c["phases"] == 9 and len(c["pair_ratios"]) == 4, c
+    return counted
+
+
+def test_a_cpu_bound_program_is_judged_by_its_progress_points(cpuwork):
+    """No I/O: the check counts the passes of the work function's entry (its region's
+    entry site, patched to a counting entry with the region in and to a counting
+    trampoline with it out) per CPU second.  The regions are as fast as the original
+    code: never "unmeasurable", never "slower"; they stay, and the output is the
+    native run's."""
+    rep = _checked_run(cpuwork, *COUNTED)
+    regions = {r["id"]: r for r in rep["regions"]}
+    for c in _counted_checks(rep):
+        assert c["verdict"] in {"same", "faster"}, c
+        for rid in c["regions"]:
+            assert regions[rid]["info"]["speed_check"]["measure"] == "entries"
+            assert "slower" not in regions[rid]["info"].get("removed_why", "")
+
+
+def test_a_cpu_bound_program_found_slower_by_its_progress_points_loses_the_region(cpuwork):
+    """DBR_TEST_SPEED_SCALE=0.5 halves the passes counted with the regions in: the
+    check measured by progress points says "slower", and its regions are removed;
+    the output is the native run's."""
+    rep = _checked_run(cpuwork, *COUNTED, env={"DBR_TEST_SPEED_SCALE": "0.5"})
+    regions = {r["id"]: r for r in rep["regions"]}
+    for c in _counted_checks(rep):
+        assert c["verdict"] == "slower" and c["ratio"] == pytest.approx(0.5, abs=0.1), c
+        for rid in c["regions"]:
+            assert regions[rid]["state"] == "removed", regions[rid]
+            assert "slower than its original code" in regions[rid]["info"]["removed_why"]
+
+
 def test_a_program_without_io_keeps_its_region_unmeasured():
     calls = compile_c([HERE / "e2e_progs" / "calls.c"], flags=["-O2", "-s"],
                       out_name="calls-speed")
@@ -242,6 +299,7 @@ def test_a_program_without_io_keeps_its_region_unmeasured():
     rep = _checked_run(argv, *CHECK)
     checks = rep["speed_checks"]
     assert checks, (rep["regions"], rep["region_status"])
+    # its hot loop is entered once: no progress point is passed often enough
     assert checks[0]["verdict"] == "unmeasurable" and "bytes of I/O" in checks[0]["why"]
     assert checks[0]["phases"] == 0
     regions = {r["id"]: r for r in rep["regions"]}

@@ -1,0 +1,33 @@
+/* CPU-bound, no I/O until its one line of output: a hashing loop in a function
+ * called once per round.  usage: cpuwork ROUNDS [N]  (N: the loop's length, 256) */
+#include <stdio.h>
+#include <stdlib.h>
+
+static unsigned data[4096];
+
+__attribute__((noinline)) unsigned long work(const unsigned *a, long n, unsigned long seed)
+{
+    unsigned long h = seed ^ 0x9E3779B97F4A7C15ul;
+
+    for (long i = 0; i < n; i++) {
+        h ^= a[i];
+        h *= 0x100000001B3ul;
+        h = (h << 7) | (h >> 57);
+    }
+    return h;
+}
+
+int main(int argc, char **argv)
+{
+    long rounds = argc > 1 ? atol(argv[1]) : 1000, n = argc > 2 ? atol(argv[2]) : 256;
+    unsigned long h = 1;
+
+    if (n < 0 || n > 4096)
+        return 2;
+    for (int i = 0; i < 4096; i++)
+        data[i] = (unsigned)i * 2654435761u;
+    for (long r = 0; r < rounds; r++)
+        h = work(data, n, h);
+    printf("%lx\n", h);
+    return 0;
+}
