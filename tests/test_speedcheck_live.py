@@ -2,9 +2,10 @@
 filter's region is measured in alternated phases with its patches in and out, and
 kept or removed by the verdict; a CPU-bound program is measured by its progress
 points (dbr_service/progress_points.py); a program without I/O and without a
-progress point passed often enough cannot be measured and keeps its region; a loop that never leaves its region (stayloop.c) is moved out of it for
-the phases with the original code, and out of a region found slower.  The client's
-output equals the native run's in every case.
+progress point passed often enough cannot be measured and keeps its region; a loop
+that never leaves its region (stayloop.c) is moved out of it for the phases with the
+original code, and out of a region found slower.  The client's output equals the
+native run's in every case.
 
 Phases of 0.1 s and 3 pairs keep the tests short; the verdict of a real check on a
 loaded machine is not predictable, so the first test accepts any measured verdict
