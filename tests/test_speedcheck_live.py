@@ -250,7 +250,7 @@ def cpuwork() -> list[str]:
 
 #: Longer phases than CHECK: a CPU-bound program on a loaded 2-core machine must get
 #: MIN_CPU_S of CPU in each.
-COUNTED = ["speed_check_phase_s=0.2", "speed_check_pairs=4"]
+COUNTED = ["speed_check_phase_s=0.3", "speed_check_pairs=4"]
 
 
 def _counted_checks(rep: dict) -> list[dict]:
