@@ -103,6 +103,10 @@ class CounterSpace:
         self.buffers: list[CodeBufferHandle] = []
         self.used: dict[int, int] = {}     # buffer id -> bytes handed out
 
+    def forget(self, buffers: Sequence[CodeBufferHandle]) -> None:
+        """The program unmapped these (the agent forgot them): no counter goes there."""
+        self.buffers = [b for b in self.buffers if b not in buffers]
+
     def counter(self, near: int) -> tuple[CodeBufferHandle, int]:
         """A fresh zeroed 8-byte counter within reach of ``near``: (its buffer, its
         address).  A new data buffer if no buffer in reach has one left."""

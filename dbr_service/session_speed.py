@@ -136,6 +136,22 @@ class SessionSpeedChecks:
                  "".join(f"; {a:#x} not: {why}" for a, why in points.refused.items()))
         return len(points.points)
 
+    def _speed_map_changed(self, lo: int, hi: int) -> None:
+        """Session thread, before the agent's map change goes ahead: a data buffer in
+        [lo, hi) (the program unmaps or reprotects it) takes the counting code that
+        writes to it out first, ending the check that counts with it."""
+        space = self.counter_space
+        gone = [] if space is None else [b for b in space.buffers
+                                         if b.base < hi and lo < b.base + b.size]
+        if not gone:
+            return
+        space.forget(gone)
+        chk = self.speed_check
+        if chk is not None and self.speed_points is not None:
+            chk.stop("abandoned", f"the program changed the map of a counter buffer at "
+                                  f"{gone[0].base:#x}")
+            self._speed_finish()
+
     def _speed_progress(self) -> Progress | None:
         """The program's progress now, with its progress points' passes if any."""
         at = read_progress(self.pid)

@@ -336,3 +336,25 @@ def test_other_verdicts_are_final_at_once(monkeypatch):
         assert s.region_book.regions[rid].info["speed_check"]["verdict"] == "unmeasurable"
         assert "speed_checks_abandoned" not in s.region_book.regions[rid].info
     assert s.speed_candidates(2.0, time.monotonic() + 100) == []
+
+
+def test_a_map_change_over_a_counter_buffer_takes_the_counting_code_out(monkeypatch):
+    """The program unmaps a data buffer that counting code writes to: before the agent
+    lets the call go ahead, the check's counting code is removed and the check ends
+    "abandoned"; no counter is handed out there again.  A change elsewhere leaves it."""
+    from dbr_service.progress_points import CounterSpace
+
+    s = _session(monkeypatch)
+    removed = []
+    s.counter_space = CounterSpace(conn=None)
+    buf = types.SimpleNamespace(base=0x7000_0000, size=4096, buffer_id=9)
+    s.counter_space.buffers, s.counter_space.used = [buf], {9: 8}
+    s.speed_points = types.SimpleNamespace(remove=lambda: removed.append(1))
+    s.speed_check = SpeedCheck([1], ["r1"], pairs=2)
+    s._speed_map_changed(0x6000_0000, 0x6fff_f000)
+    assert s.speed_check is not None and not removed and s.counter_space.buffers == [buf]
+    s._speed_map_changed(0x7000_0000, 0x7000_1000)
+    assert removed == [1] and s.speed_check is None and s.speed_points is None
+    assert s.counter_space.buffers == []
+    assert s.speed_checks[-1]["verdict"] == "abandoned"
+    assert "counter buffer" in s.speed_checks[-1]["why"]
