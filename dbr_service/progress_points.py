@@ -32,8 +32,8 @@ from typing import Any
 
 from dbr_service import protocol as P
 from dbr_service.agentconn import CodeBufferHandle, make_site
-from dbr_service.codegen.counting import counter_bytes, counting_trampoline
-from dbr_service.codegen.relocate import CannotRelocate, Relocator, jmp_rel32
+from dbr_service.codegen.counting import counting_entry, counting_trampoline
+from dbr_service.codegen.relocate import CannotRelocate, Relocator
 from dbr_service.errors import AgentError, CodegenError, ProtocolError
 from dbr_service.installed import InstalledRegion
 from dbr_service.states import HELD, InstallState
@@ -200,8 +200,7 @@ class ProgressPoints:
                     buf, ctr = self.space.counter(s.site)
                     entry = reg.gen.entries[s.site]
                     stub = inst.reserve(COUNTING_ENTRY_LEN, [s.site, ctr, entry])
-                    stub.buffer.write(stub.addr, counter_bytes(stub.addr, ctr) +
-                                      jmp_rel32(stub.addr + COUNTING_ENTRY_LEN - 5, entry))
+                    stub.buffer.write(stub.addr, counting_entry(stub.addr, ctr, entry))
                     tramp = self._trampoline(s.site, buf, ctr, rel)
                     if tramp.state is not InstallState.INSTALLED:
                         inst.space.release(stub)

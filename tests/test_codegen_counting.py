@@ -14,8 +14,9 @@ import random
 import pytest
 from codegen_util import CS, Machine, asm, asm_rip, random_state
 
-from dbr_service.codegen.counting import (COUNTER_LEN, counter_bytes, counting_trampoline,
-                                          inc_flags_dead)
+from dbr_service.codegen.counting import (COUNTER_LEN, counter_bytes, counting_entry,
+                                          counting_trampoline, inc_flags_dead)
+from dbr_service.progress_points import COUNTING_ENTRY_LEN
 from dbr_service.codegen.relocate import CannotRelocate, jmp_rel32
 
 ORIG = 0x400000       # original code; P is its start
@@ -178,3 +179,34 @@ def test_refused_short_jmp_inside_the_patch() -> None:
     code = asm("xor eax, eax", ORIG) + b"\xeb\x10" + bytes(0x20)
     with pytest.raises(CannotRelocate, match="before the patch"):
         counting_trampoline(code, ORIG, BUF, COUNTER)
+
+
+def test_counting_entry_counts_and_runs_the_copy() -> None:
+    """P patched to a counting entry that jumps to a copy of P's code (placed after it
+    in the buffer): the same final state as the original, and one count per pass."""
+    body = ["imul eax, edi, 1000", "add rdx, rax", "dec rcx", "jnz 0x400000"]
+    code = _code(body)
+    copy_at = BUF + 0x100
+    # the copy's back edge goes to its own head, as a region's copy does: not P
+    copy = _code(body[:-1] + [f"jnz {copy_at:#x}"], at=copy_at)
+    entry = counting_entry(BUF, COUNTER, copy_at)
+    assert len(entry) == COUNTING_ENTRY_LEN and entry.startswith(counter_bytes(BUF, COUNTER))
+    assert inc_flags_dead(code, ORIG)
+    m = Machine([(ORIG, 0x1000), (BUF, 0x1000), (DATA, 0x2000), (STACK - 0x1000, 0x2000)])
+
+    def inside(a: int) -> bool:
+        return ORIG <= a < ORIG + len(code) or BUF <= a < BUF + 0x200
+
+    for seed in range(20):
+        results = []
+        for patch in (False, True):
+            m.write(ORIG, (jmp_rel32(ORIG, BUF) + code[5:]) if patch else code)
+            m.write(BUF, entry)
+            m.write(copy_at, copy)
+            m.write(DATA, bytes(16))
+            m.set_state(random_state(random.Random(seed), STACK, {}, {"rcx": 5 + seed}))
+            assert m.run(ORIG, inside, limit=1000) == END
+            results.append(m.snapshot([(DATA, 16)]))
+        plain, counted = results
+        assert plain.regs == counted.regs and plain.rflags == counted.rflags
+        assert int.from_bytes(counted.mem[DATA][8:], "little") == 1   # entered once

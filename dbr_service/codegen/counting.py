@@ -85,6 +85,16 @@ def counter_bytes(at: int, counter: int) -> bytes:
     return w.finish()
 
 
+def counting_entry(at: int, counter: int, entry: int) -> bytes:
+    """A counting entry placed at ``at``: ``lock inc qword [counter]``, ``jmp entry``
+    (a copy's entry).  Only where :func:`inc_flags_dead` holds at the site whose patch
+    targets it."""
+    w = X86Writer(at)
+    w.put_lock_inc_rip(counter)
+    w.put_jmp(entry)
+    return w.finish()
+
+
 @dataclass(frozen=True)
 class Trampoline:
     """A counting trampoline for the point ``site``: ``code`` to place at ``at``."""
