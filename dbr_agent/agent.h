@@ -178,6 +178,7 @@ void dbr_objects_poll(void);     /* DBR_MAP_DLOPEN notices for new objects */
 /* ---- buffers.c ---- */
 struct dbr_buffer {
     uint32_t id;      /* 0: free slot */
+    uint32_t flags;   /* DBR_BUFFER_F_DATA: read-write data, never code */
     uint64_t base, size;
 };
 extern struct dbr_buffer g_buffers[DBR_BUFFER_TABLE_MAX];
@@ -185,9 +186,10 @@ extern unsigned g_n_buffers;  /* live buffers (atomic read outside the lock) */
 /* a memfd sized and sealed against shrinking and growing (buffers.c) */
 int dbr_memfd_size_sealed(int fd, uint64_t size);
 /* all with g_agent_mu held */
-int dbr_buffer_alloc(uint64_t near, uint64_t size, uint32_t *id, uint64_t *base,
-                     uint64_t *rsize, int *fd);
+int dbr_buffer_alloc(uint64_t near, uint64_t size, uint32_t flags, uint32_t *id,
+                     uint64_t *base, uint64_t *rsize, int *fd);
 int dbr_buffer_free(uint32_t id);
+/* the code buffer (never a data buffer) holding [addr, addr+len), or NULL */
 const struct dbr_buffer *dbr_buffer_containing(uint64_t addr, uint64_t len);
 int dbr_buffers_intersect(uint64_t lo, uint64_t hi);
 void dbr_buffers_privatise(void);  /* fork child */

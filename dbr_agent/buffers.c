@@ -1,7 +1,9 @@
 /*
  * buffers.c — code buffers: memfd-backed R-X mappings within +-2 GiB of a
  * requested address.  The client mapping is never writable (W^X); the service
- * writes through its own RW mapping of the memfd.
+ * writes through its own RW mapping of the memfd.  Data buffers (DBR_BUFFER_F_DATA)
+ * are placed the same way but mapped RW and never executable: counters that
+ * replacement code increments RIP-relatively and the service reads.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -64,11 +66,13 @@ static uint64_t place_in_gap(uint64_t glo, uint64_t ghi, uint64_t wlo, uint64_t 
     return a;
 }
 
-static int make_memfd(void)
+static int make_memfd(int data)
 {
-    int fd = (int)syscall(SYS_memfd_create, "dbr-code",
-                          MFD_CLOEXEC | MFD_EXEC | MFD_ALLOW_SEALING);
+    int fd;
 
+    if (data)
+        return (int)syscall(SYS_memfd_create, "dbr-data", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    fd = (int)syscall(SYS_memfd_create, "dbr-code", MFD_CLOEXEC | MFD_EXEC | MFD_ALLOW_SEALING);
     if (fd < 0 && errno == EINVAL)
         fd = (int)syscall(SYS_memfd_create, "dbr-code", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     return fd;
@@ -84,18 +88,19 @@ int dbr_memfd_size_sealed(int fd, uint64_t size)
     return fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
 }
 
-int dbr_buffer_alloc(uint64_t near, uint64_t size, uint32_t *id, uint64_t *base,
-                     uint64_t *rsize, int *fd_out)
+int dbr_buffer_alloc(uint64_t near, uint64_t size, uint32_t flags, uint32_t *id,
+                     uint64_t *base, uint64_t *rsize, int *fd_out)
 {
     uint64_t pg = (uint64_t)dbr_page_size(), wlo, whi, prev;
     struct dbr_maps maps = { 0 };
     struct cand cands[MAX_CANDIDATES];
-    int nc = 0, fd = -1, rc = DBR_E_RANGE, slot = -1;
+    int nc = 0, fd = -1, rc = DBR_E_RANGE, slot = -1, data = (flags & DBR_BUFFER_F_DATA) != 0;
+    int prot = data ? PROT_READ | PROT_WRITE : PROT_READ | PROT_EXEC;
     void *p = MAP_FAILED;
     size_t i;
 
     *fd_out = -1;
-    if (size == 0) {
+    if (size == 0 || (flags & ~DBR_BUFFER_F_DATA) || (data && size > DBR_DATA_BUFFER_MAX)) {
         rc = DBR_E_INVAL;
         goto out;
     }
@@ -142,15 +147,14 @@ int dbr_buffer_alloc(uint64_t near, uint64_t size, uint32_t *id, uint64_t *base,
     dbr_maps_free(&maps);
     dbr_sort(cands, (size_t)nc, sizeof cands[0], cand_cmp);
 
-    fd = make_memfd();
+    fd = make_memfd(data);
     if (fd < 0 || dbr_memfd_size_sealed(fd, size) < 0) {
         rc = DBR_E_NOMEM;
         goto out;
     }
     rc = DBR_E_RANGE;
     for (i = 0; i < (size_t)nc; i++) {
-        p = mmap((void *)cands[i].addr, size, PROT_READ | PROT_EXEC,
-                 MAP_SHARED | MAP_FIXED_NOREPLACE, fd, 0);
+        p = mmap((void *)cands[i].addr, size, prot, MAP_SHARED | MAP_FIXED_NOREPLACE, fd, 0);
         if (p == (void *)cands[i].addr)
             break;
         if (p != MAP_FAILED) {           /* kernel without NOREPLACE: treated as a hint */
@@ -170,6 +174,7 @@ int dbr_buffer_alloc(uint64_t near, uint64_t size, uint32_t *id, uint64_t *base,
     g_buffers[slot].id = next_buffer_id++;
     if (next_buffer_id == 0)
         next_buffer_id = 1;
+    g_buffers[slot].flags = data ? DBR_BUFFER_F_DATA : 0;
     g_buffers[slot].base = (uint64_t)p;
     g_buffers[slot].size = size;
     __atomic_add_fetch(&g_n_buffers, 1, __ATOMIC_RELEASE);
@@ -179,12 +184,27 @@ int dbr_buffer_alloc(uint64_t near, uint64_t size, uint32_t *id, uint64_t *base,
     *fd_out = fd;
     fd = -1;
     rc = DBR_OK;
-    dbr_log("code buffer %u at %#lx size %#lx (near %#lx)", *id, (unsigned long)*base,
-            (unsigned long)size, (unsigned long)near);
+    dbr_log("%s buffer %u at %#lx size %#lx (near %#lx)", data ? "data" : "code", *id,
+            (unsigned long)*base, (unsigned long)size, (unsigned long)near);
 out:
     if (fd >= 0)
         close(fd);
     return rc;
+}
+
+/* a code buffer lies within rel32 reach of data buffer d: its code may address d */
+static int code_reaches(const struct dbr_buffer *d)
+{
+    unsigned i;
+
+    for (i = 0; i < DBR_BUFFER_TABLE_MAX; i++) {
+        const struct dbr_buffer *b = &g_buffers[i];
+        if (b->id && !(b->flags & DBR_BUFFER_F_DATA) &&
+            absdiff(b->base, d->base + d->size) < REACH + REACH_MARGIN &&
+            absdiff(b->base + b->size, d->base) < REACH + REACH_MARGIN)
+            return 1;
+    }
+    return 0;
 }
 
 int dbr_buffer_free(uint32_t id)
@@ -196,7 +216,8 @@ int dbr_buffer_free(uint32_t id)
     for (i = 0; i < DBR_BUFFER_TABLE_MAX; i++) {
         if (g_buffers[i].id != id)
             continue;
-        if (dbr_sites_target_buffer(id))
+        if ((g_buffers[i].flags & DBR_BUFFER_F_DATA) ? code_reaches(&g_buffers[i])
+                                                     : dbr_sites_target_buffer(id))
             return DBR_E_IN_USE;
         dbr_frames_forget_range(g_buffers[i].base, g_buffers[i].base + g_buffers[i].size);
         dbr_sys_munmap((void *)g_buffers[i].base, g_buffers[i].size);
@@ -214,7 +235,7 @@ const struct dbr_buffer *dbr_buffer_containing(uint64_t addr, uint64_t len)
 
     for (i = 0; i < DBR_BUFFER_TABLE_MAX; i++) {
         const struct dbr_buffer *b = &g_buffers[i];
-        if (b->id && addr >= b->base && addr - b->base < b->size && len <= b->size - (addr - b->base))
+        if (b->id && !(b->flags & DBR_BUFFER_F_DATA) && addr >= b->base && addr - b->base < b->size && len <= b->size - (addr - b->base))
             return b;
     }
     return NULL;
@@ -242,7 +263,7 @@ void dbr_buffers_forget(uint64_t lo, uint64_t hi)
     for (i = 0; i < DBR_BUFFER_TABLE_MAX; i++) {
         struct dbr_buffer *b = &g_buffers[i];
         if (b->id && b->base < hi && lo < b->base + b->size) {
-            dbr_log("code buffer %u unmapped by the program", b->id);
+            dbr_log("buffer %u unmapped by the program", b->id);
             dbr_frames_forget_range(b->base, b->base + b->size);
             b->id = 0;
             __atomic_sub_fetch(&g_n_buffers, 1, __ATOMIC_RELEASE);
@@ -266,7 +287,8 @@ void dbr_buffers_privatise(void)
         if (tmp == MAP_FAILED)
             continue;
         memcpy(tmp, (void *)b->base, b->size);
-        if (dbr_sys_mprotect(tmp, b->size, PROT_READ | PROT_EXEC) < 0) {
+        if (!(b->flags & DBR_BUFFER_F_DATA) &&
+            dbr_sys_mprotect(tmp, b->size, PROT_READ | PROT_EXEC) < 0) {
             dbr_sys_munmap(tmp, b->size);
             continue;
         }

@@ -58,13 +58,14 @@ static int on_code_buffer_req(const struct dbr_msg_hdr *h)
     memset(&rep, 0, sizeof rep);
     rep.req_id = r->req_id;
     pthread_mutex_lock(&g_agent_mu);
-    rep.result = dbr_buffer_alloc(r->near, r->size, &rep.buffer_id, &rep.base, &rep.size, &fd);
+    rep.result = dbr_buffer_alloc(r->near, r->size, r->flags, &rep.buffer_id, &rep.base,
+                                  &rep.size, &fd);
     pthread_mutex_unlock(&g_agent_mu);
     rc = dbr_send(&rep, DBR_MSG_CODE_BUFFER, sizeof rep, rep.result == DBR_OK ? fd : -1, 0);
     if (fd >= 0)
         close(fd);
     /* after the answer: the service writes the code meanwhile */
-    if (rep.result == DBR_OK)
+    if (rep.result == DBR_OK && !(r->flags & DBR_BUFFER_F_DATA))
         dbr_sync_core_ready();
     return sent(rc);
 }

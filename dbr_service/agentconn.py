@@ -78,6 +78,14 @@ class CodeBufferHandle:
         off = addr - self.base
         return bytes(self.mem[off:off + n])
 
+    def read_u64(self, addr: int) -> int | None:
+        """The 8-byte counter at client address ``addr``; None once the buffer is closed
+        or if ``addr`` is not an aligned slot inside it."""
+        off = addr - self.base
+        if self.mem.closed or off < 0 or off % 8 or off + 8 > self.size:
+            return None
+        return int.from_bytes(self.mem[off:off + 8], "little")
+
     def contains(self, addr: int, n: int = 1) -> bool:
         return self.base <= addr and addr + n <= self.base + self.size
 
@@ -169,6 +177,8 @@ class AgentConnection:
         self.hello: P.Hello | None = None
         self.inbox: collections.deque[Received] = collections.deque()
         self.buffers: dict[int, CodeBufferHandle] = {}
+        #: data buffers (counters), mapped RW in the client and here
+        self.data_buffers: dict[int, CodeBufferHandle] = {}
         self.closed = False
         self._seq = 0
         self._req = 0
@@ -306,10 +316,13 @@ class AgentConnection:
                 raise AgentError(f"agent pid {self.peer_pid} said BYE")
             self._unsolicited(rec)
 
-    def code_buffer(self, near: int, size: int, timeout: float = 2.0) -> CodeBufferHandle:
-        """Ask the agent for a code buffer within +-2 GiB of ``near``; map it RW here."""
+    def code_buffer(self, near: int, size: int, timeout: float = 2.0,
+                    flags: int = 0) -> CodeBufferHandle:
+        """Ask the agent for a code buffer (a data buffer with ``P.BUFFER_F_DATA``) within
+        +-2 GiB of ``near``; map it RW here."""
         rec = self.request(P.MsgType.CODE_BUFFER_REQ,
-                           P.CodeBufferReq(req_id=self.next_id(), near=near, size=size),
+                           P.CodeBufferReq(req_id=self.next_id(), flags=flags, near=near,
+                                           size=size),
                            timeout=timeout)
         cb: P.CodeBuffer = rec.msg.body  # type: ignore[assignment]
         # the agent rounds up to its 2 MiB granule at most (clientfiles.code_buffer_problem)
@@ -332,16 +345,22 @@ class AgentConnection:
         finally:
             os.close(fd)
         handle = CodeBufferHandle(cb.buffer_id, cb.base, cb.size, mem)
-        self.buffers[cb.buffer_id] = handle
+        self.buffer_table(flags)[cb.buffer_id] = handle
         return handle
+
+    def buffer_table(self, flags: int) -> dict[int, CodeBufferHandle]:
+        """Where a buffer of CODE_BUFFER_REQ ``flags`` is kept: data buffers apart, so
+        that code placement never sees them."""
+        return self.data_buffers if flags & P.BUFFER_F_DATA else self.buffers
 
     def free_buffer(self, buffer_id: int, timeout: float = 2.0) -> int:
         rec = self.request(P.MsgType.CODE_BUFFER_FREE,
                            P.CodeBufferFree(req_id=self.next_id(), buffer_id=buffer_id),
                            timeout=timeout)
         result = rec.msg.body.result
-        if result == P.Result.OK and buffer_id in self.buffers:
-            self.buffers.pop(buffer_id).close()
+        for table in (self.buffers, self.data_buffers):
+            if result == P.Result.OK and buffer_id in table:
+                table.pop(buffer_id).close()
         return result
 
     def region(self, region_id: int, code_lo: int, code_hi: int,
@@ -465,9 +484,10 @@ class AgentConnection:
 
     def close(self) -> None:
         self.closed = True
-        for h in self.buffers.values():
-            h.close()
-        self.buffers.clear()
+        for table in (self.buffers, self.data_buffers):
+            for h in table.values():
+                h.close()
+            table.clear()
         try:
             self.sock.close()
         except OSError:

@@ -35,12 +35,18 @@ class CheckedConnection:
         self._on_violation(why)
         raise ProtocolError(why)
 
-    def code_buffer(self, near: int, size: int, timeout: float = 2.0) -> CodeBufferHandle:
-        """Ask for a code buffer near ``near`` and map it here once it checks out
+    def code_buffer(self, near: int, size: int, timeout: float = 2.0,
+                    flags: int = 0) -> CodeBufferHandle:
+        """Ask for a code buffer (a data buffer with ``P.BUFFER_F_DATA``, at most
+        ``P.DATA_BUFFER_MAX`` bytes) near ``near`` and map it here once it checks out
         (clientfiles.code_buffer_problem): a hostile size or fd is never mapped."""
         conn = self._conn
+        data = bool(flags & P.BUFFER_F_DATA)
+        if flags & ~P.BUFFER_F_DATA or (data and not 0 < size <= P.DATA_BUFFER_MAX):
+            raise AgentError(f"no such buffer to ask for: flags {flags:#x}, {size} bytes")
         rec = conn.request(P.MsgType.CODE_BUFFER_REQ,
-                           P.CodeBufferReq(req_id=conn.next_id(), near=near, size=size),
+                           P.CodeBufferReq(req_id=conn.next_id(), flags=flags, near=near,
+                                           size=size),
                            timeout=timeout)
         cb: P.CodeBuffer = rec.msg.body  # type: ignore[assignment]
         fds, rec.fds = list(rec.fds), []
@@ -48,8 +54,9 @@ class CheckedConnection:
             if cb.result != P.Result.OK:
                 raise AgentError(f"code buffer refused: {result_name(cb.result)}")
             why = (f"{len(fds)} fds, expected 1" if len(fds) != 1 else
-                   f"buffer id {cb.buffer_id} in use" if cb.buffer_id in conn.buffers else
-                   code_buffer_problem(self._proc, fds[0], cb.base, cb.size, size))
+                   f"buffer id {cb.buffer_id} in use"
+                   if cb.buffer_id in conn.buffers or cb.buffer_id in conn.data_buffers else
+                   code_buffer_problem(self._proc, fds[0], cb.base, cb.size, size, data))
             if why:
                 self._violation(f"CODE_BUFFER: {why}")
             try:
@@ -61,7 +68,7 @@ class CheckedConnection:
             for fd in fds:
                 os.close(fd)
         handle = CodeBufferHandle(cb.buffer_id, cb.base, cb.size, mem)
-        conn.buffers[cb.buffer_id] = handle
+        conn.buffer_table(flags)[cb.buffer_id] = handle
         return handle
 
     def census(self, timeout_ms: int = 200,

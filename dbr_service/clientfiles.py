@@ -270,14 +270,16 @@ def _stat_state(text: bytes | None) -> str | None:
 
 
 def code_buffer_problem(proc: ProcHandle, fd: int, base: int, size: int,
-                        requested: int) -> str | None:
+                        requested: int, data: bool = False) -> str | None:
     """Why a code buffer the agent handed over (CODE_BUFFER: ``fd`` mapped at ``base``,
     ``size`` bytes, for a request of ``requested``) is not one the service may map and
     write; None if it is.  It must be page-aligned user memory of the requested size
-    (rounded up by at most 2 MiB), the fd a regular file of exactly that size, and the
-    client's own mapping at [base, base + size) that same file."""
+    (rounded up by at most 2 MiB; a ``data`` buffer to whole pages only), the fd a
+    regular file of exactly that size, and the client's own mapping at
+    [base, base + size) that same file."""
     page = 4096
-    if size < requested or size > ((requested + (2 << 20) - 1) & ~((2 << 20) - 1)) \
+    granule = page if data else 2 << 20
+    if size < requested or size > ((requested + granule - 1) & ~(granule - 1)) \
             or size % page:
         return f"size {size:#x} for a request of {requested:#x}"
     if base % page or base == 0 or base + size > USER_TOP:

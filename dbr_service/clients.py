@@ -182,6 +182,10 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
         self.speed_checks: collections.deque[dict[str, Any]] = collections.deque(
             maxlen=SPEED_CHECKS_KEPT)
         self.slow_ranges: list[tuple[str, int, int]] = []
+        #: The running check's counting trampolines, and the data buffers of every
+        #: counter handed out (dbr_service/progress_points.py).
+        self.speed_points: Any = None
+        self.counter_space: Any = None
         #: The last speed-check command posted (control thread).
         self.speed_fut: Future | None = None
         self._perf_map: PerfMap | None = None

@@ -244,7 +244,7 @@ def _speed(region: dict[str, Any]) -> str:
     info = region.get("info", {})
     sc = info.get("speed_check")
     if sc:
-        return verdict_text(sc["verdict"], sc.get("ratio"))
+        return verdict_text(sc["verdict"], sc.get("ratio"), sc.get("measure"))
     n = info.get("speed_checks_abandoned")
     return f"abandoned x{n}, again" if n else ""     # to be checked again
 

@@ -65,6 +65,9 @@ class InstalledRegion:
     original_changed: bool = False
     #: The agent refused an EVICT out of its removed code: not asked again.
     evict_refused: bool = False
+    #: Entry sites that no edge inside the region targets: its copy passes their
+    #: entry only when control comes from original code (speed checks count them).
+    free_entries: frozenset[int] = frozenset()
 
     @property
     def patched_sites(self) -> list[P.PatchSite]:

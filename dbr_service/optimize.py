@@ -26,7 +26,7 @@ from dbr_service.codegen.frames import blobs_size, region_blobs
 from dbr_service.errors import AgentError, CodegenError, DbrError
 from dbr_service.install import Installer
 from dbr_service.installed import InstalledRegion
-from dbr_service.region.model import SuperRegion
+from dbr_service.region.model import START, SuperRegion
 from dbr_service.states import InstallState, RegionState
 
 PROVISIONAL_ALIGN = 16
@@ -164,6 +164,8 @@ def install_region(installer: Installer, sr: SuperRegion) -> InstalledRegion:
                             entry_sites=sr.info.get("entry_sites"),
                             calls_into=list(called.values()))
     sr.state = RegionState.INSTALLED if reg.state is InstallState.INSTALLED else sr.state
+    reg.free_entries = frozenset(k for k, _ in sr.entry_edges() if isinstance(k, int) and
+                                 all(u == START for u in sr.g.predecessors(k)))
     return reg
 
 

@@ -19,7 +19,7 @@ from dbr_service.errors import ProtocolError
 __all__ = ["ProtocolError"]
 
 PROTO_MAGIC = 0x31524244
-PROTO_VERSION = 4
+PROTO_VERSION = 5
 
 MSG_MAX = 65536
 MAX_SITES = 512
@@ -31,6 +31,9 @@ EXE_MAX = 256
 BUILD_ID_MAX = 32
 ERRMSG_MAX = 120
 PATCH_LEN = 5
+#: CODE_BUFFER_REQ flags: a read-write data buffer (counters), at most DATA_BUFFER_MAX
+BUFFER_F_DATA = 1
+DATA_BUFFER_MAX = 64 * 1024
 
 
 class MsgType(enum.IntEnum):
@@ -193,7 +196,7 @@ class Ack(_S):
 
 
 class CodeBufferReq(_S):
-    _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("reserved", u32), ("near", u64), ("size", u64)]
+    _fields_ = [("hdr", MsgHdr), ("req_id", u32), ("flags", u32), ("near", u64), ("size", u64)]
 
 
 class CodeBuffer(_S):
@@ -326,7 +329,9 @@ C_CONSTANTS: dict[str, int] = {
     "DBR_MAX_CENSUS_RANGES": MAX_CENSUS_RANGES,
     "DBR_MAX_EXITS": MAX_EXITS, "DBR_MAX_TRANSFER": MAX_TRANSFER, "DBR_EXE_MAX": EXE_MAX,
     "DBR_BUILD_ID_MAX": BUILD_ID_MAX,
-    "DBR_ERRMSG_MAX": ERRMSG_MAX, "DBR_PATCH_LEN": PATCH_LEN, "DBR_MSG_TYPE_MAX": MSG_TYPE_MAX,
+    "DBR_ERRMSG_MAX": ERRMSG_MAX, "DBR_PATCH_LEN": PATCH_LEN,
+    "DBR_BUFFER_F_DATA": BUFFER_F_DATA, "DBR_DATA_BUFFER_MAX": DATA_BUFFER_MAX,
+    "DBR_MSG_TYPE_MAX": MSG_TYPE_MAX,
     "DBR_HELLO_FORKED": HELLO_FORKED, "DBR_HELLO_SYNC_CORE": HELLO_SYNC_CORE,
     "DBR_HELLO_INHERITED": HELLO_INHERITED, "DBR_HELLO_HIDDEN_THREAD": HELLO_HIDDEN_THREAD,
     "DBR_HELLO_QUIET_THREADS": HELLO_QUIET_THREADS, "DBR_NOTICE_THREADS": NOTICE_THREADS,

@@ -122,7 +122,7 @@ def format_report(rep: dict[str, Any]) -> str:
                          f"{share:.0%} of the {after} samples since then in replacement code")
         for sc in c.get("speed_checks", []):
             lines.append(f"dbr:     speed check of {', '.join(sc['regions'])}: "
-                         f"{verdict_text(sc['verdict'], sc.get('ratio'))}")
+                         f"{verdict_text(sc['verdict'], sc.get('ratio'), sc.get('measure'))}")
         for h in c.get("hotspots", [])[:3]:
             off = f"+{h['offset']:#x}" if h.get("offset") is not None else ""
             name = f"  {h['symbol']}" if h.get("symbol") else ""

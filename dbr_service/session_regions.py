@@ -261,6 +261,7 @@ class SessionRegions:
     def _map_changed(self, lo: int, hi: int, req_id: int) -> None:
         """Session thread: unpatch regions that patch, copy or exit into [lo, hi), ACK."""
         try:
+            self._speed_map_changed(lo, hi)
             for reg in self.installer.on_map_changed(lo, hi) if self.installer else []:
                 rec = self.region_book.record_of(reg.region_id)
                 if rec is not None:

@@ -3,15 +3,19 @@ session thread: regions suspended and resumed phase by phase, and the verdict ac
 
 from __future__ import annotations
 
+import logging
 import time
 
-from dbr_service.errors import AgentError
+from dbr_service.errors import AgentError, ProtocolError
+from dbr_service.progress_points import CounterSpace, ProgressPoints, choose_points
 from dbr_service.session_regions import RegionRecord
 from dbr_service.states import HELD, InstallState, RegionState
-from dbr_service.speedcheck import CHECK_TRIES, ORIGINAL, SpeedCheck, read_progress
+from dbr_service.speedcheck import CHECK_TRIES, ORIGINAL, Progress, SpeedCheck, read_progress
 
 #: Speed checks whose summaries a client keeps (dbr ctl clients, the report).
 SPEED_CHECKS_KEPT = 16
+
+log = logging.getLogger("dbr.clients")
 
 
 class SessionSpeedChecks:
@@ -73,9 +77,9 @@ class SessionSpeedChecks:
         if not todo:
             return False
         chk = SpeedCheck([i for _, i in todo], [r for r, _ in todo], pairs=pairs,
-                         phase_s=phase_s, margin=margin)
+                         phase_s=phase_s, margin=margin, may_count=True)
         self.speed_check = chk
-        chk.begin(chk.next_kind() or "", read_progress(self.pid), time.monotonic())
+        chk.begin(chk.next_kind() or "", self._speed_progress(), time.monotonic())
         if chk.done:
             self._speed_finish()
         return True
@@ -86,12 +90,20 @@ class SessionSpeedChecks:
         chk = self.speed_check
         if chk is None:
             return
-        chk.end(read_progress(self.pid))
+        chk.end(self._speed_progress())
+        if chk.wants_points:
+            why, chk.wants_points = chk.wants_points, ""
+            try:
+                counted = self._speed_points_install(chk)
+            except AgentError as exc:
+                counted, why = 0, f"{why}; counting failed: {exc}"
+            if not counted:
+                chk.stop("unmeasurable", f"{why}; no progress point could be counted")
         kind = chk.next_kind()
         if kind is not None:
             try:
                 if self._speed_set(chk, kind):
-                    chk.begin(kind, read_progress(self.pid), time.monotonic())
+                    chk.begin(kind, self._speed_progress(), time.monotonic())
                 else:
                     chk.stop("abandoned", "a region of the check was removed meanwhile")
             except AgentError as exc:
@@ -100,6 +112,53 @@ class SessionSpeedChecks:
                 chk.stop("abandoned", f"the agent refused a step: {exc}")
         if chk.done:
             self._speed_finish()
+
+    def _speed_points_install(self, chk: SpeedCheck) -> int:
+        """Patch the check's progress points to counting trampolines and counting
+        entries (dbr_service/progress_points.py), for a program with too little I/O to
+        measure; how many are counted.  A point that fails is not counted."""
+        inst = self.installer
+        if self.counter_space is None:
+            self.counter_space = CounterSpace(inst.conn)
+        checked = [inst.regions[i] for i in chk.region_ids]
+        points = ProgressPoints(inst, self.counter_space)
+        self.speed_points = points
+        try:
+            points.install_entries(checked, [r for r in inst.regions.values()
+                                             if r.state in HELD])
+            held = [r for r in inst.regions.values() if r.state in HELD]
+            points.install(choose_points(checked, held, inst.read_original))
+        except (AgentError, ProtocolError, OSError) as exc:
+            points.refused[0] = str(exc)
+        chk.points = sorted(points.points)
+        log.info("pid %d: speed check of %s counts %d progress point(s) (%d entries)%s",
+                 self.pid, ", ".join(chk.names), len(points.points), len(points.entries),
+                 "".join(f"; {a:#x} not: {why}" for a, why in points.refused.items()))
+        return len(points.points)
+
+    def _speed_map_changed(self, lo: int, hi: int) -> None:
+        """Session thread, before the agent's map change goes ahead: a data buffer in
+        [lo, hi) (the program unmaps or reprotects it) takes the counting code that
+        writes to it out first, ending the check that counts with it."""
+        space = self.counter_space
+        gone = [] if space is None else [b for b in space.buffers
+                                         if b.base < hi and lo < b.base + b.size]
+        if not gone:
+            return
+        space.forget(gone)
+        chk = self.speed_check
+        if chk is not None and self.speed_points is not None:
+            chk.stop("abandoned", f"the program changed the map of a counter buffer at "
+                                  f"{gone[0].base:#x}")
+            self._speed_finish()
+
+    def _speed_progress(self) -> Progress | None:
+        """The program's progress now, with its progress points' passes if any."""
+        at = read_progress(self.pid)
+        points = self.speed_points
+        if at is None or points is None or not points.points:
+            return at
+        return Progress(at.io_bytes, at.cpu_ns, points.read())
 
     def _speed_set(self, chk: SpeedCheck, kind: str) -> bool:
         """Suspend (ORIGINAL) or resume (REPLACEMENT) every region of the check; False
@@ -110,11 +169,16 @@ class SessionSpeedChecks:
             reg = inst.regions.get(iid)
             if reg is None or reg.state not in HELD:
                 return False
+            points = self.speed_points
             if kind == ORIGINAL and reg.state is InstallState.INSTALLED:
                 inst.suspend(iid)
-            elif kind != ORIGINAL and reg.state is InstallState.SUSPENDED and \
-                    not self._speed_resume(iid):
-                return False
+                if points is not None:
+                    points.original_phase(iid)
+            elif kind != ORIGINAL and reg.state is InstallState.SUSPENDED:
+                if points is not None:
+                    points.replacement_phase(iid)
+                if not self._speed_resume(iid):
+                    return False
         return True
 
     def _speed_resume(self, iid: int) -> bool:
@@ -135,9 +199,12 @@ class SessionSpeedChecks:
         their original code is left alone from then on; every other region of the
         check is patched again (if it is suspended) and stays."""
         chk, self.speed_check = self.speed_check, None
+        points, self.speed_points = self.speed_points, None
         if chk is None or self.installer is None:
             return
         inst = self.installer
+        if points is not None:
+            points.remove()
         slower = chk.verdict == "slower"
         why = f"slower than its original code (speed check: {chk.why})"
         # held before any removal: a region of the check that a removal below takes
@@ -162,7 +229,8 @@ class SessionSpeedChecks:
                             rec.recheck_mono = time.monotonic()  # not judged: checked later
                         else:
                             rec.info["speed_check"] = {"verdict": chk.verdict,
-                                                       "ratio": chk.ratio}
+                                                       "ratio": chk.ratio,
+                                                       "measure": chk.measure}
                 if not held:
                     continue
                 if slower:

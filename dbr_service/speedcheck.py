@@ -13,7 +13,13 @@ the process reads and writes (``rchar`` + ``wchar`` of /proc/PID/io) per second 
 process CPU clock, which counts every thread, ended ones too): for a program that
 streams data (a compressor, a server) that is work done per CPU second, immune to
 other load on the machine.  A program that does little I/O cannot be measured this
-way; its check ends after the first phase, which runs the regions as they are.
+way by I/O.  For it the check counts *progress points* instead
+(``dbr_service/progress_points.py``): addresses of original code outside the checked
+regions' copies that the program passes equally often per unit of work whichever code
+runs, each patched to a counting trampoline for the check's length; progress is then
+their passes per CPU second.  A check says which measure it used (``measure``: "io" or
+"entries"); one with neither enough I/O nor enough passes ends after the first phase,
+which runs the regions as they are.
 
 Verdicts, from the ratio q of replacement over original progress rate in each pair,
 through the mean of log q and its 95 % t interval over the pairs (some programs' own
@@ -27,8 +33,9 @@ check say "same" instead of a verdict at random):
 * ``faster``: the mirror image.
 * ``same``: neither (no difference shown, or one within the margin).  The regions
   stay.
-* ``unmeasurable``: a phase did too little I/O or CPU, or progress could not be
-  read.  The regions stay, as they would without a check.
+* ``unmeasurable``: a phase did too little I/O (and passed its progress points too
+  seldom) or too little CPU, or progress could not be read.  The regions stay, as they
+  would without a check.
 """
 
 from __future__ import annotations
@@ -45,6 +52,10 @@ ORIGINAL = "original"
 #: A phase must see this much of the program's I/O and CPU time to count.
 MIN_IO_BYTES = 256 * 1024
 MIN_CPU_S = 0.05
+#: Passes of its progress points a phase must see when I/O is too little to count.
+MIN_ENTRIES = 1000
+IO = "io"
+ENTRIES = "entries"
 #: Phases the youngest region of a check must have been live for before it starts:
 #: regions selected together are checked together.
 SETTLE_PHASES = 4
@@ -83,10 +94,12 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float, float]:
 
 @dataclass(frozen=True)
 class Progress:
-    """The program's cumulative I/O bytes and CPU time at one instant."""
+    """The program's cumulative I/O bytes, CPU time and passes of its progress points
+    (None: none counted) at one instant."""
 
     io_bytes: int
     cpu_ns: int
+    entries: int | None = None
 
 
 def cpu_clock_id(pid: int) -> int:
@@ -107,9 +120,11 @@ def read_progress(pid: int) -> Progress | None:
     return Progress(io, cpu)
 
 
-def verdict_text(verdict: str, ratio: float | None) -> str:
-    """A check's verdict as `dbr ctl regions` and `dbr run` show it: "slower x0.912"."""
-    return verdict + (f" x{ratio:.3f}" if ratio is not None else "")
+def verdict_text(verdict: str, ratio: float | None, measure: str | None = None) -> str:
+    """A check's verdict as `dbr ctl regions` and `dbr run` show it: "slower x0.912",
+    "slower x0.912 by entries" when it counted progress points rather than I/O."""
+    return verdict + (f" x{ratio:.3f}" if ratio is not None else "") + \
+        (f" by {measure}" if measure == ENTRIES else "")
 
 
 @dataclass
@@ -117,11 +132,18 @@ class PhaseResult:
     kind: str
     io_bytes: int
     cpu_s: float
+    entries: int = 0
+    measure: str = IO
+
+    @property
+    def amount(self) -> int:
+        """The work done by the check's measure: bytes of I/O, or progress-point passes."""
+        return self.entries if self.measure == ENTRIES else self.io_bytes
 
     @property
     def rate(self) -> float:
-        """Bytes of I/O per CPU second."""
-        return self.io_bytes / self.cpu_s if self.cpu_s > 0 else 0.0
+        """Work per CPU second."""
+        return self.amount / self.cpu_s if self.cpu_s > 0 else 0.0
 
 
 @dataclass
@@ -142,6 +164,14 @@ class SpeedCheck:
     ratios: list[float] = field(default_factory=list)
     ratio: float | None = None
     interval: tuple[float, float] | None = None
+    #: IO or ENTRIES, chosen at the end of the first phase (None until then).
+    measure: str | None = None
+    #: The progress points counted (original addresses).
+    points: list[int] = field(default_factory=list)
+    #: The caller can count progress points; once the first phase has shown too little
+    #: I/O, ``wants_points`` says so (why it was too little) and the phase runs again.
+    may_count: bool = False
+    wants_points: str = ""
 
     @property
     def order(self) -> list[str]:
@@ -179,15 +209,33 @@ class SpeedCheck:
         if at is None:
             self.stop("unmeasurable", "the program's progress could not be read")
             return
-        res = PhaseResult(kind, at.io_bytes - start.io_bytes, (at.cpu_ns - start.cpu_ns) / 1e9)
+        entries = None if at.entries is None or start.entries is None else \
+            at.entries - start.entries
+        res = PhaseResult(kind, at.io_bytes - start.io_bytes, (at.cpu_ns - start.cpu_ns) / 1e9,
+                          entries or 0)
+        measure = self.measure or (IO if res.io_bytes >= MIN_IO_BYTES or entries is None
+                                   or entries < MIN_ENTRIES else ENTRIES)
+        res.measure = measure
+        if measure == ENTRIES and entries is None:
+            self.stop("unmeasurable", "the progress points could not be read")
+            return
         if kind == REPLACEMENT and _TEST_SCALE != 1.0:
             res.io_bytes = int(res.io_bytes * _TEST_SCALE)
-        if res.io_bytes < MIN_IO_BYTES or res.cpu_s < MIN_CPU_S:
-            self.stop("unmeasurable",
-                      f"a {self.phase_s:g} s phase saw {res.io_bytes} bytes of I/O and "
-                      f"{res.cpu_s:.3f} s of CPU (at least {MIN_IO_BYTES} and {MIN_CPU_S:g} "
-                      f"are needed)")
+            res.entries = int(res.entries * _TEST_SCALE)
+        least = MIN_ENTRIES if measure == ENTRIES else MIN_IO_BYTES
+        if res.amount < least or res.cpu_s < MIN_CPU_S:
+            counted = "" if entries is None else f", {entries} passes of its progress points"
+            why = (f"a {self.phase_s:g} s phase saw {res.io_bytes} bytes of I/O{counted} "
+                   f"and {res.cpu_s:.3f} s of CPU (at least {MIN_IO_BYTES} bytes or "
+                   f"{MIN_ENTRIES} passes, and {MIN_CPU_S:g} s, are needed)")
+            if self.may_count and entries is None and res.cpu_s >= MIN_CPU_S:
+                # too little I/O: the caller counts progress points, and the first
+                # phase runs again with them
+                self.may_count, self.wants_points = False, why
+                return
+            self.stop("unmeasurable", why)
             return
+        self.measure = measure
         self.phases.append(res)
         if len(self.phases) == len(self.order):
             self._decide()
@@ -222,6 +270,7 @@ class SpeedCheck:
 
     def summary(self) -> dict:
         return {"regions": list(self.names), "verdict": self.verdict, "why": self.why,
+                "measure": self.measure, "points": [hex(p) for p in self.points],
                 "ratio": None if self.ratio is None else round(self.ratio, 4),
                 "interval": None if self.interval is None else
                 [round(x, 4) for x in self.interval],

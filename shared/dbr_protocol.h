@@ -28,9 +28,10 @@
 #include <stdint.h>
 
 #define DBR_PROTO_MAGIC   0x31524244u /* "DBR1" as little-endian bytes */
-#define DBR_PROTO_VERSION 4u /* 2: PC_CENSUS_REQ carries ranges; census entries report
+#define DBR_PROTO_VERSION 5u /* 2: PC_CENSUS_REQ carries ranges; census entries report
                               * stack words found in them; 3: FRAMES_ADD, FRAMES_DEL;
-                              * 4: patch sites at function entries (DBR_SITE_F_ENTRY) */
+                              * 4: patch sites at function entries (DBR_SITE_F_ENTRY);
+                              * 5: data buffers (DBR_BUFFER_F_DATA) */
 
 #define DBR_MSG_MAX        65536u /* largest datagram either side accepts */
 #define DBR_MAX_SITES      512u   /* sites in one PATCH/UNPATCH batch */
@@ -255,10 +256,19 @@ struct dbr_ack {
     int32_t  result;   /* enum dbr_result */
 };
 
+/* CODE_BUFFER_REQ flags.  A data buffer is mapped read-write (never executable) in
+ * the client, for counters that replacement code increments and the service reads
+ * through its own mapping of the memfd; at most DBR_DATA_BUFFER_MAX bytes.  It is
+ * never a patch, frame or transfer target, and CODE_BUFFER_FREE of it is refused
+ * (DBR_E_IN_USE) while a code buffer lies within +-2 GiB of it: code there may
+ * address it. */
+#define DBR_BUFFER_F_DATA   1u
+#define DBR_DATA_BUFFER_MAX (64u * 1024u)
+
 struct dbr_code_buffer_req {
     struct dbr_msg_hdr hdr;
     uint32_t req_id;
-    uint32_t reserved;
+    uint32_t flags;    /* DBR_BUFFER_F_*; any other bit: DBR_E_INVAL */
     uint64_t near;     /* every byte of the buffer lies within +-2 GiB of this */
     uint64_t size;     /* bytes, rounded up to pages by the agent */
 };

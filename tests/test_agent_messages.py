@@ -306,3 +306,28 @@ def test_accepted_messages_get_their_reply(agent):
     finally:
         conn.close()
     assert client.proc.poll() is None
+
+
+@pytest.mark.parametrize("flags,size", [(P.BUFFER_F_DATA, 0),
+                                        (P.BUFFER_F_DATA, P.DATA_BUFFER_MAX + 1),
+                                        (2, 4096), (0xFFFFFFFF, 4096)])
+def test_code_buffer_req_flags_and_data_sizes_are_checked(agent, flags, size):
+    """CODE_BUFFER_REQ's length rule is the table's; its flags and a data buffer's size
+    are the handler's: an unknown flag or a data buffer of 0 or more than
+    DATA_BUFFER_MAX bytes gets CODE_BUFFER with E_INVAL and no fd, and the session
+    goes on."""
+    svc, client = agent
+    conn = svc.accept(pid=client.pid)
+    try:
+        raw = msg(T.CODE_BUFFER_REQ, fixed_size(T.CODE_BUFFER_REQ),
+                  fields={"req_id": 77, "flags": flags, "near": 0x400000, "size": size})
+        assert expected(raw, handshake=False) is None
+        conn.send_raw(raw)
+        got, closed = answers(conn, until_eof=False)
+        assert not closed and len(got) == 1
+        rep = P.CodeBuffer.from_buffer_copy(got[0])
+        assert (rep.hdr.type, rep.req_id, rep.result) == (T.CODE_BUFFER, 77, P.Result.E_INVAL)
+        assert "dbr-data" not in open(f"/proc/{client.pid}/maps").read()
+    finally:
+        conn.close()
+    assert client.proc.poll() is None

@@ -180,4 +180,15 @@ def test_entry_site_record():
     with pytest.raises(Exception):
         make_site(0x401000, 0x7F0000000000, bytes(5), variant=protocol.Variant.SELF_BRANCH,
                   inner=[0x401001])
-    assert protocol.Result.E_INSIDE == -20 and protocol.PROTO_VERSION == 4
+    assert protocol.Result.E_INSIDE == -20 and protocol.PROTO_VERSION >= 4
+
+
+def test_data_buffer_request():
+    """A data buffer is asked for with DBR_BUFFER_F_DATA in the bytes of
+    CODE_BUFFER_REQ that were `reserved` before protocol 5; the size is unchanged."""
+    assert protocol.PROTO_VERSION >= 5 and ctypes.sizeof(protocol.CodeBufferReq) == 40
+    raw = protocol.pack(protocol.CodeBufferReq(req_id=3, flags=protocol.BUFFER_F_DATA,
+                                               near=0x401000, size=4096),
+                        protocol.MsgType.CODE_BUFFER_REQ, seq=1)
+    back = protocol.unpack(raw).body
+    assert (back.flags, back.size) == (protocol.BUFFER_F_DATA, 4096)

@@ -445,6 +445,9 @@ def test_a_code_buffer_must_be_the_clients_own_mapping_of_the_fd_it_sent():
         assert code_buffer_problem(proc, fd, base, size, size - 100) is None
         assert "size" in code_buffer_problem(proc, fd, base, size, size * 4)
         assert "size" in code_buffer_problem(proc, fd, base, 1 << 40, size)
+        # a data buffer is rounded up to whole pages, not to the 2 MiB code granule
+        assert code_buffer_problem(proc, fd, base, size, size - 100, data=True) is None
+        assert "size" in code_buffer_problem(proc, fd, base, size, size // 2, data=True)
         assert "another file" in code_buffer_problem(proc, other, base, size, size)
         assert "not mapped" in code_buffer_problem(proc, fd, 0x10000, size, size)
         assert "user memory" in code_buffer_problem(proc, fd, 0xFFFFFFFF81000000, size, size)

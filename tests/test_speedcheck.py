@@ -16,8 +16,9 @@ from dbr_service.cadence import SessionCadence
 from dbr_service.clients import ClientSession
 from dbr_service.session_regions import RegionBook, RegionRecord, RegionState
 from dbr_service.install import InstallState
-from dbr_service.speedcheck import (CHECK_TRIES, MIN_CPU_S, MIN_IO_BYTES, ORIGINAL, REPLACEMENT,
-                                    Progress, SpeedCheck, read_progress)
+from dbr_service.speedcheck import (CHECK_TRIES, MIN_CPU_S, MIN_ENTRIES, MIN_IO_BYTES, ORIGINAL,
+                                    REPLACEMENT, Progress, SpeedCheck, read_progress,
+                                    verdict_text)
 
 
 def run_check(rates: dict[str, list[float]], pairs: int = 6, cpu_s: float = 0.4,
@@ -95,6 +96,85 @@ def test_a_program_with_little_io_is_unmeasurable_after_one_phase():
     idle.begin(REPLACEMENT, Progress(0, 0), 1.0)
     idle.end(Progress(10 * MIN_IO_BYTES, int(MIN_CPU_S * 1e9) - 1))
     assert idle.verdict == "unmeasurable"
+
+
+def run_counted_check(rates: dict[str, float], io_rate: float = 1000.0,
+                      cpu_s: float = 0.4) -> SpeedCheck:
+    """Drive a check of a program with little I/O whose progress points are passed
+    rates[K] times per CPU second in phases of kind K."""
+    chk = SpeedCheck([1], ["a"], pairs=4)
+    io, cpu, n = 0, 10**9, 0
+    while (kind := chk.next_kind()) is not None:
+        chk.begin(kind, Progress(io, cpu, n), 1.0)
+        io += int(io_rate * cpu_s)
+        cpu += int(cpu_s * 1e9)
+        n += int(rates[kind] * cpu_s)
+        chk.end(Progress(io, cpu, n))
+    return chk
+
+
+def test_a_program_with_little_io_is_judged_by_its_progress_points():
+    slower = run_counted_check({REPLACEMENT: 90_000.0, ORIGINAL: 100_000.0})
+    assert (slower.verdict, slower.measure) == ("slower", "entries"), slower.why
+    assert slower.ratio == pytest.approx(0.9, abs=0.001)
+    assert slower.summary()["measure"] == "entries"
+    same = run_counted_check({REPLACEMENT: 100_000.0, ORIGINAL: 100_000.0})
+    assert (same.verdict, same.measure) == ("same", "entries")
+    faster = run_counted_check({REPLACEMENT: 125_000.0, ORIGINAL: 100_000.0})
+    assert (faster.verdict, faster.measure) == ("faster", "entries")
+
+
+def test_enough_io_is_measured_by_io_even_with_progress_points():
+    chk = run_counted_check({REPLACEMENT: 90_000.0, ORIGINAL: 100_000.0},
+                            io_rate=10 * MIN_IO_BYTES)
+    assert (chk.verdict, chk.measure) == ("same", "io"), chk.why
+
+
+def test_too_few_passes_and_too_little_io_are_unmeasurable():
+    chk = SpeedCheck([1], ["a"])
+    chk.begin(REPLACEMENT, Progress(0, 0, 0), 1.0)
+    chk.end(Progress(100, 10**9, MIN_ENTRIES - 1))
+    assert chk.verdict == "unmeasurable" and chk.measure is None
+    assert f"{MIN_ENTRIES - 1} passes" in chk.why
+    # points lost after the check chose them (their trampolines were removed): ends it
+    chk = SpeedCheck([1], ["a"])
+    chk.begin(REPLACEMENT, Progress(0, 0, 0), 1.0)
+    chk.end(Progress(100, 10**9, 10 * MIN_ENTRIES))
+    assert chk.measure == "entries" and not chk.done
+    chk.begin(chk.next_kind(), Progress(100, 10**9, 10 * MIN_ENTRIES), 2.0)
+    chk.end(Progress(200, 2 * 10**9, None))
+    assert chk.verdict == "unmeasurable" and "progress points" in chk.why
+
+
+def test_too_little_io_asks_for_progress_points_once_then_runs_the_first_phase_again():
+    chk = SpeedCheck([1], ["a"], may_count=True)
+    chk.begin(REPLACEMENT, Progress(0, 0), 1.0)
+    chk.end(Progress(100, 10**9))
+    assert not chk.done and "bytes of I/O" in chk.wants_points
+    assert chk.next_kind() == REPLACEMENT and chk.phases == []
+    chk.wants_points = ""
+    chk.begin(REPLACEMENT, Progress(100, 10**9, 0), 2.0)
+    chk.end(Progress(200, 2 * 10**9, 5 * MIN_ENTRIES))
+    assert chk.measure == "entries" and len(chk.phases) == 1
+    # counted and still too few: unmeasurable, not asked again
+    again = SpeedCheck([1], ["a"], may_count=True)
+    again.begin(REPLACEMENT, Progress(0, 0), 1.0)
+    again.end(Progress(100, 10**9))
+    again.wants_points = ""
+    again.begin(REPLACEMENT, Progress(0, 10**9, 0), 2.0)
+    again.end(Progress(100, 2 * 10**9, 3))
+    assert again.verdict == "unmeasurable" and not again.wants_points
+    # too little CPU is not helped by counting
+    idle = SpeedCheck([1], ["a"], may_count=True)
+    idle.begin(REPLACEMENT, Progress(0, 0), 1.0)
+    idle.end(Progress(0, 1000))
+    assert idle.verdict == "unmeasurable" and not idle.wants_points
+
+
+def test_verdict_text_names_the_entries_measure():
+    assert verdict_text("slower", 0.9, "entries") == "slower x0.900 by entries"
+    assert verdict_text("slower", 0.9, "io") == "slower x0.900"
+    assert verdict_text("unmeasurable", None, None) == "unmeasurable"
 
 
 def test_unreadable_progress_ends_the_check():
@@ -198,6 +278,7 @@ def _session(monkeypatch):
     s = ClientSession.__new__(ClientSession)
     s.pid, s.lock, s.installer = 1, threading.RLock(), _Installer()
     s.speed_check, s.slow_ranges, s.region_book = None, [], RegionBook(s.lock)
+    s.speed_points = s.counter_space = None
     s.speed_checks, s.cadence, s.patches_removed = collections.deque(maxlen=16), SessionCadence(), 0
     s.service = types.SimpleNamespace(events=types.SimpleNamespace(publish=lambda *a, **k: None))
     monkeypatch.setattr(s, "_write_perf_map", lambda: None)
@@ -255,3 +336,25 @@ def test_other_verdicts_are_final_at_once(monkeypatch):
         assert s.region_book.regions[rid].info["speed_check"]["verdict"] == "unmeasurable"
         assert "speed_checks_abandoned" not in s.region_book.regions[rid].info
     assert s.speed_candidates(2.0, time.monotonic() + 100) == []
+
+
+def test_a_map_change_over_a_counter_buffer_takes_the_counting_code_out(monkeypatch):
+    """The program unmaps a data buffer that counting code writes to: before the agent
+    lets the call go ahead, the check's counting code is removed and the check ends
+    "abandoned"; no counter is handed out there again.  A change elsewhere leaves it."""
+    from dbr_service.progress_points import CounterSpace
+
+    s = _session(monkeypatch)
+    removed = []
+    s.counter_space = CounterSpace(conn=None)
+    buf = types.SimpleNamespace(base=0x7000_0000, size=4096, buffer_id=9)
+    s.counter_space.buffers, s.counter_space.used = [buf], {9: 8}
+    s.speed_points = types.SimpleNamespace(remove=lambda: removed.append(1))
+    s.speed_check = SpeedCheck([1], ["r1"], pairs=2)
+    s._speed_map_changed(0x6000_0000, 0x6fff_f000)
+    assert s.speed_check is not None and not removed and s.counter_space.buffers == [buf]
+    s._speed_map_changed(0x7000_0000, 0x7000_1000)
+    assert removed == [1] and s.speed_check is None and s.speed_points is None
+    assert s.counter_space.buffers == []
+    assert s.speed_checks[-1]["verdict"] == "abandoned"
+    assert "counter buffer" in s.speed_checks[-1]["why"]

@@ -1,9 +1,11 @@
 """Speed checks on the real service daemon (dbr_service/speedcheck.py): a streaming
 filter's region is measured in alternated phases with its patches in and out, and
-kept or removed by the verdict; a program without I/O cannot be measured and keeps
-its region; a loop that never leaves its region (stayloop.c) is moved out of it for
-the phases with the original code, and out of a region found slower.  The client's
-output equals the native run's in every case.
+kept or removed by the verdict; a CPU-bound program is measured by its progress
+points (dbr_service/progress_points.py); a program without I/O and without a
+progress point passed often enough cannot be measured and keeps its region; a loop
+that never leaves its region (stayloop.c) is moved out of it for the phases with the
+original code, and out of a region found slower.  The client's output equals the
+native run's in every case.
 
 Phases of 0.1 s and 3 pairs keep the tests short; the verdict of a real check on a
 loaded machine is not predictable, so the first test accepts any measured verdict
@@ -232,6 +234,92 @@ def test_regions_found_slower_are_removed_and_not_installed_again(stream):
     assert not live, (live, events_ok[-2000:])
 
 
+@pytest.fixture(scope="module")
+def cpuwork() -> tuple[Path, str]:
+    """A CPU-bound program without I/O (a hashing loop of 64 steps in a function
+    called once per round, a line per block of rounds) and the rounds of a block of
+    about 0.2 s natively."""
+    exe = compile_c([HERE / "e2e_progs" / "cpuwork.c"], flags=["-O2", "-s"],
+                    out_name="cpuwork")
+    t = time.monotonic()
+    _native([str(exe), "2000000", "64"])
+    per = max((time.monotonic() - t) / 2000000, 1e-8)
+    return exe, str(int(min(max(0.2 / per, 10000), 10**8)))
+
+
+#: Longer phases than CHECK: a CPU-bound program on a loaded 2-core machine must get
+#: MIN_CPU_S of CPU in each.  Without TRANSFER the loop alone (no 5-byte instruction:
+#: no patch site) is no region, and without inlining no region of main's loop copies
+#: the work function: its region, patched at its entry, is the one checked.
+COUNTED = ["speed_check_phase_s=0.3", "speed_check_pairs=4", "transfer=false",
+           "inline=false"]
+
+
+def _counted_run(cpuwork, tmp_path, env: dict[str, str] | None = None) -> dict:
+    """Run cpuwork under a service of its own until a check of it measured by progress
+    points is over, at most 150 s; its output must be the native run's for as many
+    blocks.  Its report entry."""
+    exe, rounds = cpuwork
+    stop = tmp_path / "stop"
+    svc = ServiceProc(*(f"{k}={v}" for k, v in AGGRESSIVE.items()), *COUNTED,
+                      env=env).wait_ready()
+
+    def until_counted(pid: int) -> None:
+        def counted():
+            rep = svc.call("report", {"pids": [pid]})
+            return rep and [c for c in rep[0]["speed_checks"] if c["measure"] == "entries"]
+        try:
+            svc.wait_for(counted, timeout=150, what="a check measured by progress points")
+        finally:
+            stop.touch()
+
+    try:
+        out, rep, _ = _run(svc, [str(exe), rounds, "64", str(stop)], until_counted)
+    finally:
+        svc.stop()
+    blocks = out.count("\n")
+    assert blocks >= 1 and out == _native([str(exe), rounds, "64", str(tmp_path / "no"),
+                                           str(blocks)])
+    return rep
+
+
+def _counted_checks(rep: dict) -> list[dict]:
+    counted = [c for c in rep["speed_checks"] if c["measure"] == "entries"]
+    assert counted, (rep["speed_checks"], rep["region_status"])
+    for c in counted:
+        assert c["points"] and c["phases"] == 9 and len(c["pair_ratios"]) == 4, c
+    return counted
+
+
+def test_a_cpu_bound_program_is_judged_by_its_progress_points(cpuwork, tmp_path):
+    """No I/O: the check counts the passes of the work function's entry (its region's
+    entry site, patched to a counting entry with the region in and to a counting
+    trampoline with it out) per CPU second.  The regions are as fast as the original
+    code: "same" or "faster", not "slower"; they stay, and the output is the native
+    run's."""
+    rep = _counted_run(cpuwork, tmp_path)
+    regions = {r["id"]: r for r in rep["regions"]}
+    for c in _counted_checks(rep):
+        assert c["verdict"] in {"same", "faster"}, c
+        for rid in c["regions"]:
+            assert regions[rid]["info"]["speed_check"]["measure"] == "entries"
+            assert "slower" not in regions[rid]["info"].get("removed_why", "")
+
+
+def test_a_cpu_bound_program_found_slower_by_its_progress_points_loses_the_region(
+        cpuwork, tmp_path):
+    """DBR_TEST_SPEED_SCALE=0.5 halves the passes counted with the regions in: the
+    check measured by progress points says "slower", and its regions are removed;
+    the output is the native run's."""
+    rep = _counted_run(cpuwork, tmp_path, env={"DBR_TEST_SPEED_SCALE": "0.5"})
+    regions = {r["id"]: r for r in rep["regions"]}
+    for c in _counted_checks(rep):
+        assert c["verdict"] == "slower" and c["ratio"] == pytest.approx(0.5, abs=0.1), c
+        for rid in c["regions"]:
+            assert regions[rid]["state"] == "removed", regions[rid]
+            assert "slower than its original code" in regions[rid]["info"]["removed_why"]
+
+
 def test_a_program_without_io_keeps_its_region_unmeasured():
     calls = compile_c([HERE / "e2e_progs" / "calls.c"], flags=["-O2", "-s"],
                       out_name="calls-speed")
@@ -242,6 +330,7 @@ def test_a_program_without_io_keeps_its_region_unmeasured():
     rep = _checked_run(argv, *CHECK)
     checks = rep["speed_checks"]
     assert checks, (rep["regions"], rep["region_status"])
+    # its hot loop is entered once: no progress point is passed often enough
     assert checks[0]["verdict"] == "unmeasurable" and "bytes of I/O" in checks[0]["why"]
     assert checks[0]["phases"] == 0
     regions = {r["id"]: r for r in rep["regions"]}

@@ -245,6 +245,11 @@ class X86Writer:
         """``push qword [rip + disp32]`` (FF /6): pushes the 8 bytes at ``target``."""
         return self._put_rip(b"\xff", 6, target)
 
+    def put_lock_inc_rip(self, target: int) -> int:
+        """``lock inc qword [rip + disp32]`` (F0 REX.W FF /0): a counter at ``target``,
+        8 bytes; writes OF SF ZF AF PF (not CF)."""
+        return self._put_rip(b"\xf0\x48\xff", 0, target)
+
     # ---- data movement and arithmetic -------------------------------------------------------
     def put_lea(self, dst: int, base: int, disp: int = 0, index: int | None = None,
                 scale: int = 1) -> None:
