@@ -32,6 +32,7 @@ import dbr_service
 from dbr_service.ctlclient import MAX_REQUEST, Code, Fault
 from dbr_service.errors import AgentError, ConfigError, ProtocolError
 from dbr_service.events import json_default
+from dbr_service.probes import NoProbe, ProbeRefused
 
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.clients import ClientSession
@@ -299,6 +300,41 @@ def verb_unpatch(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     return {"pid": s.pid, "regions_removed": removed,
             "held": args["id"] if args["id"] is not None else "all",
             "until": f"dbr ctl resume {s.pid}"}
+
+
+@verb("probe_add", pid=Arg((int,), required=True), location=Arg((str,), required=True),
+      kind=Arg((str,), default="count"), filter=Arg((str,)))
+def verb_probe_add(service: Service, args: dict[str, Any]) -> dict[str, Any]:
+    """Place a probe (dbr_service/probes.py) at a location of a client."""
+    return _probe(service, "add", args)
+
+
+@verb("probe_list", pid=Arg((int,), required=True))
+def verb_probe_list(service: Service, args: dict[str, Any]) -> dict[str, Any]:
+    return _probe(service, "list", args)
+
+
+@verb("probe_show", pid=Arg((int,), required=True), id=Arg((int,), required=True),
+      last=Arg((int,), default=16))
+def verb_probe_show(service: Service, args: dict[str, Any]) -> dict[str, Any]:
+    return _probe(service, "show", args)
+
+
+@verb("probe_del", pid=Arg((int,), required=True), id=Arg((int,), required=True))
+def verb_probe_del(service: Service, args: dict[str, Any]) -> dict[str, Any]:
+    return _probe(service, "del", args)
+
+
+def _probe(service: Service, op: str, args: dict[str, Any]) -> Any:
+    s = _client(service, _int_arg(args["pid"], "pid"))
+    try:
+        return s.probe_request(op, args)
+    except ProbeRefused as exc:
+        raise Fault(Code.PROBE_REFUSED, str(exc)) from None
+    except NoProbe as exc:
+        raise Fault(Code.NO_PROBE, str(exc)) from None
+    except (AgentError, ProtocolError, TimeoutError) as exc:
+        raise Fault(Code.AGENT, f"probe {op} in pid {s.pid}: {exc}") from None
 
 
 @verb("pause", pid=Arg((int,)))
