@@ -1,6 +1,6 @@
 /* A program for probe tests: runs its functions as told on stdin.
  *   "go N"   calls work(i, 3*i) for i in 0..N-1, then pick(i % 7, i, -i) for i < 200;
- *            prints "done SUM"
+ *            prints "took NS" (the work loop's time) and "done SUM"
  *   "spin S" runs the "go" loop for S seconds (regions get hot), prints "spun SUM"
  *   "exit"   exits 0
  * Prints "ready" at start and after every command. */
@@ -39,8 +39,10 @@ int main(void)
     while (fgets(line, sizeof line, stdin)) {
         long n = 0, sum = 0;
         if (sscanf(line, "go %ld", &n) == 1) {
+            double t0 = now();
             for (long i = 0; i < n; i++)
                 sum += work(i, 3 * i);
+            printf("took %ld\n", (long)((now() - t0) * 1e9));
             for (long i = 0; i < 200; i++)
                 sum += pick(i % 7, i, -i);
             printf("done %ld\n", sum);
