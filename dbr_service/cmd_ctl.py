@@ -324,12 +324,12 @@ def _branch_records(smp: dict) -> str:
 def _probes(result: dict[str, Any]) -> str:
     """probe add/show/del: one probe; probe list: a table."""
     if "probes" in result:
-        rows = [[p["id"], p["kind"], p["location"], p["address"], p["filter"] or "",
+        rows = [[p["id"], p["kind"], p["location"], f"{p['address']:#x}", p["filter"] or "",
                  p.get("count", p.get("records_total")), p["state"]] for p in result["probes"]]
         return table(rows, ["ID", "KIND", "LOCATION", "ADDRESS", "FILTER", "HITS", "STATE"]) \
             if rows else f"pid {result['pid']}: no probes"
     p = result
-    head = (f"probe {p['id']}: {p['kind']} at {p['location']} ({p['address']}, "
+    head = (f"probe {p['id']}: {p['kind']} at {p['location']} ({p['address']:#x}, "
             f"{p['site']} site{', flags saved' if p['flags_saved'] else ''}"
             f"{', filter ' + p['filter'] if p['filter'] else ''}); {p['state']}")
     if p["kind"] == "count":
@@ -337,7 +337,7 @@ def _probes(result: dict[str, Any]) -> str:
     lines = [head, f"records: {p.get('records_total')}"]
     for r in p.get("records", []):
         lines.append(f"  #{r['n']}  " + " ".join(f"arg{i}={v:#x}" for i, v in enumerate(r["args"]))
-                     + f"  return={r['return']}")
+                     + f"  return={r['return']:#x}")
     return "\n".join(lines)
 
 

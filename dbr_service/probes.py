@@ -111,7 +111,7 @@ class Probe:
     def to_json(self, last: int = 0) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": self.id, "kind": self.kind, "location": self.location,
-            "address": f"{self.addr:#x}", "module": self.module,
+            "address": self.addr, "module": self.module,
             "filter": str(self.flt) if self.flt else None, "site": self.site,
             "flags_saved": self.flags_saved, "created": self.created,
             "state": f"removed: {self.removed}" if self.removed else "active"}
@@ -122,7 +122,7 @@ class Probe:
             n, recs = read_ring(data, last)
             out["records_total"] = n
             if last:
-                out["records"] = [{"n": k, "args": args, "return": f"{ret:#x}"}
+                out["records"] = [{"n": k, "args": args, "return": ret}
                                   for k, args, ret in recs]
         return out
 

@@ -11,8 +11,10 @@ probe neither copy it nor take its passes."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 
 import capstone
 import pytest
@@ -105,7 +107,7 @@ def test_count_probe_is_exact_and_del_restores(quiet: Prog, prog: str) -> None:
     native = quiet.run("go 1000", "done")
     p = quiet.probe("add", location="work", kind="count")
     assert (p["site"], p["location"], p["count"]) == ("plain", "work", 0)
-    assert int(p["address"], 16) == at and not p["flags_saved"]
+    assert p["address"] == at and not p["flags_saved"]
     assert read_mem(quiet.pid, at, 1) == b"\xe9"        # the 5-byte jmp
     assert quiet.run("go 1000", "done") == native
     assert quiet.probe("show", id=p["id"])["count"] == 1000
@@ -144,7 +146,7 @@ def test_args_probe_records_and_filters(quiet: Prog, prog: str) -> None:
         assert r["args"][:3] == [i % 7, i, (-i) & (2**64 - 1)]
     main = _sym(prog, "main")
     lo = _addr(quiet.pid, prog, main[0])
-    assert all(lo <= int(r["return"], 16) < lo + main[1] for r in recs)
+    assert all(lo <= r["return"] < lo + main[1] for r in recs)
     quiet.probe("del", id=p["id"])
     f = quiet.probe("add", location="pick", kind="args", filter="arg0==3")
     assert f["filter"] == "arg0==3"
@@ -250,3 +252,30 @@ def test_probes_beside_regions(prog: str) -> None:
         if p is not None:
             p.close()
         svc.stop()
+
+
+def test_dbr_ctl_probe(quiet: Prog) -> None:
+    """`dbr ctl probe add|list|show|del`: tables, JSON, and a refusal's message and
+    exit status."""
+    def ctl(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "--timeout",
+                               "40", "probe", *argv], capture_output=True, text=True,
+                              timeout=60, env=dict(os.environ, DBR_RUNTIME_DIR=quiet.svc.dir))
+    pid = str(quiet.pid)
+    r = ctl("add", pid, "work", "--kind", "count", "--json")
+    assert r.returncode == 0, r.stderr
+    pid_id = str(json.loads(r.stdout)["id"])
+    quiet.run("go 4242", "done")
+    r = ctl("show", pid, pid_id)
+    assert r.returncode == 0 and "count: 4242" in r.stdout, r.stdout
+    r = ctl("list", pid)
+    assert "work" in r.stdout and "4242" in r.stdout and "active" in r.stdout, r.stdout
+    r = ctl("add", pid, "pick+2")
+    assert r.returncode == 1 and "not an instruction boundary" in r.stderr, r.stderr
+    r = ctl("add", pid, "pick", "--kind", "args", "--filter", "arg0>=5")
+    assert r.returncode == 0 and "filter arg0>=5" in r.stdout, r.stdout
+    quiet.run("go 0", "done")
+    r = ctl("show", pid, "2", "--last", "2")
+    assert "records: " in r.stdout and r.stdout.count("arg0=") == 2, r.stdout
+    r = ctl("del", pid, pid_id)
+    assert r.returncode == 0 and "removed: deleted" in r.stdout, r.stdout
