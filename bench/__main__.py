@@ -21,6 +21,8 @@ QUICK_SKIP = {
 NAMED_ONLY = {
     "long": "long-running programs against BOLT and PGO (about 45 minutes, --quick under "
             "10); run it by name: python -m bench long [--quick]",
+    "probes": "dbr count probes against kernel uprobes: needs root, perf and tracefs; run "
+              "it by name: python -m bench probes",
 }
 
 # name -> module with main(argv) -> int, in the order they run.
@@ -33,6 +35,7 @@ BENCHMARKS = [
     ("scaling", "bench.scaling"),     # 1..64 clients under one service
     ("steady_state", "bench.steady_state"),  # long runs, sampling backoff
     ("long", "bench.long.main"),      # 15-60 s programs vs BOLT and PGO
+    ("probes", "bench.probes"),       # cost per hit: dbr count probe vs uprobe
 ]
 
 

@@ -33,6 +33,7 @@ from dbr_service.reuse import Job
 from dbr_service.budget import CpuBudget
 from dbr_service.install import Installer
 from dbr_service.optimize import Evaluator
+from dbr_service.probes import SessionProbes
 from dbr_service.session_regions import RegionBook, SessionRegions
 from dbr_service.session_sampling import SessionSampling
 from dbr_service.session_speed import SPEED_CHECKS_KEPT, SessionSpeedChecks
@@ -94,7 +95,7 @@ class _Notes(collections.deque):
         super().append(safe_text(str(x), NOTE_MAX))
 
 
-class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
+class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks, SessionProbes):
     """One agent session: the connection, the client's threads, map, samples and regions.
 
     Fields written by the session thread are read by other threads without a lock
@@ -186,6 +187,8 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
         #: counter handed out (dbr_service/progress_points.py).
         self.speed_points: Any = None
         self.counter_space: Any = None
+        self.probes: dict[int, Any] = {}       # dbr_service/probes.py
+        self.probe_rings: list[Any] = []
         #: The last speed-check command posted (control thread).
         self.speed_fut: Future | None = None
         self._perf_map: PerfMap | None = None
@@ -401,6 +404,7 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
                     raise
 
     def _finish(self) -> None:
+        self.probes_closed(self.close_reason or "the session ended")
         self.state = SessionState.CLOSED
         self.ended_at = time.time()
         try:

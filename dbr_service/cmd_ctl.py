@@ -3,7 +3,9 @@
 Verbs: status, clients [--all], waiting, hotspots PID [--top N], regions PID,
 region PID ID [--dot FILE | --svg FILE], unpatch PID [ID], pause [PID], resume [PID],
 flamegraph PID [--seconds S] [--svg FILE] [--folded FILE] (cmd_flame.py),
-config get [KEY], config set KEY VALUE, events [--follow], shutdown.
+config get [KEY], config set KEY VALUE, events [--follow], shutdown,
+probe add PID LOCATION --kind count|args [--filter F], probe list PID,
+probe show PID ID [--last N], probe del PID ID.
 Human-readable tables by default, --json for scripts.  Exit status: 0 ok, 1 the
 service refused the request or did not answer, 2 usage error.
 """
@@ -32,6 +34,9 @@ EPILOG = """examples:
   dbr ctl flamegraph 1234 --seconds 5 --svg flame.svg
   dbr ctl config set snapshot_interval_s 0.5
   dbr ctl pause 1234; dbr ctl resume
+  dbr ctl probe add 1234 compress+0x10 --kind count; dbr ctl probe show 1234 1
+  dbr ctl probe add 1234 libc.so.6+0x9e0c0
+  dbr ctl probe add 1234 parse --kind args --filter 'arg1>100'
   DBR_RUNTIME_DIR=/tmp/dbr dbr ctl shutdown
 """
 
@@ -116,6 +121,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="only events after this sequence number")
     add_flame_parser(verb, _pid, pid_help)
     verb("shutdown", "stop the service")
+    p = verb("probe", "dynamic probes: probe add|list|show|del (docs/operators.md, Probes)")
+    psub = p.add_subparsers(dest="op", metavar="OP", required=True)
+    a = psub.add_parser("add", parents=[common], help="place a probe at a location")
+    a.add_argument("pid", type=_pid, help=pid_help)
+    a.add_argument("location", help="SYMBOL[+OFF] or MODULE+OFF (a mapped file's path or "
+                                    "basename, as `dbr ctl hotspots` prints it)")
+    a.add_argument("--kind", choices=("count", "args", "latency"), default="count",
+                   help="count: passes; args: argument registers at a function's start "
+                        "(latency is not built)")
+    a.add_argument("--filter", metavar="F", help="args only: record a pass only if "
+                                                 "argI OP N holds (OP: == != < <= > >=)")
+    for op, text in (("list", "a client's probes"), ("show", "one probe and its data"),
+                     ("del", "remove a probe (its site gets its original bytes back)")):
+        q = psub.add_parser(op, parents=[common], help=text)
+        q.add_argument("pid", type=_pid, help=pid_help)
+        if op != "list":
+            q.add_argument("id", type=_positive, help="the probe's id (`probe list`)")
+        if op == "show":
+            q.add_argument("--last", type=int, default=16, metavar="N",
+                           help="args: the last N records (default 16, at most 64)")
 
 
 def request_of(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
@@ -138,6 +163,16 @@ def request_of(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         return v, {"pid": args.pid, **({"id": args.id} if args.id else {})}
     if v in ("pause", "resume"):
         return v, ({"pid": args.pid} if args.pid else {})
+    if v == "probe":
+        req: dict[str, Any] = {"pid": args.pid}
+        if args.op == "add":
+            req.update(location=args.location, kind=args.kind,
+                       **({"filter": args.filter} if args.filter is not None else {}))
+        elif args.op != "list":
+            req["id"] = args.id
+        if args.op == "show":
+            req["last"] = args.last
+        return f"probe_{args.op}", req
     if args.op == "get":
         return "config_get", ({"key": args.key} if args.key else {})
     return "config_set", {"key": args.key, "value": args.value}
@@ -293,6 +328,26 @@ def _branch_records(smp: dict) -> str:
     return f"branch records: no ({br.get('reason', 'not detected')}); IP samples"
 
 
+def _probes(result: dict[str, Any]) -> str:
+    """probe add/show/del: one probe; probe list: a table."""
+    if "probes" in result:
+        rows = [[p["id"], p["kind"], p["location"], f"{p['address']:#x}", p["filter"] or "",
+                 p.get("count", p.get("records_total")), p["state"]] for p in result["probes"]]
+        return table(rows, ["ID", "KIND", "LOCATION", "ADDRESS", "FILTER", "HITS", "STATE"]) \
+            if rows else f"pid {result['pid']}: no probes"
+    p = result
+    head = (f"probe {p['id']}: {p['kind']} at {p['location']} ({p['address']:#x}, "
+            f"{p['site']} site{', flags saved' if p['flags_saved'] else ''}"
+            f"{', filter ' + p['filter'] if p['filter'] else ''}); {p['state']}")
+    if p["kind"] == "count":
+        return f"{head}\ncount: {p['count']}"
+    lines = [head, f"records: {p.get('records_total')}"]
+    for r in p.get("records", []):
+        lines.append(f"  #{r['n']}  " + " ".join(f"arg{i}={v:#x}" for i, v in enumerate(r["args"]))
+                     + f"  return={r['return']:#x}")
+    return "\n".join(lines)
+
+
 def render(verb: str, result: Any) -> str:
     """Human-readable form of a result."""
     if verb == "status":
@@ -369,6 +424,8 @@ def render(verb: str, result: Any) -> str:
                          f"{e['event']:<18} " + " ".join(f"{k}={v}" for k, v in e.items()
                                                           if k not in ("seq", "time", "event"))
                          for e in result) or "no events"
+    if verb == "probe":
+        return _probes(result)
     if verb == "unpatch":
         held = "every region" if result["held"] == "all" else f"region {result['held']}"
         return (f"pid {result['pid']}: {result['regions_removed']} region(s) removed; "

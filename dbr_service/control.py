@@ -4,7 +4,8 @@ Request ``{"verb": NAME, "args": {...}}``; reply ``{"ok": true, "result": ...}``
 ``{"ok": false, "error": {"code": INT, "message": STR}}``.  Every verb is registered
 with :func:`verb` together with its argument specification; arguments are checked
 (names, types, required) before the handler runs, and anything else is refused with a
-:class:`Fault`.  docs/control-api.md documents every verb and code.
+:class:`Fault` (the registry: control_verbs.py; the verbs on a client's process beyond
+its regions: control_tools.py).  docs/control-api.md documents every verb and code.
 
 The socket is served by its own thread (:class:`ControlServer`) so that requests are
 answered while the control thread runs snapshots; handlers only read service state
@@ -14,7 +15,6 @@ under its lock or post work to session threads with a bounded wait.
 from __future__ import annotations
 
 import grp
-import json
 import logging
 import os
 import shutil
@@ -22,151 +22,29 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 import dbr_service
+from dbr_service import control_tools
+from dbr_service.control_verbs import (Arg, client_of, dispatch, encode_reply, fault_reply,
+                                       int_arg, verb)
 from dbr_service.ctlclient import MAX_REQUEST, Code, Fault
 from dbr_service.errors import AgentError, ConfigError, ProtocolError
-from dbr_service.events import json_default
 
 if TYPE_CHECKING:  # pragma: no cover
-    from dbr_service.clients import ClientSession
     from dbr_service.service import Service
 
 log = logging.getLogger("dbr.control")
 
-# --------------------------------------------------------------------------- registry
-@dataclass(frozen=True)
-class Arg:
-    """One argument of a verb: accepted JSON types, whether required, default."""
-
-    types: tuple[type, ...]
-    required: bool = False
-    default: Any = None
-
-
-Handler = Callable[["Service", dict[str, Any]], Any]
-VERBS: dict[str, tuple[Handler, dict[str, Arg]]] = {}
-
-
-def verb(name: str, **spec: Arg) -> Callable[[Handler], Handler]:
-    """Register a handler for ``name`` with its argument specification."""
-
-    def deco(fn: Handler) -> Handler:
-        VERBS[name] = (fn, spec)
-        return fn
-
-    return deco
-
-
-def check_args(name: str, spec: dict[str, Arg], args: Any) -> dict[str, Any]:
-    """Validate ``args`` against ``spec``; return them with defaults filled in."""
-    if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        raise Fault(Code.BAD_ARGS, f"{name}: args must be an object")
-    unknown = sorted(set(args) - set(spec))
-    if unknown:
-        raise Fault(Code.BAD_ARGS, f"{name}: unknown argument(s) {', '.join(unknown)}")
-    out = {}
-    for key, a in spec.items():
-        if key not in args or args[key] is None:
-            if a.required:
-                raise Fault(Code.BAD_ARGS, f"{name}: missing argument {key!r}")
-            out[key] = a.default
-            continue
-        v = args[key]
-        # bool is an int in Python: accept it only where bool is asked for.
-        if (isinstance(v, bool) and bool not in a.types) or not isinstance(v, a.types):
-            want = "/".join(t.__name__ for t in a.types)
-            raise Fault(Code.BAD_ARGS, f"{name}: argument {key!r} must be {want}, "
-                                       f"not {type(v).__name__}")
-        out[key] = v
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def decode_request(raw: bytes) -> Any:
-    """One request frame as a JSON value: strict UTF-8 (json.loads would also take
-    UTF-16/32) and strict JSON (no NaN/Infinity); a Fault for anything else."""
-    if len(raw) > MAX_REQUEST:
-        raise Fault(Code.TOO_LARGE, f"request of {len(raw)} bytes exceeds {MAX_REQUEST}")
-    try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except UnicodeDecodeError as exc:
-        raise Fault(Code.BAD_REQUEST, f"request is not UTF-8: {exc}") from None
-    # ValueError: malformed JSON, or an integer beyond Python's digit limit;
-    # RecursionError: nesting deeper than the parser's stack.
-    except (ValueError, RecursionError) as exc:
-        raise Fault(Code.BAD_REQUEST, f"malformed JSON: {exc}") from None
-
-
-def dispatch(service: Service, raw: bytes) -> dict[str, Any]:
-    """Decode one request, run its handler, and build the reply (never raises)."""
-    try:
-        req = decode_request(raw)
-        if not isinstance(req, dict) or not isinstance(req.get("verb"), str):
-            raise Fault(Code.BAD_REQUEST, 'request must be {"verb": STRING, "args": {...}}')
-        extra = sorted(set(req) - {"verb", "args"})
-        if extra:
-            raise Fault(Code.BAD_REQUEST, f"unknown request field(s) {', '.join(extra)}")
-        name = req["verb"]
-        if name not in VERBS:
-            raise Fault(Code.UNKNOWN_VERB, f"unknown verb {name!r} (known: "
-                                           f"{', '.join(sorted(VERBS))})")
-        if service.stopping and name != "status":
-            raise Fault(Code.SHUTTING_DOWN, "the service is shutting down")
-        fn, spec = VERBS[name]
-        result = fn(service, check_args(name, spec, req.get("args")))
-        return {"ok": True, "result": result}
-    except Fault as f:
-        return fault_reply(f.code, f.message)
-    except Exception as exc:  # a handler bug: report it, keep serving
-        log.exception("control request failed")
-        return fault_reply(Code.INTERNAL, f"internal error: {exc!r}")
-
-
-def fault_reply(code: Code, message: str) -> dict[str, Any]:
-    return {"ok": False, "error": {"code": int(code), "message": message}}
-
-
-def encode_reply(reply: dict[str, Any]) -> bytes:
-    """The reply as JSON; one that cannot be encoded (a handler returned a cycle, an
-    integer beyond the digit limit...) becomes an INTERNAL fault instead.  ASCII
-    output, so ``encode`` cannot fail."""
-    try:
-        return json.dumps(reply, default=json_default).encode()
-    except Exception as exc:
-        log.exception("control reply could not be encoded")
-        return json.dumps(fault_reply(Code.INTERNAL,
-                                      f"reply could not be encoded: {exc!r}")).encode()
-
-
-# --------------------------------------------------------------------------- helpers
-def _client(service: Service, pid: int) -> ClientSession:
-    """The live session of ``pid``, else its most recent ended one."""
-    s = service.find_client(pid)
-    if s is None:
-        raise Fault(Code.NO_CLIENT, f"no client with pid {pid}")
-    return s
-
+#: Verbs of control_tools.py, registered by importing it; served like those below.
+TOOL_VERBS = control_tools.NAMES
 
 MAX_TOP = 10_000
 """Most hot spots one ``hotspots`` reply lists: each costs a mapping lookup on the
 control thread and ~150 bytes of reply."""
 
-
-def _int_arg(v: Any, name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise Fault(Code.BAD_ARGS, f"{name} must be a positive integer")
-    return v
 
 
 # --------------------------------------------------------------------------- verbs
@@ -223,10 +101,10 @@ def verb_hotspots(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     from dbr_service.hotnames import name_hotspots
     from dbr_service.worker import find_hotspots
 
-    top = _int_arg(args["top"], "top")
+    top = int_arg(args["top"], "top")
     if top > MAX_TOP:
         raise Fault(Code.BAD_ARGS, f"hotspots: top must be at most {MAX_TOP}")
-    s = _client(service, _int_arg(args["pid"], "pid"))
+    s = client_of(service, int_arg(args["pid"], "pid"))
     with s.lock:
         counts = dict(s.ip_counts)
         maps = list(s.maps)
@@ -240,7 +118,7 @@ def verb_hotspots(service: Service, args: dict[str, Any]) -> dict[str, Any]:
 @verb("regions", pid=Arg((int,), required=True))
 def verb_regions(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Regions selected/installed for one client and the state of region selection."""
-    s = _client(service, _int_arg(args["pid"], "pid"))
+    s = client_of(service, int_arg(args["pid"], "pid"))
     inst = s.installer
     kept = inst.retained() if inst is not None else {}
     maps = list(s.maps)
@@ -259,7 +137,7 @@ def verb_regions(service: Service, args: dict[str, Any]) -> dict[str, Any]:
       format=Arg((str,), default="json"))
 def verb_region(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """One region: JSON details, or its graph as DOT or SVG text (``format``)."""
-    s = _client(service, _int_arg(args["pid"], "pid"))
+    s = client_of(service, int_arg(args["pid"], "pid"))
     fmt = args["format"]
     if fmt not in ("json", "dot", "svg"):
         raise Fault(Code.BAD_ARGS, f"region: format must be json, dot or svg, not {fmt!r}")
@@ -287,7 +165,7 @@ def verb_region(service: Service, args: dict[str, Any]) -> dict[str, Any]:
 @verb("unpatch", pid=Arg((int,), required=True), id=Arg((str,)))
 def verb_unpatch(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     """Remove one installed region's patches (``id``) or all of a client's."""
-    s = _client(service, _int_arg(args["pid"], "pid"))
+    s = client_of(service, int_arg(args["pid"], "pid"))
     if args["id"] is not None and args["id"] not in s.region_book.regions:
         raise Fault(Code.NO_REGION, f"pid {s.pid} has no region {args['id']!r}")
     if not s.alive:
@@ -299,24 +177,6 @@ def verb_unpatch(service: Service, args: dict[str, Any]) -> dict[str, Any]:
     return {"pid": s.pid, "regions_removed": removed,
             "held": args["id"] if args["id"] is not None else "all",
             "until": f"dbr ctl resume {s.pid}"}
-
-
-@verb("detach", pid=Arg((int,), required=True))
-def verb_detach(service: Service, args: dict[str, Any]) -> dict[str, Any]:
-    """Remove every patch of a client and end its session; its agent goes dormant until
-    `dbr attach` (docs/operators.md, "Attaching").  ``text`` compares the client's
-    executable mappings with their files once the agent reverted its sites."""
-    from dbr_service.textcheck import compare_text
-
-    s = _client(service, _int_arg(args["pid"], "pid"))
-    if not s.alive:
-        raise Fault(Code.NO_CLIENT, f"client {s.pid} is no longer connected")
-    try:
-        removed = service.detach(s)
-    except (AgentError, ProtocolError, TimeoutError) as exc:
-        raise Fault(Code.AGENT, f"detach of pid {s.pid} failed: {exc}") from None
-    return {"pid": s.pid, "regions_removed": removed, "session_ended": not s.alive,
-            "text": compare_text(s.pid)}
 
 
 @verb("pause", pid=Arg((int,)))
@@ -335,7 +195,7 @@ def _set_paused(service: Service, pid: int | None, paused: bool) -> dict[str, An
     if pid is None:
         service.paused = paused
         return {"service": True, "paused": paused}
-    s = _client(service, _int_arg(pid, "pid"))
+    s = client_of(service, int_arg(pid, "pid"))
     s.paused = paused
     released: list[str] = []
     if not paused:   # resume also lifts what `unpatch` held back
@@ -398,14 +258,6 @@ def verb_report(service: Service, args: dict[str, Any]) -> list[dict[str, Any]]:
                 wanted.add(child)
                 todo.append(child)
     return [s.report() for s in sessions if s.pid in wanted and s.exe]
-
-
-@verb("flamegraph", pid=Arg((int,), required=True), seconds=Arg((int, float)))
-def verb_flamegraph(service: Service, args: dict[str, Any]) -> dict[str, Any]:
-    """Start, poll or collect a client's call-stack profile (stackjobs.py)."""
-    from dbr_service.stackjobs import flamegraph
-
-    return flamegraph(service, _int_arg(args["pid"], "pid"), args["seconds"])
 
 
 @verb("events", since=Arg((int,), default=0))

@@ -32,6 +32,8 @@ class Code(enum.IntEnum):
     AGENT = 9           # the agent refused or did not answer in time
     INTERNAL = 10       # a bug; the message says which
     SHUTTING_DOWN = 11  # the service is stopping
+    PROBE_REFUSED = 12  # a probe's location or kind refused (the message says why)
+    NO_PROBE = 13       # the client has no probe with that id
 
 
 class Fault(DbrError):

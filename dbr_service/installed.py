@@ -68,6 +68,9 @@ class InstalledRegion:
     #: Entry sites that no edge inside the region targets: its copy passes their
     #: entry only when control comes from original code (speed checks count them).
     free_entries: frozenset[int] = frozenset()
+    #: Not judged by evaluation (cold, not effective) nor moved into: a probe's
+    #: trampoline, which stays until the operator or the session removes it.
+    kept: bool = False
 
     @property
     def patched_sites(self) -> list[P.PatchSite]:

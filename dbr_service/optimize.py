@@ -301,7 +301,8 @@ class Evaluator:
     def snapshot(self, samples: Mapping[int, int], now: float | None = None) -> list[Health]:
         """Attribute one snapshot's raw sample IPs ({ip: count}) to installed regions."""
         now = time.monotonic() if now is None else now
-        live = [r for r in self.installer.regions.values() if r.state is InstallState.INSTALLED]
+        live = [r for r in self.installer.regions.values()
+                if r.state is InstallState.INSTALLED and not r.kept]
         health = {r.region_id: Health(r) for r in live}
         for ip, n in samples.items():
             for r in live:

@@ -571,6 +571,7 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
 
         def farewell(s: ClientSession) -> None:
             s._close_source()
+            s.probes_remove_all("the service detached")   # probes never outlive it
             s.conn.bye(revert=revert)
             s.stop("service shutting down")
 

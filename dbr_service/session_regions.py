@@ -164,6 +164,10 @@ class SessionRegions:
             if rec is not None and book.covered(rid, rec.module, rec.entries):
                 rec.info["not_installed"] = "its entries are in code an installed region replaces"
                 continue
+            if self.probed_in(region_extent(sr)[0]):
+                if rec is not None:   # its copy would run instead of the probe
+                    rec.info["not_installed"] = "it copies a probed location"
+                continue
             if rec is not None and self._in_slow_code(rec.module, region_extent(sr)[0]):
                 rec.info["not_installed"] = ("it copies code that a region was found "
                                              "slower than (speed check)")

@@ -74,6 +74,14 @@ class SymbolTable:
         """Link-time addresses where a named function starts."""
         return self._start_set
 
+    def by_name(self, name: str) -> Symbol | None:
+        """The function named ``name`` (the first of several with that name)."""
+        return next((s for s in self._syms if s.name == name), None)
+
+    def symbols(self) -> list[Symbol]:
+        """Every function symbol, by address."""
+        return list(self._syms)
+
     def at_offset(self, offset: int) -> tuple[str, int] | None:
         """:meth:`lookup` of the byte ``offset`` bytes into the module's lowest mapping."""
         return self.lookup(offset + self.first_load)

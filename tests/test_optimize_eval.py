@@ -13,6 +13,7 @@ class Reg:
         self.region_id, self.state, self.installed_at = rid, InstallState.INSTALLED, installed_at
         self.orig_ranges = [(lo, lo + 0x100)]
         self.code = (lo + 0x10000, lo + 0x10100)
+        self.kept = False
 
     def contains_code(self, ip: int) -> bool:
         return self.code[0] <= ip < self.code[1]
@@ -50,3 +51,14 @@ def test_a_region_never_sampled_is_cold_cold_s_after_installation():
     ev.snapshot({}, now=120.0)
     assert ev.verdicts(now=129.9) == []
     assert [why for _, why in ev.verdicts(now=130.0)] == ["cold"]
+
+
+def test_a_kept_region_is_never_judged():
+    """A probe's trampoline (kept) is neither cold nor not effective, and its samples
+    are nobody's."""
+    r, probe = Reg(1, 0x1000, installed_at=100.0), Reg(2, 0x1000, installed_at=100.0)
+    probe.kept = True
+    ev = Evaluator(Inst(probe, r), EvalPolicy(grace_s=0, cold_s=30.0))
+    health = ev.snapshot({0x1010: 5}, now=120.0)
+    assert [(h.region.region_id, h.in_original) for h in health] == [(1, 5)]
+    assert [reg.region_id for reg, _ in ev.verdicts(now=200.0)] == [1]

@@ -20,7 +20,7 @@ import pytest
 import zmq
 from service_helpers import ServiceProc
 
-from dbr_service import control
+from dbr_service import control, control_verbs
 from dbr_service.control import MAX_FRAME, ControlServer
 from dbr_service.events import EventBus
 from dbr_service.ctlclient import MAX_REQUEST, Code
@@ -259,9 +259,9 @@ def test_rebind_without_a_file_is_0600(server):
 def test_unencodable_reply_is_internal(server, monkeypatch):
     cycle: list = []
     cycle.append(cycle)
-    monkeypatch.setitem(control.VERBS, "test_cycle", (lambda s, a: cycle, {}))
-    monkeypatch.setitem(control.VERBS, "test_huge_int", (lambda s, a: 10 ** 5000, {}))
-    monkeypatch.setitem(control.VERBS, "test_raises", (lambda s, a: 1 / 0, {}))
+    monkeypatch.setitem(control_verbs.VERBS, "test_cycle", (lambda s, a: cycle, {}))
+    monkeypatch.setitem(control_verbs.VERBS, "test_huge_int", (lambda s, a: 10 ** 5000, {}))
+    monkeypatch.setitem(control_verbs.VERBS, "test_raises", (lambda s, a: 1 / 0, {}))
     for name in ("test_cycle", "test_huge_int", "test_raises"):
         assert _fault(_ask(server.path, [json.dumps({"verb": name}).encode()])) \
             == Code.INTERNAL
@@ -304,8 +304,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from dbr_service.config import Config  # noqa: E402
 
-FUZZ_VERBS = sorted(v for v in control.VERBS if v != "shutdown")
-WORDS = [*Config.keys(), *control.VERBS, "json", "dot", "svg", "r1", "", "verb", "args"]
+FUZZ_VERBS = sorted(v for v in control_verbs.VERBS if v != "shutdown")
+WORDS = [*Config.keys(), *control_verbs.VERBS, "json", "dot", "svg", "r1", "", "verb", "args"]
 
 
 def _valid_settings() -> list[tuple[str, object]]:
@@ -340,7 +340,7 @@ def _requests(draw) -> object:
     """A request object: a registered verb, arguments named in its spec or not, values
     of the right type or not; sometimes a wrong shape around them."""
     name = draw(st.sampled_from(FUZZ_VERBS))
-    spec = control.VERBS[name][1]
+    spec = control_verbs.VERBS[name][1]
     args = {}
     for key in draw(st.lists(st.sampled_from(sorted(spec) or ["x"]), max_size=4)):
         typed = [_TYPED[t] for t in spec[key].types] if key in spec else [_ints]

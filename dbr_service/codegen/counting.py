@@ -124,8 +124,20 @@ def counting_trampoline(code: bytes, site: int, at: int, counter: int,
     the patch overwrites."""
     if not inc_flags_dead(code, site):
         raise CannotRelocate(f"flags live at {site:#x}: no counter there")
+    head = counter_bytes(at, counter)
+    tail, n, exits = relocate_site(code, site, at + len(head), relocator)
+    return Trampoline(site, at, head + tail, n, exits)
+
+
+def relocate_site(code: bytes, site: int, at: int, relocator: Relocator | None = None
+                  ) -> tuple[bytes, int, tuple[tuple[int, int], ...]]:
+    """The whole instructions from ``site`` (original bytes ``code``) that a 5-byte
+    patch there overwrites, relocated to ``at``, then a ``jmp`` to the next original
+    instruction (unless they end in a ``jmp``): (bytes, original bytes covered,
+    (address, original target) of each branch back).  CannotRelocate if one of them
+    calls, returns or branches indirectly, or branches into the patched bytes."""
     rel = relocator or Relocator()
-    out = bytearray(counter_bytes(at, counter))
+    out = bytearray()
     exits: list[tuple[int, int]] = []
     n = 0
     ended = False
@@ -153,4 +165,4 @@ def counting_trampoline(code: bytes, site: int, at: int, counter: int,
         w.put_jmp(site + n)
         exits.append((at + len(out), site + n))
         out += w.finish()
-    return Trampoline(site, at, bytes(out), n, tuple(exits))
+    return bytes(out), n, tuple(exits)
