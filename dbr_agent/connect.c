@@ -263,7 +263,7 @@ static void program_hint(int dfd, const char *dir, char *from, size_t from_len, 
         dbr_log("%s/%s does not hold a number of ms: ignored", dir, name);
         return;
     }
-    if (later > *ms) {
+    if (later != *ms) {      /* later: runs end sooner; earlier: a stored profile */
         *ms = later;
         snprintf(from, from_len, "%s/%s", dir, name);
     }

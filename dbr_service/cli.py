@@ -16,6 +16,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("run", "dbr_service.cmd_run", "run PROG under dbr and report what it did"),
     ("service", "dbr_service.cmd_service", "the per-host daemon (foreground, Type=notify)"),
     ("ctl", "dbr_service.cmd_ctl", "talk to a running service's control socket"),
+    ("profile", "dbr_service.cmd_profile", "the profile store: list, show, forget, export, import"),
     ("analyze", "dbr_service.region.analyze", "offline region selection on an ELF file"),
     ("agent-path", "dbr_service.cmd_agent_path", "print the path of libdbr_agent.so"),
 ]
@@ -27,7 +28,7 @@ def _base_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dbr", description="dbr — sampling-driven dynamic binary rewriter for x86-64 Linux",
         epilog="examples:\n  dbr run --aggressive -- ./prog arg\n  dbr ctl status\n"
-               "  dbr analyze ./prog --samples samples.txt",
+               "  dbr analyze ./prog --samples perf.data",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"dbr {dbr_service.__version__}")
     return p

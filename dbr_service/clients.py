@@ -190,6 +190,7 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
         self.speed_fut: Future | None = None
         self._perf_map: PerfMap | None = None
         self._jitdump: JitDump | None = None
+        self._where_names: dict[str, str] = {}    # region id -> named entry (_where)
         self._maps_due = 0.0     # monotonic s a deferred maps reread is due (0: none)
         self._maps_read = 0.0    # monotonic s of the last reread
         self._alive_look = time.monotonic()
@@ -480,6 +481,11 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
             log.debug("pid %d: late %s dropped", self.pid, t.name)
         else:  # HELLO again, or a service-only type
             raise ProtocolError(f"unexpected {t.name} from the agent")
+
+    def refresh_maps_now(self) -> None:
+        """Session thread: reread the client's map now (a warm start's first job needs
+        it before any sampling window has read it)."""
+        self._refresh_maps()
 
     def _refresh_maps(self, soon: bool = False) -> None:
         """Reread the client's map.  ``soon`` (a MAP_CHANGED): not more often than

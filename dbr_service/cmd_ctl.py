@@ -276,6 +276,16 @@ def _budget(c: dict[str, Any]) -> str:
     return text
 
 
+def _branch_records(smp: dict) -> str:
+    """The status line on branch stacks (sampling/branchperf.py): used, or why not."""
+    br = smp["capabilities"].get("branch_records") or {}
+    if smp.get("branch_records_used"):
+        return f"branch records: used ({br.get('event')}, randomised period)"
+    if br.get("available"):
+        return f"branch records: available, not used (sampling {smp['active']})"
+    return f"branch records: no ({br.get('reason', 'not detected')}); IP samples"
+
+
 def render(verb: str, result: Any) -> str:
     """Human-readable form of a result."""
     if verb == "status":
@@ -290,6 +300,7 @@ def render(verb: str, result: Any) -> str:
                   f"every {smp['interval_s']}s for {smp['window_s']}s at {smp['period_us']}us"),
                  "host offers: " + ", ".join(
                      f"{k}={'yes' if v.get('available') else 'no'}" for k, v in caps.items()),
+                 _branch_records(smp),
                  f"workers: {result['scheduler']}"]
         cfg = result.get("config") or {}
         sch = result["scheduler"]

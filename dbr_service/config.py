@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dbr_service.errors import ConfigError
-from dbr_service.paths import resolve_runtime_dir
+from dbr_service.paths import resolve_runtime_dir, resolve_state_dir
 
 DEFAULT_CONFIG_FILE = "/etc/dbr/dbr.toml"
 SAMPLING_SOURCES = ("auto", "perf", "agent-timer")
@@ -82,7 +82,8 @@ class Config:
         "sample_period_us of their CPU time, which can make a blocking call it lands in "
         "return EINTR); false: leave them unsampled"))
     sampling_source: str = field(default="auto", metadata=_doc(
-        "auto | perf | agent-timer (auto: perf, agent-timer when perf is refused)",
+        "auto | perf | agent-timer (auto and perf: branch stacks where the host has them, "
+        "else the perf clock; auto: agent-timer when perf is refused)",
         choices=SAMPLING_SOURCES))
     hot_threshold: float = field(default=0.01, metadata=_doc(
         "fraction of a client's samples an address needs to be a hot spot (region "
@@ -160,6 +161,20 @@ class Config:
     runtime_dir: str = field(default="", metadata=_doc(
         "socket directory (empty: $DBR_RUNTIME_DIR, /run/dbr as root, "
         "else $XDG_RUNTIME_DIR/dbr)"))
+    state_dir: str = field(default="", metadata=_doc(
+        "directory of the profile store, profiles.db (empty: $DBR_STATE_DIR, "
+        "/var/lib/dbr as root, else $XDG_STATE_HOME/dbr or ~/.local/state/dbr)"))
+    warm_start: bool = field(default=True, metadata=_doc(
+        "keep each client's profile in the profile store (state_dir) and, for a program "
+        "whose executable has stored hot text, have its agents connect at their start and "
+        "its first region job select from the stored profile at once; false: no store"))
+    profile_half_life_s: float = field(default=7 * 86400.0, metadata=_doc(
+        "half-life of a module's stored sample counts: when a run is merged, the "
+        "counts already stored are multiplied by 0.5^(age / this), age being the time "
+        "since the module was last seen", min=60.0, max=10 * 365 * 86400.0))
+    profile_expiry_s: float = field(default=30 * 86400.0, metadata=_doc(
+        "a module's stored profile not seen for this long is deleted when the store "
+        "is opened for writing (0: never)", min=0.0, max=10 * 365 * 86400.0))
     socket_group: str = field(default="", metadata=_doc(
         "group allowed to use the sockets (runtime dir 0750 then); empty: none"))
     agent_ring_entries: int = field(default=8192, metadata=_doc(
@@ -232,6 +247,10 @@ class Config:
         """The runtime directory this configuration means (docs/architecture.md, "Interfaces
         users rely on": ``DBR_RUNTIME_DIR``)."""
         return resolve_runtime_dir(self.runtime_dir, env)
+
+    def effective_state_dir(self, env: Mapping[str, str] | None = None) -> Path:
+        """The profile store's directory this configuration means."""
+        return resolve_state_dir(self.state_dir, env)
 
     def effective_allowed_uids(self) -> frozenset[int]:
         if self.allowed_uids is None:

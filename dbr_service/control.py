@@ -187,6 +187,7 @@ def verb_status(service: Service, args: dict[str, Any]) -> dict[str, Any]:
             "scheduler": service.scheduler.stats(),
             "session_threads": service.session_threads.stats(),
             "short_runs": service.short_runs.status(),
+            "warm_start": service.warm.status() if service.warm is not None else None,
             "config_generation": service.config_generation,
             "config_file": service.sources.file,
             "config": service.config.to_dict(),

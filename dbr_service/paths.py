@@ -27,6 +27,22 @@ def resolve_runtime_dir(configured: str = "", env: Mapping[str, str] | None = No
     return Path(xdg) / "dbr"
 
 
+def resolve_state_dir(configured: str = "", env: Mapping[str, str] | None = None) -> Path:
+    """Configured value, else $DBR_STATE_DIR, else /var/lib/dbr (root) or
+    $XDG_STATE_HOME/dbr ($HOME/.local/state/dbr without it): where the profile store
+    lives (dbr_service/profilestore.py)."""
+    env = os.environ if env is None else env
+    if configured:
+        return Path(configured)
+    if env.get("DBR_STATE_DIR"):
+        return Path(env["DBR_STATE_DIR"])
+    if os.geteuid() == 0:
+        return Path("/var/lib/dbr")
+    xdg = env.get("XDG_STATE_HOME") or os.path.join(
+        env.get("HOME") or os.path.expanduser("~"), ".local", "state")
+    return Path(xdg) / "dbr"
+
+
 class UnsafeDirError(OSError):
     """A directory the service would write into could be changed by someone else."""
 
@@ -154,8 +170,9 @@ def program_key(st: os.stat_result) -> str:
 
 
 def program_quiet_file(key: str) -> str:
-    """The file beside QUIET_FILE that holds a later birth for one program (a service
-    that learned its runs end sooner: dbr_service/shortruns.py)."""
+    """The file beside QUIET_FILE that holds one program's own birth age: later (a
+    service that learned its runs end sooner: dbr_service/shortruns.py) or 0 (one that
+    holds a stored profile of it, to install at once)."""
     return f"{QUIET_FILE}.{key}"
 
 
@@ -209,8 +226,9 @@ def agent_quiet(env: Mapping[str, str], runtime_dir: Path | None,
     """How long an agent started with ``env`` beside a service in ``runtime_dir``
     stays quiet, as the agent decides it; whether the service's hint said so (a hint
     of more than 0 plans the agent's thread: it is made only once the program is that
-    old and running); and whether that hint is a later one the service wrote for the
-    program ``exe`` (a path), having learned that its runs end sooner."""
+    old and running); and whether that hint is one the service wrote for the program
+    ``exe`` (a path): later, having learned that its runs end sooner, or 0, holding a
+    stored profile of it (warm start)."""
     ms = parse_ms(env.get("DBR_AGENT_QUIET_MS", ""))
     if ms is not None:
         return ms, False, False
@@ -224,9 +242,9 @@ def agent_quiet(env: Mapping[str, str], runtime_dir: Path | None,
             key = program_key(os.stat(exe))
         except OSError:
             return hint, True, False
-        later = read_ms_file(runtime_dir / program_quiet_file(key))
-        if later is not None and later > hint:
-            return later, True, True
+        own = read_ms_file(runtime_dir / program_quiet_file(key))
+        if own is not None and own != hint:
+            return own, True, True
     return hint, True, False
 
 

@@ -53,6 +53,7 @@ from dbr_service.snapshots import Snapshot, SnapshotCycle
 from dbr_service.sources import choose_source, sampling_capabilities
 from dbr_service.budget import client_cpu_s
 from dbr_service.scheduler import Scheduler
+from dbr_service.warmstart import WarmStart
 
 log = logging.getLogger("dbr.service")
 
@@ -131,6 +132,9 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
         self.short_runs = ShortRunPrograms(self.runtime_dir, self.config.short_run_s,
                                            self.config.short_run_memory_s)
         self.sessions_seen = 0
+        #: The profile store and warm start (warmstart.py); None: warm_start off, or
+        #: the store could not be opened.
+        self.warm: WarmStart | None = None
         #: pid -> live session, rebuilt at each snapshot (sample attribution).
         self._by_pid: dict[int, ClientSession] = {}
         self.paused = False
@@ -203,6 +207,10 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
             for path in remove_stale_perf_maps(self.runtime_dir):
                 log.info("removed the stale perf map %s", path)
         self.write_quiet_hint()
+        self.warm = WarmStart.open(self.config, self.embedded)
+        if self.warm is not None:
+            n = self.warm.write_start_hints(self.dir_fd)
+            log.info("profile store %s: %d warm program(s)", self.warm.store.path, n)
         self._ctx = zmq.Context()
         self._control = self._control_server(self, self._ctx, self.path(CONTROL_SOCKET))
         self.events = EventBus(self._ctx, self.path(EVENTS_SOCKET))
@@ -389,6 +397,12 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
                             ppid=s.ppid)
         if self.stopping:
             s.stop("service shutting down")
+            return
+        warm = self.warm
+        if warm is not None and not self.paused:
+            selection = warm.job_input(s)
+            if selection:
+                self.post(lambda: self.start_warm_job(s, selection))
 
     def session_refused(self, s: ClientSession, why: str, peer_gone: bool = False) -> None:
         with self.lock:
@@ -423,9 +437,12 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
         self.events.publish("client-left", pid=s.pid, session=s.session_id,
                             reason=s.close_reason, samples=s.samples_total)
         self._wake()
-        self._count_run(s)   # last: it may wait for the process to end
+        warm = self.warm.record(s) if self.warm is not None else False
+        self._count_run(s, warm)   # it may wait for the process to end
+        if warm and s.exe_key:     # after short_runs, which may remove a late birth's file
+            self.warm.write_hint(s.exe_key, self.dir_fd)
 
-    def _count_run(self, s: ClientSession) -> None:
+    def _count_run(self, s: ClientSession, warm: bool = False) -> None:
         """Tell short_runs how the run of an ended session's process went (not that of a
         session the service ended, a process that lives on, or a fork child of a client
         of the same program: shortruns.py)."""
@@ -445,7 +462,9 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
                            if x.pid == s.ppid and x.exe_key == s.exe_key), None)
         if parent is not None:
             return
-        self.short_runs.ended(s.exe_key, s.exe, life, installed=s.first_patch_mono is not None)
+        # a warm program gains from its first ms: it is not born late
+        self.short_runs.ended(s.exe_key, s.exe, life,
+                              installed=warm or s.first_patch_mono is not None)
 
     def find_client(self, pid: int) -> ClientSession | None:
         """The live session of ``pid``, else its most recent ended one."""
@@ -543,6 +562,8 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
             if s.thread is not None:
                 s.thread.join(max(0.0, deadline - time.monotonic()))
         self.session_threads.close()
+        if self.warm is not None:
+            self.warm.close()
         self.scheduler.shutdown(timeout=1.0)
         self._release_sockets()
         self.notifier.close()

@@ -196,7 +196,7 @@ class SessionRegions:
                 rec.sites = reg.patched_sites
                 rec.orig_ranges = list(reg.orig_ranges)
                 rec.code_bytes = reg.gen.size
-                rec.info.update(install_id=reg.region_id, code_at=hex(reg.chunk.addr),
+                rec.info.update(install_id=reg.region_id, code_at=reg.chunk.addr,
                                 sites=len(reg.patched_sites), transferred=reg.transferred,
                                 transfer_only=not reg.sites, layout=reg.gen.layout_kind,
                                 real_calls=len(reg.gen.calls), frames=reg.frames)
@@ -213,10 +213,8 @@ class SessionRegions:
                 self.service.events.publish("patch-installed", pid=self.pid, region=rid,
                                             sites=len(reg.patched_sites),
                                             code_bytes=reg.gen.size)
-                entry = min(reg.gen.entries, default=None)
                 log.info("pid %d (%s): region %s installed at %s: %d site(s), %d bytes of "
-                         "code, %d real call(s)", self.pid, self.exe, rid,
-                         name_address(entry, self.maps) if entry is not None else "?",
+                         "code, %d real call(s)", self.pid, self.exe, rid, self._where(reg),
                          len(reg.patched_sites), reg.gen.size, len(reg.gen.calls))
         for rid, why in out.failed:
             self.errors.append(f"region {rid}: {why}")
@@ -308,6 +306,16 @@ class SessionRegions:
         inst = self.installer
         return ip if inst is None else inst.attribute(ip)[0]
 
+    def _where(self, reg: Any) -> str:
+        """The installed region's lowest entry named in the client (``func+0x12``), as
+        the log line of its install and its jitdump symbol give it; named once."""
+        where = self._where_names.get(reg.region_id)
+        if where is None:
+            entry = min(reg.gen.entries, default=None)
+            where = name_address(entry, self.maps) if entry is not None else "?"
+            self._where_names[reg.region_id] = where
+        return where
+
     def _write_jitdump(self) -> None:
         """A JIT_CODE_LOAD record for every region installed since the last call, when
         the client's agent made /tmp/jit-PID.dump (DBR_JITDUMP=1; dbr_service/jitdump.py)."""
@@ -319,9 +327,8 @@ class SessionRegions:
         for reg in list(inst.regions.values()):
             if reg.state is not InstallState.INSTALLED or reg.region_id in self._jitdump.loaded:
                 continue
-            entry = min(reg.gen.entries, default=None)
-            where = name_address(entry, self.maps) if entry is not None else "?"
-            why = self._jitdump.load(reg.region_id, f"dbr:{where} [{reg.name}]", reg.gen.base,
+            why = self._jitdump.load(reg.region_id, f"dbr:{self._where(reg)} [{reg.name}]",
+                                     reg.gen.base,
                                      bytes(reg.gen.code))
             if why:
                 self.errors.append(f"jitdump: {why}")

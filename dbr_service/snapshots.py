@@ -15,7 +15,7 @@ from dbr_service.errors import SamplingError
 from dbr_service.sampling.aggregate import SampleAggregator
 from dbr_service.cadence import hot_addresses, newly_hot, sampling_interval
 from dbr_service.budget import budget_limit, client_cpu_s
-from dbr_service.sources import make_agent_timer_source, make_perf_source
+from dbr_service.sources import is_perf_kind, make_agent_timer_source, make_perf_source
 from dbr_service.speedcheck import SETTLE_PHASES
 from dbr_service.worker import QUICK_JOBS, ClientJob, quick_job
 
@@ -45,6 +45,7 @@ class SnapshotCycle:
     # ------------------------------------------------------------------ sampling
     def sampling_status(self) -> dict[str, Any]:
         return {"configured": self.config.sampling_source, "active": self.source_kind,
+                "branch_records_used": self.source_kind == "lbr",
                 "capabilities": self.capabilities,
                 "continuous": self.config.continuous_sampling,
                 "interval_s": self.config.snapshot_interval_s,
@@ -55,7 +56,7 @@ class SnapshotCycle:
         """Session thread: the sampling source for one client (perf, else agent timer)."""
         cfg = self.config
         kind = s.forced_source or self.source_kind
-        if kind.startswith("perf-"):
+        if is_perf_kind(kind):
             try:
                 return make_perf_source(s, cfg, kind)
             except SamplingError as exc:
@@ -238,6 +239,7 @@ class SnapshotCycle:
                 jobs.append(ClientJob(s.session_id, s.pid, s.exe, dict(counts),
                                       selection, list(s.maps), self.config.to_dict(),
                                       branches=window.branch_counts(s.pid),
+                                      fallthroughs=window.fallthrough_counts(s.pid),
                                       patched=s.patched_ranges(),
                                       quick=quick_job(s.jobs_done, bool(s.region_book.regions)),
                                       max_blocks=s.cpu_budget.max_blocks(
@@ -260,6 +262,21 @@ class SnapshotCycle:
             # a queued job's client is judged when its job is done (_apply_result); one
             # left unqueued (every worker busy) is not judged this time
         self.notifier.status(self._status_line())
+
+    def start_warm_job(self, s: ClientSession, selection: dict[int, int]) -> None:
+        """Control thread: a warm client's first region job, from its stored profile
+        (``selection``, samples by address: warmstart.WarmStart.job_input), queued at
+        once rather than after its first sampling windows."""
+        if not s.alive or s.paused or self.paused or s.jobs_done or \
+                s.session_id in self.scheduler.running:
+            return
+        job = ClientJob(s.session_id, s.pid, s.exe, dict(selection), dict(selection),
+                        list(s.maps), self.config.to_dict(), patched=s.patched_ranges(),
+                        quick=True)
+        if self.scheduler.schedule([job], self.config.max_workers):
+            s.mark("warm_job_queued")
+            if self.warm is not None:
+                self.warm.warm_jobs += 1
 
     def _job_due(self, s: ClientSession, selection: dict[int, int], now: float) -> bool:
         """Whether a client's snapshot gets a region job, after its first QUICK_JOBS + 1

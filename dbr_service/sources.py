@@ -31,13 +31,19 @@ def sampling_capabilities() -> dict[str, Any]:
         return {"best": "agent-timer", "capabilities": {}, "error": repr(exc)}
 
 
+def is_perf_kind(kind: str) -> bool:
+    """Whether a source kind samples through perf_event (lbr: branch stacks)."""
+    return kind.startswith("perf-") or kind == "lbr"
+
+
 def choose_source(configured: str, caps: dict[str, Any]) -> str:
-    """The live source to use: perf-cpu-clock | perf-cycles | agent-timer."""
+    """The live source to use: lbr | perf-cycles | perf-cpu-clock | agent-timer.  Branch
+    stacks are used wherever the host gives them (detected at start)."""
     if configured == "agent-timer":
         return "agent-timer"
     best = caps.get("best", "agent-timer")
     if configured == "perf":
-        return best if best.startswith("perf-") else "perf-cpu-clock"
+        return best if is_perf_kind(best) else "perf-cpu-clock"
     return best
 
 
@@ -45,15 +51,38 @@ def make_perf_source(session: ClientSession, cfg: Config, kind: str):
     """perf sampling of every thread of the client (threads added later via THREAD_NEW,
     which the agent sends from now until the window ends).  Threads that switch too
     often for a perf event get the agent's timer, where the agent offers a listed
-    sampler (sampling/gated.py)."""
+    sampler (sampling/gated.py).  ``kind`` lbr: branch stacks on taken branches
+    (sampling/branchperf.py); where they are refused the client gets the perf clock."""
+    from dbr_service.errors import SamplingError
+
+    if kind == "lbr":
+        try:
+            return _open_perf(session, cfg, kind)
+        except SamplingError as exc:
+            log.warning("pid %d: branch stacks refused (%s); using the perf clock",
+                        session.pid, exc)
+            session.forced_source = kind = "perf-cpu-clock"
+    return _open_perf(session, cfg, kind)
+
+
+def _open_perf(session: ClientSession, cfg: Config, kind: str):
+    from dbr_service.errors import SamplingError
+    from dbr_service.sampling.branchperf import host_branch_event, make_branch_source
     from dbr_service.sampling.gated import GatedTimerSource
     from dbr_service.sampling.perf import PerfSource
 
     session.thread_tracker.window_notices()
 
     pages = 64 if cfg.continuous_sampling else 16
-    perf = PerfSource(event=kind.removeprefix("perf-"), sample_period_us=cfg.sample_period_us,
-                      data_pages=pages, gate=session.thread_tracker.switch_gate)
+    gate = session.thread_tracker.switch_gate
+    if kind == "lbr":
+        event = host_branch_event()
+        if event is None:
+            raise SamplingError("no branch stacks on this host")
+        perf = make_branch_source(event, cfg.sample_period_us, pages, gate)
+    else:
+        perf = PerfSource(event=kind.removeprefix("perf-"),
+                          sample_period_us=cfg.sample_period_us, data_pages=pages, gate=gate)
     if not (cfg.gated_thread_timer and cfg.perf_max_switch_rate > 0
             and session.hello_flags & P.HELLO_SAMPLER_LISTED
             and session.thread_tracker.gated_timer_failed is None):

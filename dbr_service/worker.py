@@ -73,6 +73,9 @@ class ClientJob:
     config: dict[str, Any]
     #: Taken branches seen in the snapshot ``{src: {dst: count}}`` (sources with branch info).
     branches: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: Fall-through ranges of the snapshot's branch stacks ``{(start, end): count}``:
+    #: their not-taken branches join ``branches`` in the worker (sampling/fulltrace.py).
+    fallthroughs: dict[tuple[int, int], int] = field(default_factory=dict)
     #: Byte ranges of installed patches: discovery stops at them (docs/architecture.md,
     #: "Region selection").
     patched: list[tuple[int, int]] = field(default_factory=list)
@@ -255,29 +258,36 @@ def select_client_regions(job: ClientJob, cfg: Any
         if job.max_blocks is not None:
             rcfg = dataclasses.replace(rcfg, max_discovery_blocks=min(
                 job.max_blocks, rcfg.max_discovery_blocks or job.max_blocks))
-        res = pipeline.select_regions(job.cumulative, job.memory_view(), rcfg,
-                                      branch_samples=job.branches or None,
+        functions = job.function_entries()
+        mem = job.memory_view()
+        branches = job.branches
+        if job.fallthroughs:
+            from dbr_service.sampling.fulltrace import full_branch_counts
+            branches = full_branch_counts(job.branches, job.fallthroughs, mem.read)
+        res = pipeline.select_regions(job.cumulative, mem, rcfg,
+                                      branch_samples=branches or None,
                                       patched=is_patched if patched else None,
-                                      functions=job.function_entries())
+                                      functions=functions)
     except Exception as exc:  # per-client: recorded, the service goes on
         tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
         return None, f"region selection failed: {tb}", None
-    regions = [describe_region(sr) for sr in res.regions]
+    regions = [describe_region(sr, functions.name) for sr in res.regions]
     status = f"{len(regions)} region(s) selected"
     if res.failures:
         status += f", {len(res.failures)} dropped by failures ({res.failures[0].error})"
     return regions, status, list(res.regions)
 
 
-def describe_region(sr: Any) -> dict[str, Any]:
-    """A picklable summary of one super-region (region/model.py SuperRegion)."""
+def describe_region(sr: Any, name: Any = None) -> dict[str, Any]:
+    """A picklable summary of one super-region (region/model.py SuperRegion); ``name``
+    names the functions of its blocks in its graph (FunctionEntries.name)."""
     blocks = list(sr.blocks())
     modules = [bb.module for _, bb in blocks if getattr(bb, "module", None)]
     return {"id": sr.id, "module": modules[0] if modules else "",
             "entries": sorted(int(n) for n, _ in sr.entry_edges() if isinstance(n, int)),
             "transfer_only": sr.transfer_only,
             "blocks": len(blocks), "code_bytes": sum(bb.size for _, bb in blocks),
-            "dot": sr.to_dot(sr.id)}
+            "dot": sr.to_dot(sr.id, name)}
 
 
 # --------------------------------------------------------------------------- worker processes

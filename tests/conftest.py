@@ -4,8 +4,22 @@ non-test modules of this directory)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 from harness import FakeService, compile_c, parse_sites
+
+# Services the tests start keep their profile store here, never in the host's
+# /var/lib/dbr; each test gets its own (below), module-wide services this one.
+os.environ["DBR_STATE_DIR"] = tempfile.mkdtemp(prefix="dbr-state-")
+
+
+@pytest.fixture(autouse=True)
+def _own_state_dir(monkeypatch, tmp_path_factory):
+    """A profile store of the test's own: no warm start from another test's runs of
+    the same program."""
+    monkeypatch.setenv("DBR_STATE_DIR", str(tmp_path_factory.mktemp("state")))
 
 
 @pytest.fixture(name="svc")

@@ -55,7 +55,9 @@ class ServiceProc:
     def __init__(self, *opts: str, env: dict[str, str] | None = None,
                  runtime_dir: str | None = None, config: str | None = None) -> None:
         self.dir = runtime_dir or tempfile.mkdtemp(prefix="dbr-svc-")
-        self.env = dict(os.environ, DBR_RUNTIME_DIR=self.dir, **(env or {}))
+        # its own profile store: no warm start from another test's runs
+        self.env = {**os.environ, "DBR_RUNTIME_DIR": self.dir,
+                    "DBR_STATE_DIR": os.path.join(self.dir, "state"), **(env or {})}
         argv = [sys.executable, "-m", "dbr_service.cli", "service"]
         if config:
             argv += ["-c", config]

@@ -90,7 +90,7 @@ def _region_names(client: dict, base: int, name_at) -> list[tuple[int, int, set[
         at = r["info"].get("code_at")
         if at is None or r["module"] != client["exe"]:
             continue
-        lo = int(at, 16)
+        lo = at
         out.append((lo, lo + r["code_bytes"], {name_at(e - base) for e in r["entries"]}))
     return out
 

@@ -757,6 +757,7 @@ def test_parse_maps_and_view_errors(tmp_path):
     rs = parse_maps("00400000-00401000 r-xp 00000000 08:01 42 /bin/x\n"
                     "7ffd0000-7ffd1000 rw-p 00000000 00:00 0 [stack]\n")
     assert rs[0].perms == "r-x" and rs[0].file_backed and rs[0].module == "/bin/x"
+    assert (rs[0].dev, rs[0].inode, rs[0].offset) == ((8, 1), 42, 0)
     assert not rs[1].file_backed
     from dbr_service.errors import MemoryViewError
     (tmp_path / "t.txt").write_text("hello")

@@ -23,6 +23,7 @@ from dbr_service.sampling.aggregate import SampleAggregator
 from dbr_service.sampling.agent_timer import AgentTimerRing, AgentTimerSource, create_ring_memfd
 from dbr_service.sampling.base import Sample
 from dbr_service.sampling.detect import detect, make_source
+from dbr_service.sampling import perf_abi
 from dbr_service.sampling.lbr import edges_from_lbr, fallthroughs_from_lbr, lbr_profile
 from dbr_service.sampling.recorded import (RecordedSource, parse_brstack, read_samples,
                                            write_samples)
@@ -125,7 +126,12 @@ def test_perf_event_attr_matches_kernel_header(tmp_path):
               "a.disabled = 1; a.exclude_kernel = 1; a.exclude_hv = 1; a.watermark = 1;",
               "a.precise_ip = 2; a.sample_id_all = 1; a.sigtrap = 1; a.inherit_thread = 1;",
               "uint64_t w; memcpy(&w, (char *)&a + 40, 8);",
-              'printf("bits flags %llu\\n", (unsigned long long)w);', "return 0; }"]
+              'printf("bits flags %llu\\n", (unsigned long long)w);']
+    consts = ["PERF_SAMPLE_BRANCH_USER", "PERF_SAMPLE_BRANCH_ANY", "PERF_SAMPLE_BRANCH_NO_FLAGS",
+              "PERF_SAMPLE_BRANCH_NO_CYCLES", "PERF_SAMPLE_BRANCH_HW_INDEX",
+              "PERF_SAMPLE_BRANCH_STACK", "PERF_EVENT_IOC_PERIOD", "PERF_TYPE_RAW"]
+    lines += [f'printf("const {c} %llu\\n", (unsigned long long){c});' for c in consts]
+    lines.append("return 0; }")
     src, exe = tmp_path / "p.c", tmp_path / "p"
     src.write_text("\n".join(lines))
     subprocess.run(["gcc", "-o", str(exe), str(src)], check=True)
@@ -142,6 +148,8 @@ def test_perf_event_attr_matches_kernel_header(tmp_path):
     a.disabled = a.exclude_kernel = a.exclude_hv = a.watermark = 1
     a.precise_ip, a.sample_id_all, a.sigtrap, a.inherit_thread = 2, 1, 1, 1
     assert int(out["bits flags"]) == struct.unpack_from("<Q", bytes(a), 40)[0]
+    for c in consts:
+        assert int(out[f"const {c}"]) == getattr(perf_abi, c), c
 
 
 def _sample_record(ip: int, pid: int, tid: int, t: int) -> bytes:
@@ -890,7 +898,7 @@ def test_recorded_stream_ibs_and_lbr(tmp_path):
     src.open(555)
     assert src.read() == []  # disabled: nothing comes out
     src.enable()
-    agg = SampleAggregator()
+    agg = SampleAggregator(lbr_cbt_size=None)   # whole 2-entry stacks
     while src.remaining:
         agg.add(src.read())
     src.close()

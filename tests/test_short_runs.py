@@ -183,6 +183,8 @@ def test_program_key_and_agent_quiet_read_the_programs_file(tmp_path, birth_exe)
     (tmp_path / program_quiet_file(key)).write_text("3000\n")
     assert agent_quiet({}, tmp_path, birth_exe) == (3000, True, True)
     assert agent_quiet({}, tmp_path, "/bin/true") == (1000, True, False)
+    (tmp_path / program_quiet_file(key)).write_text("0\n")   # a stored profile: at once
+    assert agent_quiet({}, tmp_path, birth_exe) == (0, True, True)
     assert agent_quiet({"DBR_AGENT_QUIET_MS": "5"}, tmp_path, birth_exe) == (5, False, False)
     (tmp_path / QUIET_FILE).write_text("0\n")      # --aggressive: the program's is not read
     assert agent_quiet({}, tmp_path, birth_exe) == (0, True, False)
@@ -215,11 +217,12 @@ def _born_at(out: list[str]) -> int | None:
 @pytest.mark.parametrize("program,ms,born", [
     ("1200\n", 800, None),       # later birth: a run that ends sooner has no thread
     ("1200\n", 1800, 1200),      # one that lives longer gets it then
-    ("100\n", 800, 300),         # an earlier one is not taken: the service's hint wins
+    ("100\n", 800, 100),         # an earlier one is taken too
+    ("0\n", 800, 0),             # 0 (a stored profile, warm start): at the start
     ("soon\n", 800, 300),        # not a number: ignored (logged)
     (None, 800, 300),            # none: the service's hint
-], ids=["later-short", "later-long", "earlier", "garbage", "none"])
-def test_the_agent_takes_a_later_birth_for_its_program(birth_exe, program, ms, born):
+], ids=["later-short", "later-long", "earlier", "at-once", "garbage", "none"])
+def test_the_agent_takes_its_programs_own_birth(birth_exe, program, ms, born):
     files = {} if program is None else \
         {program_quiet_file(program_key(os.stat(birth_exe))): program}
     rc, out, log, _ = run_birth(birth_exe, "busy", ms, "300", files=files)
@@ -229,6 +232,8 @@ def test_the_agent_takes_a_later_birth_for_its_program(birth_exe, program, ms, b
         assert at is None and out[-1] == "end tasks 1", (out, log)
     else:
         assert at is not None and born - 20 <= at <= born + 600, (out, log)
+        if born < 300:       # before the service's hint, not merely within the slack
+            assert at < 300, (out, log)
     if program == "soon\n":
         assert any("does not hold a number of ms" in line for line in log), log
     if program == "1200\n":

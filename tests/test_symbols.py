@@ -103,13 +103,18 @@ def test_malformed_files_never_raise(progs, data):
 
 
 def test_analyze_names_addresses_of_a_pie_at_its_base(progs):
-    from dbr_service.region.analyze import _namer
+    """Region graphs and `dbr analyze` name addresses through FunctionEntries.name:
+    the symbol holding it, else the .eh_frame FDE holding it (``fn_START``)."""
+    from dbr_service.region.analyze import function_entries
+    from dbr_service.region.memview import ElfMemoryView
+
     lo, _ = _nm(progs["pie"])["helper"]
-    name = _namer(str(progs["pie"]), 0x555555554000)
-    assert name(0x555555554000 + lo + 2) == " (helper+0x2)"
-    assert name(0x555555554000 + lo) == " (helper)"
-    assert name(0x10) == ""
-    assert _namer(str(progs["stripped"]), None)(lo) == ""
+    name = function_entries(ElfMemoryView(str(progs["pie"]), 0x555555554000)).name
+    assert name(0x555555554000 + lo + 2) == "helper+0x2"
+    assert name(0x555555554000 + lo) == "helper"
+    assert name(0x10) is None
+    stripped = function_entries(ElfMemoryView(str(progs["stripped"]))).name
+    assert stripped(lo + 2) == f"fn_{lo:x}+0x2"         # no symbols: its FDE's start
 
 
 def test_hot_spots_are_named_only_from_the_file_the_maps_show(progs, tmp_path):

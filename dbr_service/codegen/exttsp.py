@@ -101,16 +101,18 @@ class ExtTspResult(Generic[K]):
     kind: str
 
 
-def _normalize(sizes: Mapping[K, int],
-               edges: Iterable[tuple[K, K, float]]) -> dict[tuple[K, K], float]:
-    """Edges as {(src, dst): count}, duplicates summed; checks endpoints and counts."""
+def summed_edges(sizes: Mapping[K, int], edges: Iterable[tuple[K, K, float]],
+                 what: str = "edge") -> dict[tuple[K, K], float]:
+    """Edges as {(src, dst): count}, duplicates summed; checks that both endpoints
+    have a size and that counts are finite and non-negative (``what`` names an edge
+    in the error)."""
     out: dict[tuple[K, K], float] = {}
     for u, v, c in edges:
         if u not in sizes or v not in sizes:
-            raise ValueError(f"edge {u!r}->{v!r} has an endpoint without a size")
+            raise ValueError(f"{what} {u!r}->{v!r} has an endpoint without a size")
         c = float(c)
         if not 0.0 <= c < float("inf"):
-            raise ValueError(f"edge {u!r}->{v!r} has count {c!r}")
+            raise ValueError(f"{what} {u!r}->{v!r} has count {c!r}")
         out[(u, v)] = out.get((u, v), 0.0) + c
     return out
 
@@ -137,7 +139,7 @@ def score(order: Sequence[K], sizes: Mapping[K, int], edges: Iterable[tuple[K, K
     out-degree (edges with any count, self loops included) decides whether its
     fall-through is conditional.  A self loop scores a constant: a backward jump over
     its own block."""
-    return _score(order, sizes, _normalize(sizes, edges))
+    return _score(order, sizes, summed_edges(sizes, edges))
 
 
 #: A jump within a chain that scores: (lo, hi, gap, fall-through score, count, score).
@@ -454,7 +456,7 @@ def ext_tsp_layout(sizes: Mapping[K, int], edges: Iterable[tuple[K, K, float]], 
     with and to break ties by (default: the order of ``sizes``)."""
     if entry not in sizes:
         raise ValueError(f"entry {entry!r} is not a block")
-    e = _normalize(sizes, edges)
+    e = summed_edges(sizes, edges)
     orig = list(sizes) if original is None else list(original)
     if len(orig) != len(sizes) or set(orig) != set(sizes):
         raise ValueError("original must hold every block exactly once")

@@ -1,24 +1,31 @@
-"""dbr analyze: offline region selection on an ELF file from a samples file.
+"""dbr analyze: offline region selection on an ELF file from its samples.
 
-Runs hot-code discovery (docs/architecture.md, "Region selection") on BINARY loaded at its link
-address (PIE: at --base, default 0), then the rest of the region-selection
-pipeline when it is available, prints the super-regions it selects (with the
-function names of the binary's symbol table, where it has one) and writes
-one DOT file per pass (and SVG with graphviz's `dot`).  Settings are the
-service's defaults (`dbr_service/config.py`, as its scheduler turns them into
-pipeline settings for that many samples), so the regions are those the service
-would select from the same samples; `-o KEY=VALUE` changes one.
+Runs hot-code discovery (docs/architecture.md, "Region selection") on BINARY loaded at
+its link address, then the rest of the region-selection pipeline, prints the
+super-regions it selects (named after the functions of the binary's symbol table or
+.eh_frame) and writes one DOT file per pass (and SVG with graphviz's `dot`).  Settings
+are the service's defaults (`dbr_service/config.py`, as its scheduler turns them into
+pipeline settings for that many samples), so the regions are those the service would
+select from the same samples; `-o KEY=VALUE` changes one.  `--json` prints the result
+as one JSON document (schema dbr.analyze/1, docs/control-api.md).
 
-Samples file: one sample per line, `ADDR [COUNT]` (hex with 0x, or decimal;
-COUNT defaults to 1, repeated addresses add up); a branch sample is
-`BRANCH -> TARGET [COUNT]` (for a conditional branch the fall-through address
-stands for "not taken").  `#` starts a comment.  `perf script` output is not
-read directly; turn it into this format first, e.g.
-  perf script -F ip | awk '{print "0x" $1}' > samples.txt
+--samples takes a perf.data file (recognised by its header) or a text samples file.
+A perf.data file is read with `perf script` (perf must be installed): samples in
+BINARY are placed through the mappings perf recorded, so a PIE needs no --base; samples
+in other DSOs are counted, with a warning when most of them are not in BINARY.
+
+Text samples: one sample per line, `ADDR [COUNT]` (hex with 0x, or decimal; COUNT
+defaults to 1, repeated addresses add up); a branch sample is `BRANCH -> TARGET
+[COUNT]` (for a conditional branch the fall-through address stands for "not taken").
+`#` starts a comment.  Addresses are run-time addresses: a PIE needs --base, its load
+address.
 
 examples:
+  perf record -e cpu-clock -o perf.data ./prog args
+  dbr analyze ./prog --samples perf.data --dot-dir out --svg
+  dbr analyze ./prog --samples perf.data --json > analysis.json
   dbr analyze ./prog --samples samples.txt
-  dbr analyze ./pie --base 0x555555554000 --samples s.txt --dot-dir out --svg
+  dbr analyze ./pie --base 0x555555554000 --samples s.txt
   dbr analyze ./prog --samples s.txt --lib /lib/x86_64-linux-gnu/libc.so.6@0x7ffff7c00000
   dbr analyze ./prog --samples s.txt -o jumps_from_hot_limit=3
 """
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -42,10 +50,14 @@ from dbr_service.errors import ConfigError, DbrError, MemoryViewError
 from dbr_service.region.discovery import hot_code_discovery
 from dbr_service.region.functions import FunctionEntries, call_targets
 from dbr_service.region.memview import ElfMemoryView
-from dbr_service.region.model import SuperRegion, fmt_node
-from dbr_service.symbols import symbols_of
+from dbr_service.region.model import CloneKey, SuperRegion, fmt_node
+from dbr_service.region.perfdata import is_perf_data, read_perf_data
 
 PIPELINE_MODULE = "dbr_service.region.pipeline"
+SCHEMA = "dbr.analyze/1"
+#: DSOs the warning about samples outside the binary names; DSOs JSON output lists.
+TOP_DSOS = 3
+MAX_DSOS = 20
 
 
 class SamplesError(DbrError):
@@ -118,15 +130,21 @@ def _addr_arg(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("binary", metavar="BINARY", help="ELF x86-64 executable")
     parser.add_argument("--samples", required=True, metavar="FILE",
-                        help="samples file ('-' for stdin)")
+                        help="perf.data file, or text samples file ('-' for stdin)")
+    parser.add_argument("--dso", metavar="PATH",
+                        help="with a perf.data file: the path perf recorded for BINARY "
+                             "(default: BINARY's own file, or the one file of its name)")
     parser.add_argument("--base", type=_addr_arg, default=None, metavar="ADDR",
-                        help="load address of a PIE binary (default 0: link addresses)")
+                        help="load address of a PIE binary the text samples were taken "
+                             "from (default 0: link addresses; not needed with perf.data)")
     parser.add_argument("--lib", type=_lib_arg, action="append", default=[],
                         metavar="PATH@BASE", help="also map a shared library at BASE")
     parser.add_argument("--dot-dir", metavar="DIR", help="write one DOT file per pass here")
     parser.add_argument("--svg", action="store_true", help="also render SVG (needs graphviz)")
     parser.add_argument("-o", dest="options", action="append", default=[], metavar="KEY=VALUE",
                         help="set a configuration key (e.g. jumps_from_hot_limit=3)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the result as JSON (schema dbr.analyze/1)")
 
 
 @dataclass
@@ -181,14 +199,17 @@ def _load_config(options: list[str], pipe, total_samples: float = 0.0) -> object
     return cfg
 
 
-def _read_samples(path: str) -> Samples:
+def _read_text_samples(path: str) -> Samples:
     if path == "-":
         return parse_samples(sys.stdin, "<stdin>")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return parse_samples(f, path)
     except OSError as exc:
         raise SamplesError(f"{path}: cannot read samples: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise SamplesError(f"{path}: neither a perf.data file nor a text samples file "
+                           f"(not UTF-8 text)") from None
 
 
 def _pipeline():
@@ -200,33 +221,59 @@ def _pipeline():
         return None
 
 
-def _namer(binary: str, base: int | None):
-    """``addr -> " (func+0xoff)"`` for addresses the binary's symbols name, else ""."""
-    table = symbols_of(binary)
-
-    def name(addr: int) -> str:
-        hit = table.lookup(addr - (base or 0))
-        return "" if hit is None else f" ({hit[0]}+{hit[1]:#x})" if hit[1] else f" ({hit[0]})"
-    return name
+def _paren(name: str | None) -> str:
+    return f" ({name})" if name else ""
 
 
-def _summary(sr: SuperRegion, name=lambda a: "") -> str:
+def _loops(sr: SuperRegion) -> int:
     body = sr.g.subgraph(sr.body_nodes())
-    nloops = sum(1 for scc in nx.strongly_connected_components(body)
-                 if len(scc) > 1 or any(body.has_edge(n, n) for n in scc))
-    entries = ", ".join(f"{a:#x}{name(a)}" for a in sr.entry_points()) or "-"
+    return sum(1 for scc in nx.strongly_connected_components(body)
+               if len(scc) > 1 or any(body.has_edge(n, n) for n in scc))
+
+
+def _summary(sr: SuperRegion, name=lambda a: None) -> str:
+    entries = ", ".join(f"{a:#x}{_paren(name(a))}" for a in sr.entry_points()) or "-"
     size = sum(bb.size for _, bb in sr.blocks())
-    return (f"{sr.id}: entries [{entries}]  blocks {len(sr)}  bytes {size}  loops {nloops}  "
-            f"exits {len(sr.exit_edges())}")
+    return (f"{sr.id}: entries [{entries}]  blocks {len(sr)}  bytes {size}  "
+            f"loops {_loops(sr)}  exits {len(sr.exit_edges())}")
 
 
-def _write_stage(dot_dir: str, idx: int, name: str, srs: list[SuperRegion], svg: bool) -> None:
+def _sorted_blocks(sr: SuperRegion):
+    return sorted(sr.blocks(), key=lambda kb: str(kb[0]))
+
+
+def region_json(sr: SuperRegion, name=lambda a: None) -> dict:
+    """One selected region in ``dbr.analyze/1`` (addresses are integers, as in every
+    JSON dbr prints; docs/control-api.md)."""
+    entries = sr.entry_points()
+    nodes = []
+    for k, bb in _sorted_blocks(sr):
+        rec = {"start": bb.start, "name": name(bb.start), "size": bb.size,
+               "term": bb.term.value, "samples": bb.samples, "unpatchable": bb.unpatchable}
+        if isinstance(k, CloneKey):
+            rec["clone_path"] = list(k.path)
+        nodes.append(rec)
+    return {"id": sr.id, "entries": entries, "entry_names": [name(a) for a in entries],
+            "blocks": len(sr), "code_bytes": sum(bb.size for _, bb in sr.blocks()),
+            "loops": _loops(sr), "exits": len(sr.exit_edges()), "nodes": nodes}
+
+
+def _write_stage(dot_dir: str, idx: int, stage: str, srs: list[SuperRegion], svg: bool,
+                 name, notes: list[str]) -> list[str]:
+    written = []
     for sr in srs:
-        base = os.path.join(dot_dir, f"{idx:02d}-{name}-{sr.id}")
+        base = os.path.join(dot_dir, f"{idx:02d}-{stage}-{sr.id}")
         with open(base + ".dot", "w") as f:
-            f.write(sr.to_dot(f"{name} {sr.id}"))
+            f.write(sr.to_dot(f"{stage} {sr.id}", name))
+        written.append(base + ".dot")
         if svg:
-            subprocess.run(["dot", "-Tsvg", "-o", base + ".svg", base + ".dot"], check=True)
+            try:
+                subprocess.run(["dot", "-Tsvg", "-o", base + ".svg", base + ".dot"],
+                               check=True, capture_output=True, timeout=120)
+                written.append(base + ".svg")
+            except (subprocess.SubprocessError, OSError) as exc:
+                notes.append(f"no SVG of {base}.dot: dot failed ({exc})")
+    return written
 
 
 def run(args: argparse.Namespace) -> int:
@@ -243,7 +290,8 @@ def run(args: argparse.Namespace) -> int:
 def function_entries(mem: ElfMemoryView) -> FunctionEntries:
     """The known function entries of the files ``mem`` maps (FDE starts and symbols,
     region/functions.py), as the service knows a client's: selection offline then
-    chooses the entry sites and hot functions the service would."""
+    chooses the entry sites and hot functions the service would, and nodes and entries
+    are named after them (FunctionEntries.name)."""
     maps = []
     for r in mem.ranges():
         if r.module:
@@ -259,38 +307,79 @@ def _is_pie(path: str) -> bool:
     return len(head) == 18 and int.from_bytes(head[16:18], "little") == 3     # ET_DYN
 
 
-def _check_placement(args: argparse.Namespace, mem: ElfMemoryView, samples: Samples) -> None:
-    """Fail, saying why, when no sample lies in executable code of the view; warn when
-    most do not.  The usual cause is a PIE binary analysed at its link addresses while
-    the samples carry its load address (perf script prints run-time addresses)."""
+def _check_placement(args: argparse.Namespace, mem: ElfMemoryView,
+                     samples: Samples) -> str | None:
+    """Fail, saying why, when no sample lies in executable code of the view; the
+    warning to give when most do not.  The usual cause is a PIE binary analysed at its
+    link addresses from text samples of run-time addresses."""
     code = [r for r in mem.ranges() if "x" in r.perms]
     total = sum(samples.ips.values())
     inside = sum(n for ip, n in samples.ips.items() if any(r.contains(ip) for r in code))
     if inside >= total / 2:
-        return
+        return None
     hint = ""
     if args.base is None and _is_pie(args.binary) and code:
         guess = (min(samples.ips) & ~0xfff) - (code[0].start & ~0xfff)
         hint = (f"; {args.binary} is position-independent (PIE) and is analysed at its link "
                 f"addresses: pass --base with its load address (the start of its first "
-                f"mapping in /proc/PID/maps, or from `perf script --show-mmap-events`); "
-                f"if the lowest sample is in its first code page, that is --base {guess:#x}")
+                f"mapping in /proc/PID/maps), or give --samples a perf.data file, which "
+                f"needs none; if the lowest sample is in its first code page, that is "
+                f"--base {guess:#x}")
     spans = ", ".join(f"{r.start:#x}-{r.end:#x}" for r in code[:4]) or "none"
     what = (f"{total - inside:g} of {total:g} samples lie outside the executable code of "
             f"the view ({spans}){hint}")
     if not inside:
         raise SamplesError(what)
-    print(f"warning: {what}", file=sys.stderr)
+    return what
+
+
+def _perf_samples(args: argparse.Namespace) -> tuple[Samples, dict, list[str]]:
+    ps = read_perf_data(args.samples, args.binary, dso=args.dso)
+    bias = args.base or 0
+    samples = Samples(ips={a + bias: n for a, n in ps.ips.items()})
+    top = ", ".join(f"{d} {n} ({n / ps.total:.0%})" for d, n in ps.top_other(TOP_DSOS))
+    info = {"source": "perf.data", "file": args.samples, "recorded_as": ps.dso,
+            "total": ps.total, "in_binary": ps.in_binary,
+            "other_dsos": [{"dso": d, "samples": n} for d, n in ps.top_other(MAX_DSOS)]}
+    if not ps.in_binary:
+        hint = "" if args.dso else ("; if perf recorded it under another path, name that "
+                                    "path with --dso")
+        raise SamplesError(f"{args.samples}: none of its {ps.total} samples is in "
+                           f"{args.binary}; they are in {top}{hint}")
+    warnings = []
+    if ps.in_binary < ps.total / 2:
+        out = ps.total - ps.in_binary
+        warnings.append(f"{out} of {ps.total} samples ({out / ps.total:.0%}) are not in "
+                        f"{args.binary} but in {top}; regions are selected from the "
+                        f"{ps.in_binary} in it")
+    return samples, info, warnings
+
+
+def _samples(args: argparse.Namespace, mem: ElfMemoryView) -> tuple[Samples, dict, list[str]]:
+    """The samples, the JSON ``samples`` section and the warnings about them."""
+    if args.samples != "-" and is_perf_data(args.samples):
+        samples, info, warnings = _perf_samples(args)
+    else:
+        if args.dso is not None:
+            raise SamplesError("--dso applies to a perf.data file only")
+        samples = _read_text_samples(args.samples)
+        if not samples.ips:
+            raise SamplesError(f"{args.samples}: no samples")
+        info = {"source": "text", "file": args.samples, "total": sum(samples.ips.values())}
+        warnings = []
+    placement = _check_placement(args, mem, samples)
+    if placement:
+        warnings.append(placement)
+    return samples, info, warnings
 
 
 def _run(args: argparse.Namespace) -> int:
     pipe = _pipeline()
     _load_config(args.options, pipe)            # bad -o keys fail before any work
     mem = ElfMemoryView(args.binary, base=args.base, libs=args.lib)
-    samples = _read_samples(args.samples)
-    if not samples.ips:
-        raise SamplesError(f"{args.samples}: no samples")
-    _check_placement(args, mem, samples)
+    samples, info, warnings = _samples(args, mem)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
     cfg = _load_config(args.options, pipe, sum(samples.ips.values()))
     first = hot_code_discovery(samples.ips, mem,
                                jumps_from_hot_limit=cfg.jumps_from_hot_limit,
@@ -298,35 +387,52 @@ def _run(args: argparse.Namespace) -> int:
     functions = function_entries(mem)
     functions.add(call_targets(first))
     first.info["function_entries"] = functions     # entry sites and hot functions
+    name = functions.name
     st = first.info["discovery"]
-    print(f"discovery: {len(first)} blocks, {st.entries} entries, {st.jump_tables} jump tables, "
-          f"{st.unsupported} unsupported, {st.samples_unplaced:g} samples not placed")
+    notes: list[str] = []
     stages: list[tuple[str, list[SuperRegion]]] = [("discovery", [first])]
     if pipe is None:
-        print(f"note: {PIPELINE_MODULE} is not available; showing discovery only")
+        notes.append(f"{PIPELINE_MODULE} is not available; showing discovery only")
         regions = [first]
     else:
         result = pipe.run_pipeline(first, mem, cfg)
         regions = list(result.regions)
-        stages = [(name, list(srs)) for name, srs in result.stages] or stages
-        for failure in getattr(result, "failures", []):
-            print(f"note: {failure.region_id} dropped by {failure.pass_name}: {failure.error}")
-    print(f"{len(regions)} super-region(s)")
-    name = _namer(args.binary, args.base)
-    for sr in regions:
-        print("  " + _summary(sr, name))
-        for k, bb in sorted(sr.blocks(), key=lambda kb: str(kb[0])):
-            flag = " unpatchable" if bb.unpatchable else ""
-            print(f"    {fmt_node(k)}{name(bb.start)} {bb.size}B {bb.term.value} "
-                  f"samples={bb.samples:g}{flag}")
+        stages = [(stage, list(srs)) for stage, srs in result.stages] or stages
+        notes += [f"{f.region_id} dropped by {f.pass_name}: {f.error}"
+                  for f in getattr(result, "failures", [])]
+    doc = {"schema": SCHEMA, "binary": os.path.abspath(args.binary), "base": args.base,
+           "samples": info, "warnings": warnings, "notes": notes,
+           "discovery": {"blocks": len(first), "entry_count": st.entries,
+                         "jump_tables": st.jump_tables, "unsupported": st.unsupported,
+                         "samples_unplaced": st.samples_unplaced},
+           "regions": [region_json(sr, name) for sr in regions], "dot_files": []}
+    quiet: list[str] = []                       # notes for stderr, not the result's text
     if args.dot_dir:
         os.makedirs(args.dot_dir, exist_ok=True)
         svg = args.svg and shutil.which("dot") is not None
         if args.svg and not svg:
-            print("note: graphviz 'dot' is not installed; wrote DOT files only", file=sys.stderr)
-        for i, (name, srs) in enumerate(stages):
-            _write_stage(args.dot_dir, i, name, srs, svg)
-        print(f"wrote {sum(len(s) for _, s in stages)} DOT file(s) to {args.dot_dir}")
+            quiet.append("graphviz 'dot' is not installed; wrote DOT files only")
+        for i, (stage, srs) in enumerate(stages):
+            doc["dot_files"] += _write_stage(args.dot_dir, i, stage, srs, svg, name, quiet)
     elif args.svg:
-        print("note: --svg needs --dot-dir", file=sys.stderr)
+        quiet.append("--svg needs --dot-dir")
+    for text in quiet:
+        print(f"note: {text}", file=sys.stderr)
+    if args.json:
+        doc["notes"] = notes + quiet
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"discovery: {len(first)} blocks, {st.entries} entries, {st.jump_tables} jump "
+          f"tables, {st.unsupported} unsupported, {st.samples_unplaced:g} samples not placed")
+    for text in notes:
+        print(f"note: {text}")
+    print(f"{len(regions)} super-region(s)")
+    for sr in regions:
+        print("  " + _summary(sr, name))
+        for k, bb in _sorted_blocks(sr):
+            flag = " unpatchable" if bb.unpatchable else ""
+            print(f"    {fmt_node(k)}{_paren(name(bb.start))} {bb.size}B {bb.term.value} "
+                  f"samples={bb.samples:g}{flag}")
+    if args.dot_dir:
+        print(f"wrote {sum(len(s) for _, s in stages)} DOT file(s) to {args.dot_dir}")
     return 0

@@ -36,6 +36,8 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from dbr_service.codegen.exttsp import summed_edges
+
 K = TypeVar("K", bound=Hashable)
 
 PAGE_SIZE = 4096
@@ -70,17 +72,8 @@ class CallOrder(Generic[K]):
 
 def _calls(sizes: Mapping[K, int], calls: Iterable[tuple[K, K, float]]) -> dict[tuple[K, K], float]:
     """Calls as {(caller, callee): count}, duplicates summed, recursion and zero counts
-    dropped; checks endpoints and counts."""
-    out: dict[tuple[K, K], float] = {}
-    for u, v, c in calls:
-        if u not in sizes or v not in sizes:
-            raise ValueError(f"call {u!r}->{v!r} has an endpoint without a size")
-        c = float(c)
-        if not 0.0 <= c < float("inf"):
-            raise ValueError(f"call {u!r}->{v!r} has count {c!r}")
-        if u != v and c > 0:
-            out[(u, v)] = out.get((u, v), 0.0) + c
-    return out
+    dropped."""
+    return {e: c for e, c in summed_edges(sizes, calls, "call").items() if e[0] != e[1] and c > 0}
 
 
 def c3_order(sizes: Mapping[K, int], samples: Mapping[K, float],

@@ -57,6 +57,25 @@ class FunctionEntries:
             return True
         return link in symbols_of(mod.path).starts()
 
+    def name(self, addr: int) -> str | None:
+        """``func+0x12`` for a run-time address: the module's symbol holding it, else
+        ``fn_START`` for the ``.eh_frame`` FDE holding it (START: its link address in
+        hex); None where neither does (region graphs label their nodes with it)."""
+        if self._module_at is None:
+            return None
+        try:
+            mod = self._module_at(addr)
+        except (CfiError, OSError):
+            return None
+        link = addr - mod.bias
+        hit = symbols_of(mod.path).lookup(link)
+        if hit is None:
+            fde = mod.eh.find(link)
+            if fde is None:
+                return None
+            hit = (f"fn_{fde.start:x}", link - fde.start)
+        return f"{hit[0]}+{hit[1]:#x}" if hit[1] else hit[0]
+
     def __deepcopy__(self, memo: dict) -> "FunctionEntries":
         return self          # read-only for the passes; its module look-up holds locks
 

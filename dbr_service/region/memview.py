@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from dbr_service.errors import MemoryViewError
 from dbr_service.procfs import proc_dir
+from dbr_service import procmaps
 
 PAGE = 4096
 
@@ -35,10 +36,10 @@ class MappedRange:
     module: str | None = None
     #: True when the bytes come from a file (not heap, stack or anonymous).
     file_backed: bool = True
-    #: File offset of ``start``, and the file's device ("08:01") and inode, as
-    #: /proc/PID/maps gives them (0 and "" where unknown).
+    #: File offset of ``start``, and the file's device (major, minor) and inode, as
+    #: /proc/PID/maps gives them (0 where unknown).
     offset: int = 0
-    dev: str = ""
+    dev: tuple[int, int] = (0, 0)
     inode: int = 0
 
     def contains(self, addr: int) -> bool:
@@ -351,19 +352,9 @@ class ElfMemoryView(MemoryView):
 
 def parse_maps(text: str) -> list[MappedRange]:
     """Ranges of a ``/proc/PID/maps`` text (``[vsyscall]`` and unreadable ranges kept)."""
-    out: list[MappedRange] = []
-    for line in text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 5:
-            continue
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        perms = parts[1][:3]
-        inode = int(parts[4])
-        path = parts[5].strip() if len(parts) > 5 else ""
-        file_backed = inode != 0 and path.startswith("/")
-        module = path if path else None
-        out.append(MappedRange(lo, hi, perms, module, file_backed, int(parts[2], 16),
-                               parts[3], inode))
+    out = [MappedRange(m.lo, m.hi, m.perms[:3], m.path or None,
+                       m.ino != 0 and m.path.startswith("/"), m.offset, m.dev, m.ino)
+           for m in procmaps.parse_maps(text)]
     out.sort(key=lambda r: r.start)
     return out
 
@@ -460,9 +451,8 @@ class LiveMemoryView(MemoryView):
         if k not in self._identities:
             ident = None
             try:
-                st = os.stat(rng.module)
-                if st.st_ino == rng.inode and \
-                        f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}" == rng.dev:
+                st = procmaps.mapped_file(rng.module, rng.dev, rng.inode)
+                if st is not None:
                     ident = (rng.module, rng.dev, rng.inode, st.st_mtime_ns, st.st_size)
             except OSError:
                 pass

@@ -25,6 +25,7 @@ from typing import Iterator, NamedTuple, Union
 import networkx as nx
 
 from dbr_service.errors import RegionError
+from dbr_service.region.dot import Namer, block_label, escape
 from dbr_service.states import RegionState
 
 START = "START"
@@ -271,9 +272,12 @@ class SuperRegion:
             if k not in to_end:
                 raise RegionError(f"{self.id}: block {_fmt(k)} does not reach END")
 
-    def to_dot(self, title: str | None = None) -> str:
-        """Graphviz text of the region (the patent's figs. 4-9 style)."""
-        lines = [f'digraph "{title or self.id}" {{', "  node [shape=box fontname=monospace];"]
+    def to_dot(self, title: str | None = None, name: Namer | None = None) -> str:
+        """Graphviz text of the region (the patent's figs. 4-9 style): a node per block,
+        labelled with its address, the function ``name`` gives for it (``func+0x12``)
+        and its disassembly (region/dot.py)."""
+        lines = [f'digraph "{escape(title or self.id)}" {{',
+                 "  node [shape=box fontname=monospace];"]
         for k in self.g.nodes:
             if k in (START, END):
                 lines.append(f'  "{k}" [shape=oval];')
@@ -285,8 +289,7 @@ class SuperRegion:
             if bb.is_clone:
                 style.append("filled")
             attrs = f' style="{",".join(style)}"' if style else ""
-            label = (f"{_fmt(k)}\\n{bb.size}B {bb.term.value}"
-                     f"\\nsamples={bb.samples:g} n={bb.count:g}")
+            label = block_label(_fmt(k), bb, name)
             lines.append(f'  "{_fmt(k)}" [label="{label}"{attrs}];')
         for u, v, d in self.g.edges(data=True):
             lbl = f'{d["kind"].value if hasattr(d["kind"], "value") else d["kind"]} {d["count"]:g}'

@@ -378,4 +378,6 @@ def _record(res: PipelineResult, config: RegionConfig, i: int, name: str,
         for sr in regions:
             path = os.path.join(config.dump_dir, f"{i:02d}-{name}-{sr.id}.dot")
             with open(path, "w") as f:
-                f.write(sr.to_dot(f"{sr.id} after {name}"))
+                functions = sr.info.get("function_entries")
+                f.write(sr.to_dot(f"{sr.id} after {name}",
+                                  getattr(functions, "name", None)))

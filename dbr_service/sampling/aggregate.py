@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from dbr_service.sampling.base import Sample
-from dbr_service.sampling.lbr import lbr_profile
+from dbr_service.sampling.lbr import CBT_SIZE, lbr_profile
 
 #: ``attribute(pid, ip) -> ip``: maps a replacement-code address to its original one
 #: (identity for every other address).
@@ -36,9 +36,15 @@ class HotIp:
 class SampleAggregator:
     """Counts samples by (pid, ip) and by (pid, tid), and branches by pid."""
 
-    def __init__(self, attribute: AttributeFn | None = None, lbr_cbt_size: int | None = None):
+    def __init__(self, attribute: AttributeFn | None = None,
+                 lbr_cbt_size: int | None = CBT_SIZE):
+        """``lbr_cbt_size``: branches per stack, chopped and anchored as sampling/lbr.py
+        says; None counts whole stacks (hand-written streams of any depth)."""
         self.attribute = attribute
         self.lbr_cbt_size = lbr_cbt_size
+        #: Branch stacks left out: too short for the chop; ranges that ran backwards.
+        self.short_stacks = 0
+        self.inconsistent_ranges = 0
         #: pid -> ip -> samples.
         self.ips: dict[int, Counter] = defaultdict(Counter)
         #: pid -> tid -> samples.
@@ -77,7 +83,10 @@ class SampleAggregator:
                 stacks[s.pid].append([(self._map(s.pid, a), self._map(s.pid, b))
                                       for a, b in s.branch_stack])
         for pid, pid_stacks in stacks.items():
-            prof = lbr_profile(pid_stacks, newest_first=True, cbt_size=self.lbr_cbt_size)
+            prof = lbr_profile(pid_stacks, newest_first=True, cbt_size=self.lbr_cbt_size,
+                               anchored=self.lbr_cbt_size is not None)
+            self.short_stacks += prof.short
+            self.inconsistent_ranges += prof.inconsistent
             for (src, dst), c in prof.edges.items():
                 self.branches[pid][src][dst] += c
             self.fallthroughs[pid].update(prof.fallthroughs)
@@ -129,10 +138,14 @@ class SampleAggregator:
         """``{src: {dst: count}}`` of taken branches seen for ``pid``."""
         return {src: dict(dsts) for src, dsts in self.branches.get(pid, {}).items()}
 
+    def fallthrough_counts(self, pid: int) -> dict[tuple[int, int], int]:
+        """``{(start, end): count}`` of fall-through ranges seen for ``pid``."""
+        return dict(self.fallthroughs.get(pid, {}))
+
     def clear(self) -> None:
         for table in (self.ips, self.threads, self.branches, self.not_taken, self.fallthroughs):
             table.clear()
-        self.total = self.attributed = 0
+        self.total = self.attributed = self.short_stacks = self.inconsistent_ranges = 0
 
     def to_json(self, top_n: int = 50) -> dict:
         """Machine-readable summary (addresses as hex strings)."""

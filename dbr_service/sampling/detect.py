@@ -13,14 +13,15 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from dbr_service.errors import SamplingError
-from dbr_service.sampling import perf
+from dbr_service.sampling import branchperf, perf
 from dbr_service.sampling.agent_timer import AgentTimerSource, StartFn, StopFn
 from dbr_service.sampling.base import SamplingSource
 
-#: Source names from best to worst.  Live sources implemented today: perf-cpu-clock,
-#: perf-cycles and agent-timer; ibs-op and lbr are parsed from recorded streams only.
+#: Source names from best to worst.  Live sources: lbr (branch stacks on taken
+#: branches, sampling/branchperf.py), perf-cycles, perf-cpu-clock and agent-timer;
+#: ibs-op is parsed from recorded streams only.
 PREFERENCE = ("ibs-op", "lbr", "perf-cycles", "perf-cpu-clock", "agent-timer")
-LIVE_SOURCES = frozenset({"perf-cycles", "perf-cpu-clock", "agent-timer"})
+LIVE_SOURCES = frozenset({"lbr", "perf-cycles", "perf-cpu-clock", "agent-timer"})
 
 IBS_OP_SYSFS = "/sys/bus/event_source/devices/ibs_op"
 CPU_PMU_SYSFS = "/sys/bus/event_source/devices/cpu"
@@ -48,6 +49,8 @@ class SamplingReport:
     best_offered: str = "agent-timer"
     #: Best source dbr can sample with live on this host.
     best: str = "agent-timer"
+    #: Branch records: whether the host gives them, the event and filter that open.
+    branch_records: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -76,20 +79,17 @@ def probe_ibs_op() -> Capability:
     return Capability("ibs-op", ok, reason)
 
 
-def probe_lbr(cycles_ok: bool) -> Capability:
-    """Intel LBR (or AMD BRS/LbrExtV2): a cycles event with a user branch stack opens."""
+def probe_lbr() -> tuple[Capability, branchperf.BranchEvent | None]:
+    """Branch stacks (Intel LBR, AMD BRS/LbrExtV2): a taken-branch event with user branch
+    stacks opens (sampling/branchperf.py)."""
     flags = _cpu_flags()
     hint = ", ".join(sorted(flags & {"arch_lbr", "brs", "amd_lbr_v2"})) or "no lbr cpu flag"
     branches = os.path.join(CPU_PMU_SYSFS, "caps", "branches")
     if os.path.exists(branches):
         with open(branches) as f:
             hint += f", caps/branches={f.read().strip()}"
-    if not cycles_ok:
-        return Capability("lbr", False, f"no hardware PMU to drive branch stacks ({hint})")
-    ok, reason = perf.probe_event(
-        perf.EVENTS["cycles"], perf.PERF_SAMPLE_IP | perf.PERF_SAMPLE_BRANCH_STACK,
-        perf.PERF_SAMPLE_BRANCH_USER | perf.PERF_SAMPLE_BRANCH_ANY)
-    return Capability("lbr", ok, f"{reason} ({hint})")
+    event, reason = branchperf.probe_branch_event()
+    return Capability("lbr", event is not None, f"{reason} ({hint})"), event
 
 
 def detect() -> SamplingReport:
@@ -102,7 +102,9 @@ def detect() -> SamplingReport:
     ok, reason = perf.PerfSource.available("cycles")
     caps["perf-cycles"] = Capability("perf-cycles", ok, reason)
     caps["ibs-op"] = probe_ibs_op()
-    caps["lbr"] = probe_lbr(caps["perf-cycles"].available)
+    caps["lbr"], event = probe_lbr()
+    report.branch_records = {"available": event is not None, "reason": caps["lbr"].reason,
+                             **(event.to_json() if event is not None else {})}
     caps["agent-timer"] = Capability("agent-timer", True,
                                      "agent timer: needs the dbr agent in the client")
     offered = [n for n in PREFERENCE if caps[n].available]
@@ -118,6 +120,11 @@ def make_source(name: str, sample_period_us: int = 1000,
     session's start/stop callables."""
     if name in ("perf-cpu-clock", "perf-cycles"):
         return perf.PerfSource(name.removeprefix("perf-"), sample_period_us)
+    if name == "lbr":
+        event, reason = branchperf.probe_branch_event()
+        if event is None:
+            raise SamplingError(f"no branch stacks here: {reason}")
+        return branchperf.make_branch_source(event, sample_period_us)
     if name == "agent-timer":
         if agent_start is None or agent_stop is None:
             raise SamplingError("agent-timer source needs the agent's start/stop callables")

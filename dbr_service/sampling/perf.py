@@ -250,9 +250,7 @@ class PerfSource(SamplingSource):
             self.stats.extra["switch_gated"] += 1
             return True
         self.gated.discard(tid)
-        data_size = self.data_pages * PAGE_SIZE
-        attr = make_attr(self.spec, self.sample_period_us, data_size, self.sample_type,
-                         self.branch_sample_type, self.precise_ip)
+        attr = self._attr()
         try:
             fd = perf_event_open(attr, tid)
         except OSError as e:
@@ -270,6 +268,11 @@ class PerfSource(SamplingSource):
         self._threads[tid] = _ThreadEvent(tid, fd, ring)
         self.stats.threads = len(self._threads)
         return True
+
+    def _attr(self) -> PerfEventAttr:
+        """The attr of one thread's event (sampling/branchperf.py sets its own period)."""
+        return make_attr(self.spec, self.sample_period_us, self.data_pages * PAGE_SIZE,
+                         self.sample_type, self.branch_sample_type, self.precise_ip)
 
     def remove_thread(self, tid: int) -> None:
         """Drain then close the event of ``tid`` (its last samples are kept for read())."""

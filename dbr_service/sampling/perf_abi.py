@@ -54,6 +54,8 @@ PERF_SAMPLE_IDENTIFIER = 1 << 16
 
 PERF_SAMPLE_BRANCH_USER = 1 << 0
 PERF_SAMPLE_BRANCH_ANY = 1 << 3
+PERF_SAMPLE_BRANCH_NO_FLAGS = 1 << 14   # entries without mispredict/abort flags
+PERF_SAMPLE_BRANCH_NO_CYCLES = 1 << 15  # entries without cycle counts (cheaper to save)
 PERF_SAMPLE_BRANCH_HW_INDEX = 1 << 17
 
 PERF_RECORD_LOST = 2
@@ -63,6 +65,7 @@ PERF_RECORD_SAMPLE = 9
 
 PERF_EVENT_IOC_ENABLE = 0x2400   # _IO('$', 0)
 PERF_EVENT_IOC_DISABLE = 0x2401  # _IO('$', 1)
+PERF_EVENT_IOC_PERIOD = 0x40082404  # _IOW('$', 4, __u64): a new sample period
 
 PERF_FLAG_FD_CLOEXEC = 1 << 3
 
