@@ -33,6 +33,7 @@ from dbr_service.reuse import Job
 from dbr_service.budget import CpuBudget
 from dbr_service.install import Installer
 from dbr_service.optimize import Evaluator
+from dbr_service.session_counting import SessionCounting
 from dbr_service.session_regions import RegionBook, SessionRegions
 from dbr_service.session_sampling import SessionSampling
 from dbr_service.session_speed import SPEED_CHECKS_KEPT, SessionSpeedChecks
@@ -94,7 +95,7 @@ class _Notes(collections.deque):
         super().append(safe_text(str(x), NOTE_MAX))
 
 
-class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
+class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks, SessionCounting):
     """One agent session: the connection, the client's threads, map, samples and regions.
 
     Fields written by the session thread are read by other threads without a lock
@@ -403,6 +404,11 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks):
     def _finish(self) -> None:
         self.state = SessionState.CLOSED
         self.ended_at = time.time()
+        try:
+            self.counting_final()          # while the counters' buffers are mapped
+        except Exception:   # the records miss their last counts; the session still ends
+            log.exception("session %d (pid %d): last counts not read", self.session_id,
+                          self.pid)
         try:
             self._close_source()
         except Exception:   # every descriptor below is closed all the same
