@@ -207,6 +207,31 @@ class Config:
         "a speed check calls regions slower (or faster) only when the ratio of progress "
         "rates (geometric mean over its pairs) is beyond 1 -/+ this and its 95 % "
         "interval excludes 1", min=0.0, max=0.5))
+    profile: str = field(default="sample", metadata=_doc(
+        "sample | count | auto: where region layouts get their counts.  sample: from "
+        "the samples; count: every region first runs as a counting region (a counter "
+        "per block entry and branch side) until its hottest block is promoted "
+        "(count_threshold_*) or count_phase_max_s, then is replaced by a region laid "
+        "out and pruned from the exact counts; auto: counting only for regions whose "
+        "samples are too thin (count_thin_samples)",
+        choices=("sample", "count", "auto")))
+    count_threshold_direct: int = field(default=3000, metadata=_doc(
+        "entries that promote a block reached by direct branches (profile=count/auto): "
+        "the counting phase ends once a block of the region is promoted",
+        min=1, max=1 << 40))
+    count_threshold_indirect: int = field(default=5000, metadata=_doc(
+        "entries that promote a block that is the target of an indirect jump or call "
+        "in its region", min=1, max=1 << 40))
+    count_phase_max_s: float = field(default=10.0, metadata=_doc(
+        "longest counting phase of a region: then it is replaced from the counts it has",
+        min=0.05, max=3600.0))
+    count_poll_ms: int = field(default=50, metadata=_doc(
+        "how often the monitor thread reads the counting regions' counters",
+        min=1, max=10_000))
+    count_thin_samples: float = field(default=4.0, metadata=_doc(
+        "profile=auto: a region whose blocks hold fewer samples than this on average "
+        "(its inlined clones not counted) is too thin to lay out and is counted first",
+        min=0.0, max=1e9))
     perf_map: bool = field(default=True, metadata=_doc(
         "write /tmp/perf-PID.map naming replacement code (unless another writer owns it)"))
     log_level: str = field(default="info", metadata=_doc(

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
+from dbr_service.codegen.blocks import CountPlan
 from dbr_service.codegen.cfi import CfiBlob, CfiError
 from dbr_service.codegen.emit import GeneratedCode, check_generated, emit_region, far_exit_bound
 from dbr_service.codegen.frames import blobs_size, region_blobs
@@ -51,15 +52,16 @@ def provisional_base(sr: SuperRegion) -> int:
 
 
 def emit_with_frames(installer: Installer, sr: SuperRegion, base: int,
-                     call_target: Callable[[int], int | None] | None = None
+                     call_target: Callable[[int], int | None] | None = None,
+                     counting: CountPlan | None = None
                      ) -> tuple[GeneratedCode, list[CfiBlob], str | None]:
     """Emit ``sr`` at ``base`` and, when it makes real calls, the unwind information
     for its code (codegen/frames.py), placed after the code.  A region whose CFI
     cannot be made (a copied function without an FDE, CFI that does not translate, an
     agent that takes no FRAMES_ADD, a client without a CFI source) is emitted again
     without real calls: (code, blobs, why real calls were given up, or None).
-    ``call_target``: see :func:`~dbr_service.codegen.emit.emit_region`."""
-    gen = emit_region(sr, base, call_target=call_target)
+    ``call_target``, ``counting``: see :func:`~dbr_service.codegen.emit.emit_region`."""
+    gen = emit_region(sr, base, call_target=call_target, counting=counting)
     if not gen.calls:
         return gen, [], None
     try:
@@ -69,10 +71,11 @@ def emit_with_frames(installer: Installer, sr: SuperRegion, base: int,
                              skip=gen.far_exits.values())
         return gen, blobs, None
     except CfiError as exc:
-        return emit_region(sr, base, real_calls=False), [], str(exc)
+        return emit_region(sr, base, real_calls=False, counting=counting), [], str(exc)
 
 
-def placement(installer: Installer, sr: SuperRegion) -> tuple[int, list[int]]:
+def placement(installer: Installer, sr: SuperRegion,
+              counting: CountPlan | None = None) -> tuple[int, list[int]]:
     """Bytes to reserve for ``sr`` and the addresses its code buffer must reach.
 
     Normally everything the region touches (its blocks and exit targets) is within
@@ -90,7 +93,7 @@ def placement(installer: Installer, sr: SuperRegion) -> tuple[int, list[int]]:
     # Emitted near the patch sites (which must be in reach in any case) to learn the size,
     # the data operands and the exit targets.
     base = provisional_base(sr)
-    provisional, blobs, _ = emit_with_frames(installer, sr, base)
+    provisional, blobs, _ = emit_with_frames(installer, sr, base, counting=counting)
     # the blobs' sizes do not depend on where the code goes; 8 bytes for their alignment
     frames = blobs_size(blobs, base + provisional.size) + 8 if blobs else 0
     full = reach + provisional.data_refs
@@ -133,18 +136,21 @@ def check_original(installer: Installer, sr: SuperRegion) -> None:
             raise CodegenError(f"{sr.id}: original code at {lo:#x} is no longer readable")
 
 
-def install_region(installer: Installer, sr: SuperRegion) -> InstalledRegion:
+def install_region(installer: Installer, sr: SuperRegion,
+                   counting: CountPlan | None = None) -> InstalledRegion:
     """Emit ``sr`` into space reachable from everything it must reach and patch its
-    entries (and move threads in, see :meth:`Installer.transfer`)."""
+    entries (and move threads in, see :meth:`Installer.transfer`); with ``counting``,
+    as a counting region (codegen/blocks.py)."""
     if installer.transfer_enabled or sr.transfer_only:
         check_original(installer, sr)
     ranges, _ = region_extent(sr)
-    size, reach = placement(installer, sr)    # a call to a copy is as long as any call
+    size, reach = placement(installer, sr, counting)   # a call to a copy: as long as any
     chunk = installer.reserve(size, reach)
     copies = installer.copy_entries()
     try:
         gen, blobs, cfi_refused = emit_with_frames(
-            installer, sr, chunk.addr, call_target=lambda t: copies.get(t, (None,))[0])
+            installer, sr, chunk.addr, call_target=lambda t: copies.get(t, (None,))[0],
+            counting=counting)
         check_generated(gen)
     except DbrError:
         installer.space.release(chunk)
@@ -178,9 +184,12 @@ class InstallOutcome:
 
 
 def install_regions(installer: Installer, regions: Iterable[SuperRegion],
-                    already: Iterable[InstalledRegion] = ()) -> InstallOutcome:
+                    already: Iterable[InstalledRegion] = (),
+                    counting_for: Callable[[SuperRegion], CountPlan | None] | None = None
+                    ) -> InstallOutcome:
     """Install every region whose entry sites are not already patched; a failure in
-    one region is recorded and the others go on."""
+    one region is recorded and the others go on.  ``counting_for(sr)``: the counters
+    of a region to install as a counting region, or None."""
     out = InstallOutcome()
     taken = {s.site for r in already if r.state is InstallState.INSTALLED
              for s in r.patched_sites}
@@ -190,7 +199,8 @@ def install_regions(installer: Installer, regions: Iterable[SuperRegion],
             out.failed.append((sr.id, "entry already patched by an installed region"))
             continue
         try:
-            reg = install_region(installer, sr)
+            reg = install_region(installer, sr,
+                                 counting_for(sr) if counting_for is not None else None)
         except (DbrError, OSError) as exc:
             out.failed.append((sr.id, f"{type(exc).__name__}: {exc}"))
             continue

@@ -176,7 +176,8 @@ class SessionRegions:
         if not todo:
             return 0
         live = [r for r in inst.regions.values() if r.state is InstallState.INSTALLED]
-        out = install_regions(inst, [sr for _, sr in todo], already=live)
+        out = install_regions(inst, [sr for _, sr in todo], already=live,
+                              counting_for=self.counting_plan)
         by_name = {r.name: r for r in out.installed}
         n = 0
         with self.lock:
@@ -207,6 +208,7 @@ class SessionRegions:
                 if reg.cfi_refused is not None:
                     rec.info["cfi_refused"] = reg.cfi_refused
                 reg.name = rid
+                self.counting_installed(rid, sr, reg, rec)
                 n += 1
                 self.cadence.activity += 1
                 self.regions_went_live += 1
@@ -300,6 +302,7 @@ class SessionRegions:
                     self.region_book.blocked_regions.add(rec.id)
                 self._region_removed(rec, why)
         self._write_perf_map()
+        self.counting_refresh()
         if self.installer.space.quarantine:
             try:
                 self.installer.reclaim()

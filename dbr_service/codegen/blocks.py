@@ -36,6 +36,12 @@ of its target and everything else exits with ``jmp rel32`` to the original addre
 
 A block comes out as pieces, each standing for one original instruction (the address
 map, transfer and eviction points are made from them).
+
+In a region's counting phase (a :class:`CountPlan`) every counted block starts with
+the increment of its counter, and a ``jcc`` block counts the side it does not jump to
+right after the ``jcc``: block entries and those sides give every edge's count exactly
+(docs/decisions/0041-exact-counts.md).  The increments are no transfer or eviction
+points (a thread moved in starts after one; one with the flags saved has rsp moved).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import capstone
 
 from dbr_service.codegen import tables as jtables
 from dbr_service.codegen.calls import encode_promoted
+from dbr_service.codegen.counting import block_counter_bytes, inc_flags_dead
 from dbr_service.codegen.dispatch import DispatchPlan, encode_dispatch, region_dispatch_plan
 from dbr_service.codegen.relocate import (
     CannotRelocate,
@@ -129,6 +136,16 @@ class Dispatches:
                     self.prefixed[v] = k
 
 
+@dataclass
+class CountPlan:
+    """Counters of a region in its counting phase (data-buffer addresses)."""
+
+    #: Block -> the counter of its entries.
+    blocks: dict[NodeKey, int] = field(default_factory=dict)
+    #: ``jcc`` block -> the counter of the side its copy does not jump to.
+    sides: dict[NodeKey, int] = field(default_factory=dict)
+
+
 class BlockEmitter:
     """Emits one block's pieces given the addresses of all blocks."""
 
@@ -165,6 +182,10 @@ class BlockEmitter:
         self.plans = plans or Dispatches(sr, region_dispatch_plan)
         #: Translated dispatches met: block -> (plan, miss address, slot of each target).
         self.dispatches: dict[NodeKey, tuple[DispatchPlan, int, dict[int, int]]] = {}
+        #: Counters of a counting region (None: none), and per ``jcc`` block met, the
+        #: original address of the side its ``sides`` counter counts.
+        self.counting: CountPlan | None = None
+        self.counted_sides: dict[NodeKey, int] = {}
 
     def succ(self, key: NodeKey, kinds: set[EdgeKind]) -> dict[int, NodeKey]:
         out = {}
@@ -179,13 +200,16 @@ class BlockEmitter:
     def emit(self, key: NodeKey, at: int, nxt: NodeKey | None) -> list[Piece]:
         bb = self.sr.block(key)
         flow = self.succ(key, {EdgeKind.FLOW, EdgeKind.FALLTHROUGH})
-        self._at, self._pieces = at, []
+        self._at, self._pieces, self._key = at, [], key
         term = bb.term
         plan = self.plans.plan.get(key)
         body = bb.insns if term in (TermKind.FALLTHROUGH, TermKind.STOP, TermKind.HALT) \
             else bb.insns[:-2] if plan is not None and not plan.split else bb.insns[:-1]
         if key in self.plans.fused:
             body = body[:-1]                    # its add is done by the dispatch after it
+        if self.counting is not None and key in self.counting.blocks:
+            self._count(self.counting.blocks[key], bb.start,
+                        inc_flags_dead(bb.data, bb.start))
         if key in self.plans.prefixed:          # the one dispatch into it: its add first
             j = self.plans.prefixed[key]
             jp = self.plans.plan[j]
@@ -237,6 +261,9 @@ class BlockEmitter:
         return self._pieces
 
     # ---- pieces ---------------------------------------------------------------------
+    def _count(self, counter: int, orig: int, flags_dead: bool) -> None:
+        self._add(Piece(block_counter_bytes(self._at, counter, flags_dead), orig))
+
     def _add(self, p: Piece) -> None:
         self._pieces.append(p)
         self._at += len(p.code)
@@ -326,6 +353,7 @@ class BlockEmitter:
         ft = bb.fallthrough if bb.fallthrough is not None else a + n
         if self.reloc.classify(insn) is Kind.LOOP:
             self._reloc(bb, a, n, flow)
+            self._count_side(a, ft, flow)
             self._goto(ft, flow, nxt, a)
             return
         t = insn.operands[0].imm
@@ -342,7 +370,17 @@ class BlockEmitter:
         w = X86Writer(self._at)
         f = self._encode(lambda: w.put_jcc(cc, dst))
         self._add(Piece(bytes(w.code), a, [Fixup(0, f, dst, t, v is None)], whole=True))
+        self._count_side(a, ft, flow)
         self._goto(ft, flow, nxt, a)
+
+    def _count_side(self, a: int, ft: int, flow: dict[int, NodeKey]) -> None:
+        """In a counting region: count the side ``ft`` a ``jcc`` at ``a`` did not jump to."""
+        key = self._key
+        if self.counting is not None and key in self.counting.sides:
+            vf = flow.get(ft)
+            dead = vf is not None and inc_flags_dead(self.sr.block(vf).data, ft)
+            self._count(self.counting.sides[key], a, dead)
+            self.counted_sides[key] = ft
 
     def _call(self, bb, key, a: int, n: int, nxt) -> None:
         callee = self._insn(bb, a).operands[0].imm

@@ -1,6 +1,7 @@
-"""Counting code for speed checks (docs/decisions/0028-speed-checks.md): a counter
-increment at a progress point, and the counting trampoline that puts one at a point
-of original code.
+"""Counting code: a counter increment at a progress point of a speed check
+(docs/decisions/0028-speed-checks.md) or at a block entry of a region in its counting
+phase (docs/decisions/0041-exact-counts.md), and the counting trampoline that puts
+one at a point of original code.
 
 A progress point P counts the program's work in both phases of a check: in the
 replacement phase the copy's entry for P starts with :func:`counter_bytes`; in the
@@ -12,7 +13,8 @@ The increment is ``lock inc qword [rip+disp32]``: exact when several threads pas
 at once (a plain ``inc`` loses counts under contention, and contention differs
 between the phases), and the same instruction in both phases, so its cost falls on
 both sides of every pair.  ``inc`` writes OF, SF, ZF, AF and PF (not CF), so it is
-placed only where :func:`inc_flags_dead` proves those flags dead.
+placed only where :func:`inc_flags_dead` proves those flags dead; a counting region
+saves them around it elsewhere (:func:`saved_counter_bytes`), so every block counts.
 """
 
 from __future__ import annotations
@@ -75,6 +77,33 @@ def inc_flags_dead(code: bytes, addr: int, max_insns: int = FLAG_SCAN_MAX) -> bo
         if not pending:
             return True
     return False
+
+
+#: ``lea rsp, [rsp-128]; pushfq`` and ``popfq; lea rsp, [rsp+128]``: the flags saved
+#: below the red zone around an increment where they may be live.
+_SAVE_FLAGS = bytes.fromhex("488d642480") + b"\x9c"
+_RESTORE_FLAGS = b"\x9d" + bytes.fromhex("488da42480000000")
+#: Bytes of an increment with the flags saved around it.
+SAVED_COUNTER_LEN = len(_SAVE_FLAGS) + COUNTER_LEN + len(_RESTORE_FLAGS)
+
+
+def saved_counter_bytes(at: int, counter: int) -> bytes:
+    """``lock inc qword [counter]`` at ``at`` with rflags saved and restored around it,
+    for a place where the flags ``inc`` writes may be live: the stack pointer first
+    steps over the 128-byte red zone (``lea`` writes no flag), so the code there
+    keeps its red zone and every flag."""
+    inc = counter_bytes(at + len(_SAVE_FLAGS), counter)
+    return _SAVE_FLAGS + inc + _RESTORE_FLAGS
+
+
+def block_counter_bytes(at: int, counter: int, flags_dead: bool) -> bytes:
+    """The increment to place at ``at``: the plain one where the flags are dead, the
+    saved one otherwise (:func:`counter_len` bytes, whatever ``at``)."""
+    return counter_bytes(at, counter) if flags_dead else saved_counter_bytes(at, counter)
+
+
+def counter_len(flags_dead: bool) -> int:
+    return COUNTER_LEN if flags_dead else SAVED_COUNTER_LEN
 
 
 def counter_bytes(at: int, counter: int) -> bytes:

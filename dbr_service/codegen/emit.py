@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import capstone
 
 from dbr_service.codegen import tables as jtables
-from dbr_service.codegen.blocks import BlockEmitter, Dispatches
+from dbr_service.codegen.blocks import BlockEmitter, CountPlan, Dispatches
 from dbr_service.codegen.calls import call_resolver, needs_slot, slot_table
 from dbr_service.codegen.dispatch import DispatchPlan, dispatch_data, region_dispatch_plan
 from dbr_service.codegen.layout import ALIGN, Layout, compute_layout
@@ -90,6 +90,10 @@ class GeneratedCode:
     returns: dict[int, int] = field(default_factory=dict)
     #: Real calls to a live copy of their callee: ``call`` address -> the copy's entry.
     call_copies: dict[int, int] = field(default_factory=dict)
+    #: A counting region's counters (None: none), and per ``jcc`` block the original
+    #: address of the side its side counter counts (codegen/blocks.py).
+    counting: CountPlan | None = None
+    counted_sides: dict[NodeKey, int] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -147,14 +151,16 @@ def promoted_call_sites(sr: SuperRegion) -> dict[NodeKey, tuple[int, ...]]:
 def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = None,
                 layout: Layout | None = None, far_exits: bool = True,
                 real_calls: bool = True,
-                call_target: Callable[[int], int | None] | None = None) -> GeneratedCode:
+                call_target: Callable[[int], int | None] | None = None,
+                counting: CountPlan | None = None) -> GeneratedCode:
     """Replacement code for ``sr`` placed at ``base`` (see the module docstring).
     ``call_target(callee)``: the entry of a live copy of ``callee`` that its real calls
     may go to instead (used when in rel32 reach), or None.
     ``far_exits=False``: an exit beyond rel32 reach is an error instead of a stub.
     ``real_calls=False``: the call blocks selection kept as real calls are emitted as
     the other calls that leave the region (the original return address pushed, a jump
-    to the original callee), e.g. for a region whose CFI cannot be translated."""
+    to the original callee), e.g. for a region whose CFI cannot be translated.
+    ``counting``: the counters of a region in its counting phase (codegen/blocks.py)."""
     if len(sr) == 0:
         raise CodegenError(f"{sr.id}: empty region")
     reloc = relocator or Relocator()
@@ -169,6 +175,7 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
     sizing = BlockEmitter(sr, reloc, lambda _k: base, lambda _t: base, plans=plans,
                            ret_slot=lambda r: base if r in rets else None, real_calls=calls,
                            promoted=promoted, target_slot=lambda _t: base, jtabs=jtabs)
+    sizing.counting = counting
     sizes, targets = {}, set()
     for k in lay.order:
         pieces = sizing.emit(k, base, nxt[k])
@@ -210,9 +217,10 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
     em = BlockEmitter(sr, reloc, block_addr.__getitem__, lambda t: stub.get(t, t), tables,
                        plans, slots.get, calls, promoted, tslots.__getitem__, jtabs, jtab_at)
     em.call_to = call_resolver(em.exit_to, call_target, lambda c: _near(c, base, blocks_end))
+    em.counting = counting
     out = bytearray()
     gen = GeneratedCode(b"", base, {}, [], [], block_addr=block_addr, layout=list(lay.order),
-                        layout_kind=lay.kind)
+                        layout_kind=lay.kind, counting=counting)
     ambiguous: set[int] = set()
     for k in lay.order:
         if pads[k]:
@@ -262,6 +270,9 @@ def emit_region(sr: SuperRegion, base: int, *, relocator: Relocator | None = Non
     if tslots:
         _append_data(gen, out, min(tslots.values()), slot_table(tslots), "target slots")
     gen.code = bytes(out)
+    gen.counted_sides = dict(em.counted_sides)
+    if counting is not None:
+        gen.data_refs += [*counting.blocks.values(), *counting.sides.values()]
     for v, _c in ([] if sr.transfer_only else sr.entry_edges()):
         if isinstance(v, CloneKey):
             raise CodegenError(f"{sr.id}: entry edge into clone {fmt_node(v)}")

@@ -1,0 +1,123 @@
+"""Counting mode end to end (profile=count, docs/decisions/0041-exact-counts.md):
+tests/e2e_progs/tripcount.c under `dbr run --embedded --aggressive`.
+
+* With thresholds no block reaches, the counting regions count to the program's end:
+  entered only through their patch sites (transfer off, so no thread starts
+  mid-round), each loop body's exact count is its trip count times the region's
+  entries, exactly; the output is the native run's.
+* With the default thresholds the phase ends at a promoted block and the counting
+  region is replaced by one built from the counts, without counters; the records
+  carry the sample-inferred counts' error.
+* The monitor promotes blocks at the configured thresholds (direct and indirect).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from harness import compile_c
+
+from dbr_service.counting_monitor import CountingRegion, CountMonitor
+from dbr_service.exact_counts import plan_counters
+from dbr_service.region.model import END, START, BasicBlock, EdgeKind, SuperRegion, TermKind
+
+E2E = Path(__file__).resolve().parent / "e2e_progs"
+N1, N2 = 70, 130
+SIDE = -(-N2 // 3)               # iterations with j % 3 == 0
+
+
+def _run(tmp_path, rounds: int, *opts: str) -> tuple[list[dict], bytes, bytes]:
+    exe = compile_c([E2E / "tripcount.c"], flags=["-O1", "-s"], out_name="tripcount-O1")
+    args = [str(exe), str(rounds), str(N1), str(N2)]
+    native = subprocess.run(args, capture_output=True, timeout=120)
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "dbr_service.cli", "run", "--embedded", "--aggressive",
+           "-o", "profile=count", *(x for o in opts for x in ("-o", o)),
+           "--report", str(report), "--", *args]
+    run = subprocess.run(cmd, capture_output=True, timeout=300)
+    assert run.returncode == native.returncode == 0, run.stderr.decode()[-2000:]
+    rep = json.loads(report.read_text())
+    regions = [r for c in rep["clients"] if c["exe"] == str(exe) for r in c["regions"]]
+    return regions, run.stdout, native.stdout
+
+
+def test_exact_counts_equal_the_trip_counts(tmp_path) -> None:
+    regions, out, native = _run(tmp_path, 2_000_000, "transfer=false",
+                                "count_threshold_direct=1000000000000",
+                                "count_threshold_indirect=1000000000000",
+                                "count_phase_max_s=3600")
+    assert out == native
+    counted = [r["info"]["counting"] for r in regions if "counting" in r["info"]]
+    assert counted, regions
+    # Which loops get a region depends on where the samples fell; each counted one
+    # must hold its loop's trip count exactly.
+    loops = set()
+    for c in counted:
+        assert c["phase"] == "ended with the client" and not c["promoted"]
+        e, counts = c["entries"], set(c["block_counts"].values())
+        assert e > 0
+        found = set()
+        if N1 * e in counts:
+            found.add("n1")
+        if {N2 * e, SIDE * e, (N2 - SIDE) * e} <= counts:
+            found.add("n2")
+        assert found, c          # a counted region holds a known loop's exact counts
+        loops |= found
+    assert loops, counted
+
+
+def test_counting_region_replaced_by_the_optimised_one(tmp_path) -> None:
+    regions, out, native = _run(tmp_path, 2_000_000)
+    assert out == native
+    counted = [r for r in regions if "counting" in r["info"]]
+    assert counted, regions
+    for r in counted:
+        c = r["info"]["counting"]
+        assert c["phase"] == "over" and c["why"] == "promoted", c
+        assert c["promoted"] and min(c["promoted"].values()) >= 3000
+        assert c["replaced"] and c["counters_after"] == 0, c
+        assert r["state"] == "installed"
+        err = c["sample_error"]
+        assert err["hot_blocks"] > 0 and err["block_count_error"] >= 0
+        assert err["branch_direction_wrong"] is None or 0 <= err["branch_direction_wrong"] <= 1
+
+
+def _sr_with_indirect() -> SuperRegion:
+    sr = SuperRegion("t")
+    sr.add_block(BasicBlock(0x100, 2, [(0x100, 2)], b"\xff\xe0", TermKind.IJMP,
+                            targets=[0x200]))
+    sr.add_block(BasicBlock(0x200, 2, [(0x200, 2)], b"\xeb\xfe", TermKind.JMP,
+                            targets=[0x100]))
+    sr.add_edge(START, 0x100, EdgeKind.ENTRY, 1)
+    sr.add_edge(0x100, 0x200, EdgeKind.FLOW, 1)
+    sr.add_edge(0x200, 0x100, EdgeKind.FLOW, 1)
+    sr.add_edge(0x100, END, EdgeKind.EXIT, 0, target=0x300)
+    return sr
+
+
+def test_monitor_promotes_at_the_thresholds() -> None:
+    sr = _sr_with_indirect()
+    addrs = iter(range(0x1000, 0x2000, 8))
+    plan = plan_counters(sr, lambda: next(addrs))
+    values = {a: 0 for a in plan.blocks.values()}
+    done = []
+    mon = CountMonitor(direct=30, indirect=50, max_s=60.0, poll_s=0.01, on_done=done.append)
+    cr = CountingRegion("r1", 1, sr, plan, {}, values.get, started=0.0)
+    assert cr.indirect == {0x200}
+    mon.regions["r1"] = cr
+    values[plan.blocks[0x100]], values[plan.blocks[0x200]] = 29, 49
+    assert mon.poll(now=1.0) == [] and not cr.promoted
+    values[plan.blocks[0x100]] = 30              # a direct block at its threshold
+    assert mon.poll(now=1.1) == [cr] and cr.promoted == {0x100: 30}
+    assert cr.done == "promoted"
+    values[plan.blocks[0x200]] = 50              # the indirect target at its own
+    assert mon.poll(now=1.2) == [] and cr.promoted == {0x100: 30, 0x200: 50}
+    quiet = CountingRegion("r2", 2, sr, plan_counters(sr, lambda: 0x3000), {},
+                           lambda a: 0, started=0.0)
+    mon.regions = {"r2": quiet}
+    assert mon.poll(now=59.0) == [] and mon.poll(now=60.0) == [quiet]
+    assert quiet.done == "phase time bound"
+    mon.stop()
