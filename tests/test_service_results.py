@@ -30,7 +30,7 @@ def _apply(s: SimpleNamespace, regions: list[dict]) -> None:
                                                  job_backoff_max_s=30.0),
                           scheduler=SimpleNamespace(
                               charge=lambda b, res: b.charge_job(res.cpu_s, res.blocks)),
-                          _session_by_id=lambda sid: s,
+                          _session_by_id=lambda sid: s, warm=None,
                           _judge_quiet=lambda s, changed: None,
                           events=SimpleNamespace(publish=lambda *a, **k: None))
     Service._apply_result(svc, JobResult(1, 42, [], regions, "ok", 0.1, 7), 1)
