@@ -31,7 +31,7 @@ test-long: build
 	$(PY) -m pytest -q -p no:cacheprovider -m long tests
 
 demo: build
-	$(PY) -m dbr_service.demo
+	$(PY) -m dbr_service.commands.demo
 
 bench: build
 	$(PY) -m bench

@@ -27,7 +27,7 @@ from typing import Callable
 
 import dbr_agent
 from bench.common import ab, machine, timed, write_results
-from dbr_service.paths import QUIET_FILE, write_ms_file
+from dbr_service.common.paths import QUIET_FILE, write_ms_file
 
 PROGS = Path(__file__).resolve().parents[1] / "tests" / "agent_progs"
 WORKLOADS = Path(__file__).resolve().parent / "workloads"

@@ -95,7 +95,7 @@ def phase(port: int, reps: int, requests: int, clients: int) -> dict:
 
 
 def dbr(*args: str, rdir: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dbr_service.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", *args], cwd=ROOT,
                           env=dict(os.environ, DBR_RUNTIME_DIR=rdir), capture_output=True,
                           text=True, timeout=120)
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attach_redis: {', '.join(missing)} not found (make bench-setup)",
               file=sys.stderr)
         return 2
-    from dbr_service.ctlclient import ControlClient
+    from dbr_service.commands.ctlclient import ControlClient
 
     rdir = tempfile.mkdtemp(prefix="dbr-attach-bench-")
     os.chmod(rdir, 0o755)
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                     "reps": args.reps, "clients": args.clients}
     try:
         result["service_opts"] = service_opts
-        svc = subprocess.Popen([sys.executable, "-m", "dbr_service.cli", "service",
+        svc = subprocess.Popen([sys.executable, "-m", "dbr_service.commands.cli", "service",
                                 *service_opts], cwd=ROOT,
                                env=dict(os.environ, DBR_RUNTIME_DIR=rdir),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

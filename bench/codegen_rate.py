@@ -38,12 +38,12 @@ QUICK = ("interp", "xlib", "gzip", "bzip2")
 
 def measure(w: suite.Workload, ctx: suite.Ctx, passes: int) -> dict:
     from dbr_service.codegen.emit import emit_region
-    from dbr_service.config import Config
-    from dbr_service.optimize import provisional_base
+    from dbr_service.common.config import Config
+    from dbr_service.installation.optimize import provisional_base
     from dbr_service.region.memview import LiveMemoryView
     from dbr_service.region.pipeline import select_regions
     from dbr_service.sampling.perf import sample_ips
-    from dbr_service.worker import region_config
+    from dbr_service.region.worker import region_config
 
     prep = w.prepare(ctx)
     with tempfile.TemporaryDirectory() as d:

@@ -175,17 +175,17 @@ def summarize_report(data: dict) -> dict:
 def sampling_only_override() -> tuple[str | None, str]:
     """The ``-o`` that turns patching off, from the service's configuration keys."""
     try:
-        from dbr_service.config import Config as SvcConfig
+        from dbr_service.common.config import Config as SvcConfig
 
         keys = set(SvcConfig.keys())
     except Exception as exc:  # noqa: BLE001 - any import problem makes it unavailable
-        return None, f"unavailable: cannot read dbr_service.config ({exc!r})"
+        return None, f"unavailable: cannot read dbr_service.common.config ({exc!r})"
     for key, value in (("patching", "false"), ("enable_patching", "false"),
                        ("install_patches", "false"), ("patch", "false"),
                        ("sampling_only", "true"), ("dry_run", "true"), ("observe_only", "true")):
         if key in keys:
             return f"{key}={value}", ""
-    return None, ("unavailable: dbr_service/config.py has no key that disables patching "
+    return None, ("unavailable: dbr_service/common/config.py has no key that disables patching "
                   "(looked for patching, enable_patching, install_patches, sampling_only, "
                   "dry_run, observe_only)")
 
@@ -204,12 +204,12 @@ class DbrSampling(Dbr):
 
 def sampling_rate_hz() -> tuple[int, str]:
     try:
-        from dbr_service.config import Config as SvcConfig
+        from dbr_service.common.config import Config as SvcConfig
 
         period = SvcConfig().sample_period_us
         return max(1, round(1e6 / period)), f"dbr's default sample_period_us={period}"
     except Exception:  # noqa: BLE001
-        return 1000, "dbr_service.config not importable: 1000 Hz assumed"
+        return 1000, "dbr_service.common.config not importable: 1000 Hz assumed"
 
 
 class Perf(Config):
@@ -325,16 +325,16 @@ class DbrPreload(Config):
         return why
 
     def environ(self, env):
-        from dbr_service.cmd_run import child_env
+        from dbr_service.commands.cmd_run import child_env
 
         return child_env(self.agent, Path(self.host.rt or ""), env)
 
     def collect(self, work, run=None):
         if run is None or not run.pid or not self.host.rt:
             return {}
-        from dbr_service.cmd_run import collect_report
-        from dbr_service.ctlclient import ControlClient
-        from dbr_service.report import run_report
+        from dbr_service.commands.cmd_run import collect_report
+        from dbr_service.commands.ctlclient import ControlClient
+        from dbr_service.commands.report import run_report
 
         clients = collect_report(ControlClient(self.host.rt), run.pid)
         cpu, before = self.host.cpu_s(), self._cpu
@@ -397,7 +397,7 @@ class ThreadOnly(Config):
         return None
 
     def environ(self, env):
-        from dbr_service.cmd_run import preload_env
+        from dbr_service.commands.cmd_run import preload_env
 
         return preload_env(env, self.lib)
 

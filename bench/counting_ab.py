@@ -32,7 +32,7 @@ def _build(tmp: Path) -> Path:
 def _run(exe: Path, n: int, profile: str, tmp: Path, want: bytes) -> tuple[float, float]:
     report = tmp / f"report-{profile}.json"
     t0 = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "dbr_service.cli", "run", "--embedded",
+    run = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "run", "--embedded",
                           "--aggressive", "-o", f"profile={profile}", "--report", str(report),
                           "--", str(exe), str(n)], capture_output=True, timeout=600, cwd=ROOT)
     wall = time.monotonic() - t0

@@ -42,15 +42,15 @@ def _cc1_command(quick: bool) -> tuple[list[str], str]:
 
 
 def measure(argv: list[str], window_s: float) -> dict:
-    from dbr_service.clientfiles import ProcHandle
+    from dbr_service.common.clientfiles import ProcHandle
     from dbr_service.codegen.frames import CfiSource
-    from dbr_service.config import Config
+    from dbr_service.common.config import Config
     from dbr_service.region.discovery import hot_code_discovery
     from dbr_service.region.functions import FunctionEntries, call_targets
     from dbr_service.region.memview import LiveMemoryView
     from dbr_service.region.pipeline import run_pipeline
     from dbr_service.sampling.perf import sample_ips
-    from dbr_service.worker import region_config
+    from dbr_service.region.worker import region_config
 
     with tempfile.TemporaryDirectory() as d:
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}

@@ -10,7 +10,7 @@ start programs), no service running:
   environment as the next two (its size moves the stack, and so the timing);
 * ``disabled``: the agent preloaded with ``DBR_AGENT_DISABLE=1``;
 * ``late``: the agent preloaded beside a runtime dir whose hint is 1000 ms and whose
-  program file (dbr_service/shortruns.py) says 3000 ms, as a host service writes it
+  program file (dbr_service/daemon/shortruns.py) says 3000 ms, as a host service writes it
   for a program it found to run too short to gain: a run that ends sooner has no
   agent thread and no session.
 
@@ -37,7 +37,7 @@ from pathlib import Path
 import dbr_agent
 from bench.common import machine, program_of, write_results
 from bench.stats import versus
-from dbr_service.paths import QUIET_FILE, program_key, program_quiet_file, write_ms_file
+from dbr_service.common.paths import QUIET_FILE, program_key, program_quiet_file, write_ms_file
 
 
 def configs(agent: str, empty: str, rundir: str) -> dict[str, dict[str, str]]:

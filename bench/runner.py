@@ -218,8 +218,8 @@ class HostService:
         the service cannot be asked."""
         if not self.rt or not pid:
             return None
-        from dbr_service.cmd_run import collect_report
-        from dbr_service.ctlclient import ControlClient
+        from dbr_service.commands.cmd_run import collect_report
+        from dbr_service.commands.ctlclient import ControlClient
 
         try:
             clients = collect_report(ControlClient(self.rt), pid)

@@ -34,7 +34,7 @@ SRC = ROOT / "tests" / "e2e_progs" / "threads.c"
 
 
 def start_service(rt: str, extra: list[str]) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-m", "dbr_service.cli", "service", *extra],
+    p = subprocess.Popen([sys.executable, "-m", "dbr_service.commands.cli", "service", *extra],
                          env=dict(os.environ, DBR_RUNTIME_DIR=rt),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                            check=True)
             c1, t1 = cpu_of_tree(sp), time.monotonic()
             per_thread = (c1 - c0) / (2 * (t1 - t0))
-            sampled = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "--json",
+            sampled = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl",
+                                      "--json",
                                       "clients", "--all"], env=dict(base_env, DBR_RUNTIME_DIR=rt),
                                      capture_output=True, text=True).stdout
             n_samples = sum(c.get("samples", 0) for c in json.loads(sampled or "[]"))
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         ttfh = []
         for _ in range(2 if args.quick else 4):
             rep = os.path.join(d, "rep.json")
-            subprocess.run([sys.executable, "-m", "dbr_service.cli", "run", "--embedded",
+            subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "run", "--embedded",
                             "--quiet", "-o", "patching=false", "--report", rep, "--",
                             exe, iters, "1"], env=base_env, stdout=subprocess.DEVNULL,
                            check=True)

@@ -70,7 +70,7 @@ class ServiceProc:
         self.ready_s: float | None = None
 
     def wait_ready(self, timeout: float = 60.0) -> str | None:
-        from dbr_service.ctlclient import ControlClient
+        from dbr_service.commands.ctlclient import ControlClient
 
         deadline = time.monotonic() + timeout
         self.ns.settimeout(0.2)
@@ -97,7 +97,7 @@ class ServiceProc:
 
     def stop(self) -> None:
         """shutdown over the control socket, then SIGTERM, then SIGKILL; wait4 for rusage."""
-        from dbr_service.ctlclient import ControlClient
+        from dbr_service.commands.ctlclient import ControlClient
 
         if self.proc.poll() is None:
             try:
@@ -136,7 +136,7 @@ def run_level(n: int, seconds: float, spin: str, agent: str, tmp: Path,
               extra: list[str]) -> dict[str, Any]:
     import psutil
 
-    from dbr_service.ctlclient import ControlClient
+    from dbr_service.commands.ctlclient import ControlClient
 
     rt = tmp / f"rt{n}"
     rt.mkdir()

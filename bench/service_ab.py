@@ -35,7 +35,7 @@ import dbr_agent
 from bench.common import machine, program_of, write_results
 from bench.runner import HostService, run_once
 from bench.stats import by_patch, versus
-from dbr_service.cmd_run import preload_env
+from dbr_service.commands.cmd_run import preload_env
 
 
 def main(argv: list[str] | None = None) -> int:

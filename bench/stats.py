@@ -10,7 +10,7 @@ import random
 import statistics
 from typing import Iterable, Sequence
 
-from dbr_service.compare import median_interval as _median_interval
+from dbr_service.commands.compare import median_interval as _median_interval
 
 # ------------------------------------------------------------------ one sample
 
@@ -112,7 +112,7 @@ def verdict(ci: tuple[float, float] | None, limit: float) -> str:
 
 def median_interval(xs: Sequence[float], level: float = 0.95) -> dict | None:
     """Order-statistic (sign-test) interval for the median, as `dbr run --compare`
-    gives it (dbr_service.compare.median_interval): [x_(k), x_(n+1-k)] with the largest
+    gives it (dbr_service.commands.compare.median_interval): [x_(k), x_(n+1-k)] with the largest
     k whose coverage is at least ``level``; with too few values for ``level`` (n <= 5
     at 95 %) the min–max interval and its actual coverage, then below ``level`` (n=5:
     93.8 %).  None for n < 2."""

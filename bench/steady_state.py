@@ -15,7 +15,7 @@ i starts at configuration i mod 3, after one unrecorded warm-up round):
                  regions gain or cost;
 * ``host-nocheck`` ``host`` with ``speed_check=false`` (only with ``--configs``): the
                  regions stay whatever their effect, so ``host`` against this is what
-                 the speed checks (dbr_service/speedcheck.py) save or cost.
+                 the speed checks (dbr_service/installation/speedcheck.py) save or cost.
 
 Both services run throughout (their start-up is not billed to a client), each on its
 own runtime dir; only one program runs at a time.  Every run's stdout is compared
@@ -148,8 +148,8 @@ def _run(argv: list[str], env: dict[str, str], timeout: float) -> tuple[float, f
 def _client_info(rt: Path, pid: int) -> dict:
     """What the service did for one (ended) client, from `dbr ctl clients --all`."""
     for _ in range(20):
-        p = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "--json", "clients",
-                            "--all"], env=dict(os.environ, DBR_RUNTIME_DIR=str(rt)),
+        p = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl", "--json",
+                            "clients", "--all"], env=dict(os.environ, DBR_RUNTIME_DIR=str(rt)),
                            capture_output=True, text=True, timeout=30)
         try:
             rows = json.loads(p.stdout or "[]")

@@ -37,8 +37,8 @@ import dbr_agent
 from bench.common import machine, write_results
 from bench.runner import HostService, run_once
 from bench.suite import Ctx, Skip, registry
-from dbr_service.cmd_run import collect_report, preload_env
-from dbr_service.ctlclient import ControlClient
+from dbr_service.commands.cmd_run import collect_report, preload_env
+from dbr_service.commands.ctlclient import ControlClient
 
 
 def _report(svc: HostService, pid: int) -> dict[str, Any]:

@@ -243,7 +243,7 @@ static ssize_t read_small_at(int dfd, const char *name, char *buf, size_t cap)
 
 /* A later birth for this program (DBR_QUIET_PROGRAM beside DBR_QUIET_FILE): a
  * service that saw the program's last runs each end within its short_run_s, with
- * nothing installed, writes that age for it (dbr_service/shortruns.py), and its
+ * nothing installed, writes that age for it (dbr_service/daemon/shortruns.py), and its
  * later runs that end as soon make no thread at all.  The key names the executable
  * by device, inode and mtime (a rebuilt program is another one).  Two more system
  * calls, only under a hint above 0; it can only make the birth later.  Read from
@@ -272,7 +272,7 @@ static void program_hint(int dfd, const char *dir, char *from, size_t from_len, 
 }
 
 /* Unless DBR_AGENT_QUIET_MS set it, the service says how young a client it
- * samples in DBR_QUIET_FILE beside agent.sock (service.py, write_quiet_hint:
+ * samples in DBR_QUIET_FILE beside agent.sock (daemon/service.py, write_quiet_hint:
  * min_client_age_s in ms, 0 under --aggressive): the agent's thread is not
  * needed sooner, and a host service cannot set its clients' environment.  Read
  * in the constructor (six system calls, two more for program_hint: the birth

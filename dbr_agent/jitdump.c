@@ -6,7 +6,7 @@
  * the mapping's MMAP record names the file, and inject reads its records.  The
  * agent creates that file in /tmp with the format's header and maps its first page;
  * the service appends a JIT_CODE_LOAD record for every region it installs
- * (dbr_service/jitdump.py).  The file stays after the process ends, for inject.
+ * (dbr_service/installation/jitdump.py).  The file stays after the process ends, for inject.
  */
 #include <errno.h>
 #include <fcntl.h>

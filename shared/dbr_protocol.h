@@ -1,7 +1,7 @@
 /*
  * dbr_protocol.h — the wire protocol between libdbr_agent.so (in each client)
  * and the dbr service.  This header is the single source of truth: the agent
- * includes it, and dbr_service/protocol.py mirrors it (tests/test_protocol_layout.py
+ * includes it, and dbr_service/wire/protocol.py mirrors it (tests/test_protocol_layout.py
  * compiles a probe against this file and proves every size and offset equal).
  *
  * Transport: one AF_UNIX SOCK_SEQPACKET connection per client process, to
@@ -20,7 +20,7 @@
  * wrong version, wrong length, or out of order closes the session (the agent
  * first sends DBR_MSG_ERROR naming the offending seq when it can).
  *
- * Keep in sync with dbr_service/protocol.py (a test enforces it).
+ * Keep in sync with dbr_service/wire/protocol.py (a test enforces it).
  */
 #ifndef DBR_PROTOCOL_H
 #define DBR_PROTOCOL_H
@@ -166,12 +166,12 @@ enum dbr_map_kind {
  * its thread waits this long before its first connection.  DBR_AGENT_QUIET_MS in
  * the program's environment sets it; else a service that samples younger programs
  * writes a shorter one, as decimal ms, to DBR_QUIET_FILE beside agent.sock
- * (service.py, write_quiet_hint); else the default.  Over the maximum is the
+ * (daemon/service.py, write_quiet_hint); else the default.  Over the maximum is the
  * maximum. */
 #define DBR_QUIET_DEFAULT_MS 50u
 #define DBR_QUIET_MAX_MS     5000u
 #define DBR_QUIET_FILE       "agent-quiet-ms"
-/* A later quiet for one program, beside DBR_QUIET_FILE (dbr_service/shortruns.py):
+/* A later quiet for one program, beside DBR_QUIET_FILE (dbr_service/daemon/shortruns.py):
  * the executable's st_dev, st_ino and st_mtim.tv_sec, in hex (paths.program_key) */
 #define DBR_QUIET_PROGRAM    DBR_QUIET_FILE ".%lx-%lx-%llx"
 

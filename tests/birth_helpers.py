@@ -7,8 +7,8 @@ import os
 import re
 import time
 
-from dbr_service import protocol as P
-from dbr_service.paths import QUIET_FILE
+from dbr_service.wire import protocol as P
+from dbr_service.common.paths import QUIET_FILE
 from harness import FakeService
 
 

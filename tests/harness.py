@@ -1,7 +1,7 @@
 """A small fake service for agent tests: accepts the agent, hands it code buffers,
 writes hand-assembled replacement code (keystone), drives PATCH/UNPATCH.
 
-It is built on dbr_service.agentconn, the same session code the real service uses.
+It is built on dbr_service.wire.agentconn, the same session code the real service uses.
 Also: compiling test programs (cached per test session), reading client memory,
 and a line reader with timeouts for client stdout.
 """
@@ -30,8 +30,9 @@ import keystone
 import pytest
 
 import dbr_agent
-from dbr_service import protocol as P
-from dbr_service.agentconn import AgentConnection, CodeBufferHandle, jmp_rel32, listen, make_site
+from dbr_service.wire import protocol as P
+from dbr_service.wire.agentconn import (AgentConnection, CodeBufferHandle, jmp_rel32, listen,
+                                        make_site)
 from dbr_service.codegen.cfi import Fde, Glue
 
 TESTS = Path(__file__).resolve().parent

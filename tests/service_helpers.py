@@ -16,8 +16,8 @@ from pathlib import Path
 
 from harness import compile_c
 
-from dbr_service import protocol as P
-from dbr_service.ctlclient import ControlClient, Fault
+from dbr_service.wire import protocol as P
+from dbr_service.commands.ctlclient import ControlClient, Fault
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -58,7 +58,7 @@ class ServiceProc:
         # its own profile store: no warm start from another test's runs
         self.env = {**os.environ, "DBR_RUNTIME_DIR": self.dir,
                     "DBR_STATE_DIR": os.path.join(self.dir, "state"), **(env or {})}
-        argv = [sys.executable, "-m", "dbr_service.cli", "service"]
+        argv = [sys.executable, "-m", "dbr_service.commands.cli", "service"]
         if config:
             argv += ["-c", config]
         for o in opts:

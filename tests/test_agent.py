@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from dbr_service import protocol as P
-from dbr_service.agentconn import jmp_rel32, make_site
+from dbr_service.wire import protocol as P
+from dbr_service.wire.agentconn import jmp_rel32, make_site
 from harness import (SITE_INSN, SITE_LEN, FakeService, assemble, compile_c, exit_stub,
                      parse_sites, patch_sites, read_mem)
 
@@ -496,7 +496,7 @@ def _assert_untouched(client, sites, originals):
 
 def _expect_session_dropped(conn, timeout: float = 3.0) -> P.Message | None:
     """The agent answers a protocol error with ERROR (when it can) and closes."""
-    from dbr_service.errors import AgentError, ProtocolError
+    from dbr_service.common.errors import AgentError, ProtocolError
     err = None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -634,7 +634,7 @@ class _Session:
 @given(raw=random_messages())
 def test_random_messages_never_write_memory(svc_storm, raw):
     svc, client, sites, originals = svc_storm
-    from dbr_service.errors import AgentError, ProtocolError
+    from dbr_service.common.errors import AgentError, ProtocolError
     for _ in range(2):  # the agent may have dropped the session after the last example
         if _Session.conn is None or _Session.conn.closed:
             _Session.conn = svc.accept(pid=client.pid, timeout=10)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from dbr_service import protocol as P
-from dbr_service.errors import AgentError
+from dbr_service.wire import protocol as P
+from dbr_service.common.errors import AgentError
 from harness import SITE_INSN, assemble, compile_c, exit_stub, patch_sites, read_mem
 
 

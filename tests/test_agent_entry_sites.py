@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dbr_service import protocol as P
-from dbr_service.agentconn import jmp_rel32, make_site
-from dbr_service.errors import CodegenError
-from dbr_service.install import InstallState, Installer
+from dbr_service.wire import protocol as P
+from dbr_service.wire.agentconn import jmp_rel32, make_site
+from dbr_service.common.errors import CodegenError
+from dbr_service.installation.install import InstallState, Installer
 from harness import FakeService, assemble, compile_c, fake_service_fixture, read_mem  # noqa: F401
 
 CYCLES = int(os.environ.get("DBR_ENTRY_CYCLES", "400"))

@@ -16,7 +16,7 @@ import signal
 
 import pytest
 
-from dbr_service import protocol as P
+from dbr_service.wire import protocol as P
 from dbr_service.codegen.cfi import load_eh_frame, translate
 from dbr_service.codegen.frames import records_len
 from harness import FakeService, compile_c, patch_sites, read_mem, relocate_copy, symbols
@@ -160,8 +160,8 @@ def test_installer_names_frames_before_the_patch_and_withdraws_them_with_the_chu
     frees the chunk withdraws it (FRAMES_DEL)."""
     from types import SimpleNamespace
 
-    from dbr_service.entry_sites import decode_inner
-    from dbr_service.install import CodeSpace, InstallState, Installer
+    from dbr_service.installation.entry_sites import decode_inner
+    from dbr_service.installation.install import CodeSpace, InstallState, Installer
 
     client = svc.spawn([exe])
     copyme = int(client.out.expect("copyme").split()[1], 16)

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from dbr_service import protocol as P
+from dbr_service.wire import protocol as P
 from harness import FakeService
 
 T = P.MsgType

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from dbr_service import protocol as P
+from dbr_service.wire import protocol as P
 from dbr_service.sampling.perf import list_tids
 from harness import compile_c
 

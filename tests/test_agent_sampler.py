@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dbr_service import protocol as P
-from dbr_service.errors import AgentError
+from dbr_service.wire import protocol as P
+from dbr_service.common.errors import AgentError
 from dbr_service.sampling.agent_timer import AgentTimerRing
 from dbr_service.sampling.perf import list_tids
 from harness import compile_c

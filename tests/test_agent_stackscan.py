@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from dbr_service import protocol as P
-from dbr_service.agentconn import CensusResult, CodeBufferHandle
-from dbr_service.install import Chunk, CodeSpace, InstallState, Installer
+from dbr_service.wire import protocol as P
+from dbr_service.wire.agentconn import CensusResult, CodeBufferHandle
+from dbr_service.installation.install import Chunk, CodeSpace, InstallState, Installer
 from harness import (FakeService, assemble, compile_c, parse_sites, patch_sites,
                      read_mem)
 
@@ -460,9 +460,9 @@ def test_regions_listing_says_what_retains_removed_code():
     """`dbr ctl regions PID`: a removed region whose code is still kept has `retained`
     (JSON), and the table says what keeps it."""
     import threading
-    from dbr_service.session_regions import RegionBook, RegionRecord, RegionState
-    from dbr_service.cmd_ctl import render
-    from dbr_service.control import verb_regions
+    from dbr_service.session.session_regions import RegionBook, RegionRecord, RegionState
+    from dbr_service.commands.cmd_ctl import render
+    from dbr_service.commands.control import verb_regions
 
     held = {"stack_refs": 2, "threads_inside": 0, "threads_unknown": 0, "clean_censuses": 0,
             "censuses": 9, "quarantined_s": 3.2}

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import pytest
 
 import dbr_agent
-from dbr_service import protocol as P
-from dbr_service.paths import QUIET_FILE
+from dbr_service.wire import protocol as P
+from dbr_service.common.paths import QUIET_FILE
 from harness import FakeService, compile_c
 
 
@@ -399,7 +399,7 @@ HINT = "the service's hint"
 ], ids=["zero", "env-wins", "garbage", "fifo"])
 def test_agent_thread_takes_the_services_quiet_hint(alone_exe, hint, env_quiet, said, min_wait):
     """A service writes how young a client it samples to paths.QUIET_FILE beside
-    agent.sock (runtime_dir.py, write_quiet_hint); the agent reads it unless
+    agent.sock (daemon/runtime_dir.py, write_quiet_hint); the agent reads it unless
     DBR_AGENT_QUIET_MS is set.  A FIFO there would block a plain open: the agent opens
     it non-blocking and keeps its default.  (A hint of more than 0 plans the thread's
     birth: tests/test_agent_birth.py.)"""

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from dbr_service import protocol as P
-from dbr_service.agentconn import AgentConnection
+from dbr_service.wire import protocol as P
+from dbr_service.wire.agentconn import AgentConnection
 from harness import FakeService, assemble, compile_c
 
 #: The copy of ``spin``'s loop: same instructions and offsets, returns 2.
@@ -126,9 +126,9 @@ def test_malformed_transfer_length_closes_the_session(svc, spin_exe):
 
 # ---- the service side: Installer, evaluation, the original-code check ---------------
 
-from dbr_service.errors import CodegenError  # noqa: E402
-from dbr_service.install import CodeSpace, InstallState, Installer  # noqa: E402
-from dbr_service.optimize import EvalPolicy, Evaluator, check_original  # noqa: E402
+from dbr_service.common.errors import CodegenError  # noqa: E402
+from dbr_service.installation.install import CodeSpace, InstallState, Installer  # noqa: E402
+from dbr_service.installation.optimize import EvalPolicy, Evaluator, check_original  # noqa: E402
 from harness import FakeGen, read_mem  # noqa: E402
 
 
@@ -277,7 +277,7 @@ def _hurried(move, rounds: int, idle, real: dict[int, int], threads: int) -> Non
 
 # ---- EVICT: the other way, threads in replacement code back to original code -------
 
-from dbr_service.agentconn import make_site  # noqa: E402
+from dbr_service.wire.agentconn import make_site  # noqa: E402
 
 
 def _all_in(conn, region_id: int, points: dict[int, int], threads: int) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from dbr_service.region.perfdata import find_perf
 
-DBR = [sys.executable, "-m", "dbr_service.cli"]
+DBR = [sys.executable, "-m", "dbr_service.commands.cli"]
 PERF = find_perf()
 needs_perf = pytest.mark.skipif(PERF is None, reason="perf is not installed "
                                 "(make bench-setup installs linux-perf)")
@@ -153,7 +153,7 @@ def test_a_garbled_perf_data_is_a_clear_error(hot, tmp_path):
 
 
 def test_a_missing_perf_is_a_clear_error(tmp_path, monkeypatch, capsys):
-    from dbr_service.cli import main
+    from dbr_service.commands.cli import main
     from dbr_service.region import perfdata
 
     exe = _build(tmp_path, "hot", HOT)

@@ -24,8 +24,8 @@ import pytest
 from harness import LineReader, compile_c, read_mem
 from service_helpers import ServiceProc, kill
 
-from dbr_service import attach as A
-from dbr_service.procmaps import read_maps
+from dbr_service.commands import attach as A
+from dbr_service.common.procmaps import read_maps
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 only")
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 o
 
 def dbr(*args: str, env: dict[str, str] | None = None,
         user: int | None = None) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "dbr_service.cli", *args]
+    argv = [sys.executable, "-m", "dbr_service.commands.cli", *args]
     if user is not None:
         argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
     return subprocess.run(argv, env=dict(os.environ, **(env or {})), cwd=ROOT,

@@ -390,7 +390,7 @@ def test_a_host_service_runs_with_its_overrides(tmp_path):
     starts (here the sampling-only key dbr-sampling uses), and stop() ends it."""
     import os
 
-    from dbr_service.ctlclient import ControlClient
+    from dbr_service.commands.ctlclient import ControlClient
 
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)

@@ -32,7 +32,7 @@ from dbr_service.sampling.detect import detect
 from dbr_service.sampling.fulltrace import full_branch_counts, full_trace
 from dbr_service.sampling.lbr import CBT_SIZE, lbr_profile
 from dbr_service.sampling.recorded import RecordedSource
-from dbr_service.sources import choose_source
+from dbr_service.session.sources import choose_source
 
 FIXTURE = Path(__file__).parent / "data" / "lbr_synthetic.samples"
 
@@ -302,8 +302,8 @@ def test_selection_counts_come_from_the_branch_profile():
 
 
 def test_status_says_whether_branch_records_are_used():
-    from dbr_service.cmd_ctl import render
-    from dbr_service.sources import sampling_capabilities
+    from dbr_service.commands.cmd_ctl import render
+    from dbr_service.session.sources import sampling_capabilities
 
     caps = sampling_capabilities()
     assert "branch_records" in caps and "reason" in caps["branch_records"]
@@ -327,9 +327,9 @@ def test_a_client_without_branch_stacks_gets_the_perf_clock(spinner):
     source is the perf clock, and the session remembers it."""
     from types import SimpleNamespace
 
-    from dbr_service.config import Config
+    from dbr_service.common.config import Config
     from dbr_service.sampling import branchperf
-    from dbr_service.sources import make_perf_source
+    from dbr_service.session.sources import make_perf_source
 
     if branchperf.host_branch_event() is not None:
         pytest.skip("this host gives branch stacks")
@@ -353,9 +353,9 @@ def test_worker_joins_the_fall_through_ranges_before_selection():
     decodes the ranges in the client's memory and selection sees both sides."""
     from dataclasses import dataclass
 
-    from dbr_service.config import Config
+    from dbr_service.common.config import Config
     from dbr_service.region.functions import FunctionEntries
-    from dbr_service.worker import ClientJob, select_client_regions
+    from dbr_service.region.worker import ClientJob, select_client_regions
 
     prog = S.build()
     run = S.run(prog, 100_000, RandomPeriod(97, rng=random.Random(6)).draw)

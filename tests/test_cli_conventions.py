@@ -13,7 +13,7 @@ import time
 import pytest
 from service_helpers import ServiceProc
 
-DBR = [sys.executable, "-m", "dbr_service.cli"]
+DBR = [sys.executable, "-m", "dbr_service.commands.cli"]
 
 
 def _dbr(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
@@ -82,7 +82,7 @@ def test_a_dot_path_that_cannot_be_written_is_refused_before_asking():
                                        (128 + 64, "killed by SIGRTMAX"),
                                        (128 + 65, "exited 193")])
 def test_how_it_ended(code, text):
-    from dbr_service.report import how_it_ended
+    from dbr_service.commands.report import how_it_ended
 
     assert how_it_ended(code) == text
 
@@ -124,7 +124,7 @@ def test_an_operators_unpatch_sticks_until_resume():
 def test_the_run_summary_counts_regions_by_their_state():
     """The summary used to print '1 patches, 1 regions installed' beside 'regions: 0
     region(s) selected' (the last job's status): it now counts the region records."""
-    from dbr_service.report import format_report, run_report
+    from dbr_service.commands.report import format_report, run_report
 
     client = {"pid": 5, "exe": "/bin/x", "samples": 100, "samples_in_replacement": 45,
               "samples_after_first_patch": 50, "time_to_first_patch_s": 0.3,
@@ -164,7 +164,7 @@ def test_analyze_says_why_samples_miss_a_pie_binary(tmp_path):
 def test_the_run_summary_folds_quiet_clients_into_one_line():
     """A script's short-lived children (shells, readlink) share one line instead of a
     block each; the busiest client and every client dbr patched keep their blocks."""
-    from dbr_service.report import format_report, run_report
+    from dbr_service.commands.report import format_report, run_report
 
     def client(pid, exe, samples, patches=0, regions=()):
         return {"pid": pid, "exe": exe, "samples": samples, "patches_installed": patches,

@@ -29,7 +29,7 @@ from region_graphs import Builder
 from dbr_service.codegen.emit import check_generated, emit_region
 from dbr_service.codegen.layout import Layout
 from dbr_service.codegen.relocate import call_rel32
-from dbr_service.errors import CodegenError
+from dbr_service.common.errors import CodegenError
 from dbr_service.region.discovery import hot_code_discovery
 from dbr_service.region.inline import real_call_refusal, remove_call_blocks
 from dbr_service.region.memview import MappedRange, MemoryView
@@ -560,7 +560,7 @@ E2E = Path(__file__).resolve().parent / "e2e_progs"
 
 
 def _dbr_run(exe: Path, args: list[str], real_calls: bool, report: Path):
-    run = subprocess.run([sys.executable, "-m", "dbr_service.cli", "run", "--embedded",
+    run = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "run", "--embedded",
                           "--aggressive", "-o", f"real_calls={str(real_calls).lower()}",
                           "--report", str(report), "--", str(exe), *args],
                          capture_output=True, timeout=300)

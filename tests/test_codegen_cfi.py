@@ -36,7 +36,7 @@ from dbr_service.codegen.cfi import (
     CfiError, Fde, Glue, Image, evaluate, function_ranges, load_eh_frame, parse_eh_frame,
     sleb, translate, uleb)
 from dbr_service.codegen.cfi_lsda import parse_lsda
-from dbr_service.errors import CodegenError
+from dbr_service.common.errors import CodegenError
 from harness import relocate_copy, symbols
 
 PROGS = Path(__file__).parent / "cfi_progs"

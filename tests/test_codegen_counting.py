@@ -16,7 +16,7 @@ from codegen_util import CS, Machine, asm, asm_rip, random_state
 
 from dbr_service.codegen.counting import (COUNTER_LEN, counter_bytes, counting_entry,
                                           counting_trampoline, inc_flags_dead)
-from dbr_service.progress_points import COUNTING_ENTRY_LEN
+from dbr_service.installation.progress_points import COUNTING_ENTRY_LEN
 from dbr_service.codegen.relocate import CannotRelocate, jmp_rel32
 
 ORIG = 0x400000       # original code; P is its start

@@ -1,4 +1,4 @@
-"""Counting regions (codegen/blocks.py CountPlan, dbr_service/exact_counts.py), run in
+"""Counting regions (codegen/blocks.py CountPlan, dbr_service/installation/exact_counts.py), run in
 unicorn: a region emitted with a counter at every block entry and on each ``jcc``
 block's side leaves registers, flags and memory as the original code does, from
 random states (the counters' flags are saved where they may be live), and the
@@ -17,7 +17,7 @@ from test_codegen_emit import PLACES, PROGRAMS, SENTINEL, World, _compare, _prof
 
 from dbr_service.codegen.counting import COUNTER_LEN, SAVED_COUNTER_LEN
 from dbr_service.codegen.emit import check_generated, emit_region
-from dbr_service.exact_counts import derive, plan_counters, rebuilt, sample_error
+from dbr_service.installation.exact_counts import derive, plan_counters, rebuilt, sample_error
 from dbr_service.region.model import CloneKey, TermKind
 
 #: Counters live in the buffer's mapping, this far from its start.

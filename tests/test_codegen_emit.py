@@ -30,7 +30,7 @@ from dbr_service.codegen.emit import (
 )
 from dbr_service.codegen.layout import back_edges, compute_layout
 from dbr_service.codegen.relocate import jmp_rel32
-from dbr_service.errors import CodegenError
+from dbr_service.common.errors import CodegenError
 from dbr_service.region.model import END, START, CloneKey, EdgeKind, SuperRegion, TermKind
 
 DATA_SIZE = 0x100          # data first: counter @0, result @8, table @0x10.., jt @0xc0,

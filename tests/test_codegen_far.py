@@ -15,7 +15,7 @@ from test_codegen_emit import RSP, SENTINEL, STACK, STACK_SIZE, make_sr
 
 from dbr_service.codegen.emit import check_generated, emit_region
 from dbr_service.codegen.relocate import jmp_rel32
-from dbr_service.errors import CodegenError
+from dbr_service.common.errors import CodegenError
 
 MAIN = 0x40_0000
 LIB = MAIN + 0x1_2000_0000          # 4.5 GiB above the executable
@@ -199,8 +199,8 @@ def test_placement_reaches_only_what_must_be_reached() -> None:
     from types import SimpleNamespace
 
     from dbr_service.codegen.emit import far_exit_bound
-    from dbr_service.install import CodeSpace
-    from dbr_service.optimize import placement
+    from dbr_service.installation.install import CodeSpace
+    from dbr_service.installation.optimize import placement
 
     inst = SimpleNamespace(space=CodeSpace(None))
     f = Far()

@@ -21,7 +21,7 @@ import pytest
 from dbr_service.codegen.cfi import CfiError, evaluate, load_eh_frame, parse_eh_frame
 from dbr_service.codegen.emit import check_generated, emit_region
 from dbr_service.codegen.frames import CfiSource, Module, records_len, region_blobs
-from dbr_service.optimize import emit_with_frames
+from dbr_service.installation.optimize import emit_with_frames
 from dbr_service.region.discovery import hot_code_discovery
 from dbr_service.region.memview import ElfMemoryView
 from dbr_service.region.pipeline import RegionConfig, run_pipeline
@@ -152,7 +152,7 @@ def test_cfi_source_finds_modules_and_biases(prog, tmp_path):
 
 
 def test_dbr_ctl_regions_shows_real_calls_and_cfi_refusals():
-    from dbr_service.cmd_ctl import render
+    from dbr_service.commands.cmd_ctl import render
 
     out = render("regions", {"pid": 7, "status": "2 region(s) selected", "regions": [
         {"id": "r1", "state": "installed", "blocks": 3, "code_bytes": 90, "entries": [0x1000],

@@ -344,7 +344,7 @@ def test_lua_interpreter_dispatch_is_translated() -> None:
 
 def _lua_symbols() -> tuple[int, int]:
     """luaV_execute's extent, from the binary's symbol table."""
-    from dbr_service.symbols import read_symbols
+    from dbr_service.common.symbols import read_symbols
     ex = next(s for s in read_symbols(LUA)._syms if s.name == "luaV_execute")
     return ex.start, ex.start + ex.size
 

@@ -31,7 +31,7 @@ from dbr_service.codegen.x86 import (
     OutOfRange,
     X86Writer,
 )
-from dbr_service.errors import CodegenError
+from dbr_service.common.errors import CodegenError
 
 AT = 0x40_1000
 REGS = list(range(16))

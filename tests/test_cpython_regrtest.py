@@ -67,7 +67,7 @@ def test_cpython_regrtest_under_dbr_with_real_calls(tmp_path):
 
     report = tmp_path / "report.json"
     t0 = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "dbr_service.cli", "run", "--embedded",
+    run = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "run", "--embedded",
                           "--aggressive", "-o", "real_calls=true", "--report", str(report),
                           "--", *argv], capture_output=True, timeout=3600, cwd=tmp_path)
     dbr_s = time.monotonic() - t0

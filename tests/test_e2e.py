@@ -97,7 +97,7 @@ def test_program_under_dbr(case: Case, opt: str, tmp_path):
     native = subprocess.run([str(exe), *args], capture_output=True, timeout=300)
     assert native.returncode == 0, native.stderr
     report = tmp_path / "report.json"
-    run = subprocess.run([sys.executable, "-m", "dbr_service.cli", "run", "--embedded",
+    run = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "run", "--embedded",
                           "--aggressive", "--report", str(report), "--", str(exe), *args],
                          capture_output=True, timeout=300)
     assert run.returncode == native.returncode, run.stderr.decode()[-2000:]

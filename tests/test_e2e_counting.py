@@ -20,8 +20,8 @@ from pathlib import Path
 
 from harness import compile_c
 
-from dbr_service.counting_monitor import CountingRegion, CountMonitor
-from dbr_service.exact_counts import plan_counters
+from dbr_service.session.counting_monitor import CountingRegion, CountMonitor
+from dbr_service.installation.exact_counts import plan_counters
 from dbr_service.region.model import END, START, BasicBlock, EdgeKind, SuperRegion, TermKind
 
 E2E = Path(__file__).resolve().parent / "e2e_progs"
@@ -34,7 +34,7 @@ def _run(tmp_path, rounds: int, *opts: str) -> tuple[list[dict], bytes, bytes]:
     args = [str(exe), str(rounds), str(N1), str(N2)]
     native = subprocess.run(args, capture_output=True, timeout=120)
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "dbr_service.cli", "run", "--embedded", "--aggressive",
+    cmd = [sys.executable, "-m", "dbr_service.commands.cli", "run", "--embedded", "--aggressive",
            "-o", "profile=count", *(x for o in opts for x in ("-o", o)),
            "--report", str(report), "--", *args]
     run = subprocess.run(cmd, capture_output=True, timeout=300)

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from dbr_service import protocol as P
+from dbr_service.wire import protocol as P
 from dbr_service.codegen.frames import CfiSource
-from dbr_service.config import Config
-from dbr_service.install import CodeSpace, InstallState, Installer
-from dbr_service.optimize import install_regions
+from dbr_service.common.config import Config
+from dbr_service.installation.install import CodeSpace, InstallState, Installer
+from dbr_service.installation.optimize import install_regions
 from dbr_service.region.memview import LiveMemoryView
 from dbr_service.region.pipeline import RegionConfig, select_regions
 from dbr_service.sampling.perf import sample_ips
@@ -191,7 +191,7 @@ def test_threads_returning_into_removed_copies_are_moved_out(exe):
         # every worker blocks in note(), called by inner() called from a copy
         client.send("park")
         client.out.expect("all-parked", timeout=30)
-        run = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "unpatch",
+        run = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl", "unpatch",
                               str(pid)], env=svc.env, capture_output=True, text=True,
                              timeout=30)
         assert run.returncode == 0, run.stderr

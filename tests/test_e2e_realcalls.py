@@ -136,7 +136,7 @@ def test_through_copies_with_real_calls(case: Case, opt: str, tmp_path):
     nerr = native.stderr.decode()
 
     report = tmp_path / "report.json"
-    run = subprocess.run([sys.executable, "-m", "dbr_service.cli", "run", "--embedded",
+    run = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "run", "--embedded",
                           "--aggressive", "-o", "real_calls=true",
                           # every region the program's loops give, not what a CPU budget
                           # lets selection reach: these runs test unwinding through copies

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import pytest
 
-from dbr_service import protocol as P
+from dbr_service.wire import protocol as P
 from dbr_service.codegen.frames import CfiSource
-from dbr_service.config import Config
-from dbr_service.install import CodeSpace, InstallState, Installer
-from dbr_service.optimize import emit_with_frames, placement, region_extent
+from dbr_service.common.config import Config
+from dbr_service.installation.install import CodeSpace, InstallState, Installer
+from dbr_service.installation.optimize import emit_with_frames, placement, region_extent
 from dbr_service.region.memview import LiveMemoryView
 from dbr_service.region.pipeline import RegionConfig, select_regions
 from dbr_service.sampling.perf import sample_ips
@@ -94,7 +94,7 @@ def test_unpatched_code_is_kept_while_threads_block_in_its_callee(exe):
         parked = [int(ln.split()[1]) for ln in client.out.lines if ln.startswith("parked ")]
         assert len(set(parked)) == THREADS, parked
 
-        ctl = [sys.executable, "-m", "dbr_service.cli", "ctl"]
+        ctl = [sys.executable, "-m", "dbr_service.commands.cli", "ctl"]
         run = subprocess.run([*ctl, "unpatch", str(pid)], env=svc.env, capture_output=True,
                              text=True, timeout=30)
         assert run.returncode == 0, run.stderr

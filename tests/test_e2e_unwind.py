@@ -56,7 +56,7 @@ def test_throw_and_backtrace_through_a_copy_with_real_calls(tmp_path):
     assert "4work" in want[hot - 1] and want[hot + 1] == "main", want
 
     report = tmp_path / "report.json"
-    run = subprocess.run([sys.executable, "-m", "dbr_service.cli", "run", "--embedded",
+    run = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "run", "--embedded",
                           "--aggressive", "-o", "real_calls=true", "--report", str(report),
                           "--", str(exe), *ARGS], capture_output=True, timeout=300)
     assert run.returncode == 0, run.stderr.decode()[-2000:]

@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from dbr_service import protocol as P
-from dbr_service.errors import AgentError
-from dbr_service.install import Installer, InstallState
+from dbr_service.wire import protocol as P
+from dbr_service.common.errors import AgentError
+from dbr_service.installation.install import Installer, InstallState
 from harness import (SITE_INSN, FakeService, compile_c, exit_stub, parse_sites, patch_sites,
                      read_mem, stub_gen)
 

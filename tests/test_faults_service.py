@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dbr_service.config import AGGRESSIVE
+from dbr_service.common.config import AGGRESSIVE
 from harness import compile_c
 from service_helpers import ServiceProc, agent_path, kill, spawn_client
 
@@ -66,7 +66,7 @@ def test_no_buffer_within_reach_client_correct_service_serving():
         assert entry["patches_installed"] == 0
         assert all(r["state"] != "installed" for r in entry["regions"])
         # selected at every snapshot, but not retried without end
-        from dbr_service.session_regions import INSTALL_ATTEMPTS
+        from dbr_service.session.session_regions import INSTALL_ATTEMPTS
         tries = [r["info"].get("install_failures", 0) for r in entry["regions"]]
         assert 1 <= max(tries) <= INSTALL_ATTEMPTS, entry["regions"]
         # 2. the same service serves the next client normally

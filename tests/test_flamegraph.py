@@ -15,11 +15,11 @@ import pytest
 
 from service_helpers import ServiceProc, agent_path, kill, spawn_client
 
-from dbr_service.cmd_flame import hottest
-from dbr_service.flamegraph import build_tree, render_svg
+from dbr_service.commands.cmd_flame import hottest
+from dbr_service.stacks.flamegraph import build_tree, render_svg
 from dbr_service.sampling.perf import probe_event
 from dbr_service.sampling.perf_abi import EVENTS
-from dbr_service.stackprof import parse_folded
+from dbr_service.stacks.stackprof import parse_folded
 
 NS = {"s": "http://www.w3.org/2000/svg"}
 FOLDED = Counter({("main", "run", "hot"): 60, ("main", "run", "warm"): 25,
@@ -102,7 +102,7 @@ BENCH = ("import time\nt = time.monotonic()\n"
 
 
 def _ctl(svc: ServiceProc, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", *argv],
+    return subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl", *argv],
                           env={**os.environ, "DBR_RUNTIME_DIR": svc.dir},
                           capture_output=True, text=True, timeout=timeout)
 
@@ -160,7 +160,7 @@ def test_attribution_remembers_regions_removed_meanwhile():
     after it is removed during the collection (threads may still return into it)."""
     from types import SimpleNamespace
 
-    from dbr_service.stackjobs import _Attributer
+    from dbr_service.commands.stackjobs import _Attributer
 
     class Reg:
         def original_of(self, a):
@@ -187,7 +187,7 @@ def test_attribution_remembers_regions_removed_meanwhile():
 
 
 def test_answer_bounded_by_lines_and_bytes():
-    from dbr_service.stackjobs import bound_lines
+    from dbr_service.commands.stackjobs import bound_lines
 
     lines = [f"main;f{i} {i + 1}" for i in range(100)]
     assert bound_lines(lines) == lines

@@ -1,4 +1,4 @@
-"""dbr_service.install against the real agent: install, unpatch, quarantine and
+"""dbr_service.installation.install against the real agent: install, unpatch, quarantine and
 census-gated reuse, invalidation on map changes, refusal handling."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from dbr_service import protocol as P
-from dbr_service.agentconn import jmp_rel32
-from dbr_service.errors import CodegenError
-from dbr_service.install import CodeSpace, InstallState, Installer
+from dbr_service.wire import protocol as P
+from dbr_service.wire.agentconn import jmp_rel32
+from dbr_service.common.errors import CodegenError
+from dbr_service.installation.install import CodeSpace, InstallState, Installer
 from harness import SITE_INSN, read_mem, stub_gen
 
 

@@ -1,4 +1,4 @@
-"""perf sees replacement code (dbr_agent/jitdump.c, dbr_service/jitdump.py).
+"""perf sees replacement code (dbr_agent/jitdump.c, dbr_service/installation/jitdump.py).
 
 * End to end: a client started with DBR_JITDUMP=1 under a host service gets a
   region; `perf record -k mono`, `perf inject --jit` and `perf report` put its
@@ -20,7 +20,7 @@ import time
 import pytest
 from service_helpers import ServiceProc, agent_path, build_example, kill, spawn_client
 
-from dbr_service import jitdump as J
+from dbr_service.installation import jitdump as J
 
 needs_agent = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 

@@ -22,7 +22,7 @@ from service_helpers import ServiceProc, agent_path, build_example, kill, spawn_
 
 from dbr_service.region.memview import ElfMemoryView
 
-DBR = [sys.executable, "-m", "dbr_service.cli"]
+DBR = [sys.executable, "-m", "dbr_service.commands.cli"]
 needs_agent = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 
 #: Keys whose values are addresses (or offsets into a module, counted the same way).

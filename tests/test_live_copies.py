@@ -1,5 +1,5 @@
 """Real calls to a live copy of the callee (codegen/calls.py, "Calls to live copies";
-install.py, "Calls into live copies").
+installation/install.py, "Calls into live copies").
 
 * Emission: with ``call_target`` a real call (direct or promoted) goes to the copy when
   it is in rel32 reach, else to the original callee; unicorn runs from random states
@@ -27,15 +27,15 @@ from test_codegen_calls import (
     LIB, ORIG, SENTINEL, STACK, STACK_SIZE, DATA_SIZE, NEAR, Program, _loop_with_call, _same,
     _select, _state)
 
-from dbr_service import protocol as P
-from dbr_service.agentconn import CensusResult, CodeBufferHandle
+from dbr_service.wire import protocol as P
+from dbr_service.wire.agentconn import CensusResult, CodeBufferHandle
 from dbr_service.codegen.calls import encode_promoted
 from dbr_service.codegen.emit import check_generated, emit_region
 from dbr_service.codegen.layout import Layout
 from dbr_service.codegen.relocate import Relocator
-from dbr_service.errors import CodegenError
-from dbr_service.install import Chunk, CodeSpace, InstallState, Installer
-from dbr_service.optimize import EvalPolicy, Evaluator, callees_first
+from dbr_service.common.errors import CodegenError
+from dbr_service.installation.install import Chunk, CodeSpace, InstallState, Installer
+from dbr_service.installation.optimize import EvalPolicy, Evaluator, callees_first
 
 
 # ---- emission ----------------------------------------------------------------------------
@@ -369,8 +369,8 @@ def test_session_records_the_regions_removed_with_a_callee():
     out with the copy they called, once, with the installer's reason."""
     from types import SimpleNamespace
 
-    from dbr_service.clients import ClientSession
-    from dbr_service.session_regions import RegionState
+    from dbr_service.session.clients import ClientSession
+    from dbr_service.session.session_regions import RegionState
 
     caller = SimpleNamespace(region_id=7, why_removed="callee r2 removed: operator")
     rec = SimpleNamespace(id="r7", state=RegionState.INSTALLED)
@@ -387,7 +387,7 @@ def test_session_records_the_regions_removed_with_a_callee():
 
 
 def test_regions_table_says_callers_hold_a_removed_copy():
-    from dbr_service.cmd_ctl import _state
+    from dbr_service.commands.cmd_ctl import _state
 
     held = {"stack_refs": 0, "threads_inside": 0, "threads_unknown": 0, "callers": 2}
     assert _state({"state": "removed", "retained": held}) == "removed (retained: 2 callers)"

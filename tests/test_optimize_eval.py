@@ -4,8 +4,8 @@ regions; samples in either its copy or its original code keep it warm."""
 
 from __future__ import annotations
 
-from dbr_service.install import InstallState
-from dbr_service.optimize import EvalPolicy, Evaluator
+from dbr_service.installation.install import InstallState
+from dbr_service.installation.optimize import EvalPolicy, Evaluator
 
 
 class Reg:

@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from dbr_service.config import Config
-from dbr_service.install import InstallState, Installer
-from dbr_service.optimize import EvalPolicy, Evaluator, install_regions
+from dbr_service.common.config import Config
+from dbr_service.installation.install import InstallState, Installer
+from dbr_service.installation.optimize import EvalPolicy, Evaluator, install_regions
 from dbr_service.region.memview import LiveMemoryView
 from dbr_service.region.pipeline import RegionConfig, select_regions
 from dbr_service.sampling.perf import sample_ips

@@ -1,4 +1,4 @@
-"""Location checks of dynamic probes (dbr_service/probes.py) that need no process:
+"""Location checks of dynamic probes (dbr_service/session/probes.py) that need no process:
 the location's syntax, the instruction-boundary check, and the sweep for branches
 into an entry site's bytes 1..4."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from codegen_util import asm
 
-from dbr_service.probes import ProbeRefused, boundary_problem, branches_into, parse_location
+from dbr_service.session.probes import ProbeRefused, boundary_problem, branches_into, parse_location
 
 F = 0x401000
 

@@ -1,4 +1,4 @@
-"""Dynamic probes on a real program under a real service (dbr_service/probes.py):
+"""Dynamic probes on a real program under a real service (dbr_service/session/probes.py):
 ``probe add|list|show|del`` over the control socket.
 
 tests/agent_progs/probed.c calls ``work`` (its first instruction is 7 bytes: a plain
@@ -21,8 +21,8 @@ import pytest
 from harness import LineReader, compile_c, read_mem
 from service_helpers import ServiceProc, agent_path, kill, symbol_range
 
-from dbr_service.ctlclient import Code, Fault
-from dbr_service.symbols import read_symbols
+from dbr_service.commands.ctlclient import Code, Fault
+from dbr_service.common.symbols import read_symbols
 
 pytestmark = pytest.mark.skipif(agent_path() is None, reason="the agent cannot be built")
 
@@ -258,7 +258,7 @@ def test_dbr_ctl_probe(quiet: Prog) -> None:
     """`dbr ctl probe add|list|show|del`: tables, JSON, and a refusal's message and
     exit status."""
     def ctl(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "--timeout",
+        return subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl", "--timeout",
                                "40", "probe", *argv], capture_output=True, text=True,
                               timeout=60, env=dict(os.environ, DBR_RUNTIME_DIR=quiet.svc.dir))
     pid = str(quiet.pid)

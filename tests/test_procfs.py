@@ -1,4 +1,4 @@
-"""dbr_service.procfs: a client whose main thread has ended stays readable.
+"""dbr_service.common.procfs: a client whose main thread has ended stays readable.
 
 After main() calls pthread_exit the thread-group leader is a zombie: /proc/PID/mem
 cannot be opened and /proc/PID/maps reads empty, while the other threads still run
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from dbr_service.procmaps import read_maps
-from dbr_service.procfs import proc_dir, thread_state
+from dbr_service.common.procmaps import read_maps
+from dbr_service.common.procfs import proc_dir, thread_state
 from dbr_service.region.memview import LiveMemoryView
 from harness import compile_c
 

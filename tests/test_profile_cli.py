@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from dbr_service import pprof
-from dbr_service.modkey import ModuleKey, module_key
-from dbr_service.profiledata import EntrySite, HotRegion
-from dbr_service.profilestore import ProfileStore
+from dbr_service.profiles import pprof
+from dbr_service.profiles.modkey import ModuleKey, module_key
+from dbr_service.profiles.profiledata import EntrySite, HotRegion
+from dbr_service.profiles.profilestore import ProfileStore
 
 ROOT = Path(__file__).resolve().parents[1]
-DBR = [sys.executable, "-m", "dbr_service.cli", "profile"]
+DBR = [sys.executable, "-m", "dbr_service.commands.cli", "profile"]
 SRC = """
 __attribute__((noinline)) long hot_loop(long n) { long s = 0; for (long i = 0; i < n; i++)
     s += i * %d; return s; }
@@ -124,7 +124,7 @@ def test_json_export_import_round_trip_on_another_state_dir(store, prog, tmp_pat
         assert b.lookup(mk.key).runs == 2 and b.lookup(mk.key).hot_text == _hot(off)
 
 
-# -- an independent reader of profile.proto (not dbr_service.pprof's)
+# -- an independent reader of profile.proto (not dbr_service.profiles.pprof's)
 def _msg(data: bytes) -> list[tuple[int, object]]:
     out, pos = [], 0
 
@@ -240,7 +240,7 @@ def test_a_gzip_bomb_is_cut_off(store, tmp_path, monkeypatch):
 
 def test_a_busy_store_and_a_missing_file_are_clear_errors(store, tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from dbr_service.profilestore import "
+        [sys.executable, "-c", "import sys; from dbr_service.profiles.profilestore import "
          "ProfileStore; s = ProfileStore(sys.argv[1]); print('ready', flush=True); "
          "sys.stdin.read()", str(store)], cwd=ROOT, stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, text=True)

@@ -1,4 +1,4 @@
-"""The profile store (dbr_service/profilestore.py): module identity, merging with
+"""The profile store (dbr_service/profiles/profilestore.py): module identity, merging with
 decay, expiry, limits, a killed writer, a damaged file, two writers, a rebuilt
 binary, 1,000 modules, and the conversion of a session's samples and regions."""
 
@@ -19,19 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from dbr_service import profilestore as ps
-from dbr_service.agentconn import make_site
-from dbr_service.modkey import ModuleKey, ModuleKeyError, module_key
-from dbr_service.procmaps import read_maps
-from dbr_service.profiledata import (
+from dbr_service.profiles import profilestore as ps
+from dbr_service.wire.agentconn import make_site
+from dbr_service.profiles.modkey import ModuleKey, ModuleKeyError, module_key
+from dbr_service.common.procmaps import read_maps
+from dbr_service.profiles.profiledata import (
     MAX_OFFSETS, EntrySite, HotRegion, ProfileDataError, module_counts, module_edges,
     module_hot_text, profiles_from_doc, profiles_to_doc, selection_params)
-from dbr_service.profilestore import ProfileStore, SchemaError, StoreBusyError, StoreError
+from dbr_service.profiles.profilestore import ProfileStore, SchemaError, StoreBusyError, StoreError
 from dbr_service.sampling.aggregate import SampleAggregator
 from dbr_service.sampling.base import Sample
-from dbr_service.session_regions import RegionRecord
-from dbr_service.states import RegionState
-from dbr_service.symbols import symbols_of
+from dbr_service.session.session_regions import RegionRecord
+from dbr_service.common.states import RegionState
+from dbr_service.common.symbols import symbols_of
 
 ROOT = Path(__file__).resolve().parents[1]
 DAY = 86400.0
@@ -231,7 +231,7 @@ def test_a_newer_schema_is_refused_and_left_alone(tmp_path):
 
 _HOLDER = """
 import sys, time
-from dbr_service.profilestore import ProfileStore
+from dbr_service.profiles.profilestore import ProfileStore
 st = ProfileStore(sys.argv[1])
 print("ready", flush=True)
 sys.stdin.read()
@@ -260,9 +260,9 @@ def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path):
 
 _WRITER = """
 import sys
-from dbr_service.modkey import ModuleKey
-from dbr_service.profiledata import EntrySite, HotRegion
-from dbr_service.profilestore import ProfileStore
+from dbr_service.profiles.modkey import ModuleKey
+from dbr_service.profiles.profiledata import EntrySite, HotRegion
+from dbr_service.profiles.profilestore import ProfileStore
 st = ProfileStore(sys.argv[1], half_life_s=1e12, expiry_s=0)
 n = st.lookup("ab" * 20).runs if st.lookup("ab" * 20) else 0
 while True:
@@ -349,7 +349,7 @@ def test_samples_and_regions_of_a_session_become_module_offsets():
     rec = RegionRecord("r1", m.path, [addr], 3, 40, RegionState.INSTALLED, sites=[site],
                        orig_ranges=[(addr, addr + 40)])
     cold = RegionRecord("r2", m.path, [addr + 64], 1, 8)   # selected, never patched
-    from dbr_service.config import Config
+    from dbr_service.common.config import Config
     params = selection_params(Config())
     hot = module_hot_text([rec, cold], maps, params)
     assert hot == {m.path: [HotRegion([EntrySite(off, b"\xb8\x27\x00\x00\x00")],

@@ -1,4 +1,4 @@
-"""Which progress points a speed check counts (dbr_service/progress_points.py), from
+"""Which progress points a speed check counts (dbr_service/installation/progress_points.py), from
 made-up regions over assembled original code, and the counters' data buffers."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import types
 
 from codegen_util import asm
 
-from dbr_service import protocol as P
-from dbr_service.agentconn import make_site
-from dbr_service.progress_points import SLOT, CounterSpace, choose_points
+from dbr_service.wire import protocol as P
+from dbr_service.wire.agentconn import make_site
+from dbr_service.installation.progress_points import SLOT, CounterSpace, choose_points
 
 BASE = 0x400000
 

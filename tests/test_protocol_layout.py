@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dbr_service import protocol
+from dbr_service.wire import protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = ROOT / "shared" / "dbr_protocol.h"
@@ -122,7 +122,7 @@ def test_quiet_file_name_and_parsing_match_the_agent(tmp_path):
     import os
     import re
 
-    from dbr_service import paths
+    from dbr_service.common import paths
 
     m = re.search(r'^#define DBR_QUIET_FILE\s+"([^"]+)"', HEADER.read_text(), re.M)
     assert m and m.group(1) == paths.QUIET_FILE
@@ -142,7 +142,7 @@ def test_quiet_file_name_and_parsing_match_the_agent(tmp_path):
     assert paths.agent_quiet({}, tmp_path)[0] == paths.QUIET_DEFAULT_MS
     assert [paths.quiet_hint_ms(a) for a in (0.0, 0.02, 0.05, 1.0, -1.0, 60.0)] == \
         [0, 20, 50, 1000, 0, paths.QUIET_MAX_MS]
-    # a program's later birth (shortruns.py): the agent forms the name with
+    # a program's later birth (daemon/shortruns.py): the agent forms the name with
     # DBR_QUIET_PROGRAM from stat("/proc/self/exe"), the service with program_key
     m = re.search(r'^#define DBR_QUIET_PROGRAM\s+DBR_QUIET_FILE\s+"([^"]+)"',
                   HEADER.read_text(), re.M)
@@ -162,7 +162,7 @@ def test_quiet_file_name_and_parsing_match_the_agent(tmp_path):
 def test_entry_site_record():
     """An entry site (SITE_F_ENTRY) names its inner boundaries as bits 1..4 of `inner`,
     in the bytes that were `reserved` before protocol 4; the size is unchanged."""
-    from dbr_service.agentconn import make_site, site_inner
+    from dbr_service.wire.agentconn import make_site, site_inner
 
     assert ctypes.sizeof(protocol.PatchSite) == 32
     s = make_site(0x401000, 0x7F0000000000, bytes.fromhex("554889e548"),

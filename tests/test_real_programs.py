@@ -119,7 +119,7 @@ def test_real_program_output_identical(name, real_calls, inputs, tmp_path):
     assert native.returncode == 0, native.stderr[-2000:]
     report = tmp_path / "report.json"
     opts = ["-o", "real_calls=true"] if real_calls else []
-    run = subprocess.run([sys.executable, "-m", "dbr_service.cli", "run", "--embedded",
+    run = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "run", "--embedded",
                           "--aggressive", *opts, "--quiet", "--report", str(report), "--",
                           *argv], input=stdin, capture_output=True, timeout=300)
     assert run.returncode == native.returncode, run.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Selection results moved between processes of one program (dbr_service/rebase.py)."""
+"""Selection results moved between processes of one program (dbr_service/profiles/rebase.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import networkx as nx
 import pytest
 from harness import compile_c
 
-from dbr_service.procmaps import MapEntry, module_base, read_maps
-from dbr_service.rebase import NoRebase, rebase
+from dbr_service.common.procmaps import MapEntry, module_base, read_maps
+from dbr_service.profiles.rebase import NoRebase, rebase
 from dbr_service.region.model import CloneKey
 
 OLD = [MapEntry(0x5555_5555_4000, 0x5555_5555_5000, "r--p", 0, "/bin/prog", (8, 1), 7),
@@ -112,8 +112,8 @@ def _canon(srs) -> list:
 def test_a_selection_moved_to_another_process_is_the_one_selected_there(tmp_path):
     """The pipeline run in two processes of one PIE program (other bases) on the same
     samples: the first one's regions moved to the second equal the second's own."""
-    from dbr_service.config import Config
-    from dbr_service.worker import ClientJob, optimize_client
+    from dbr_service.common.config import Config
+    from dbr_service.region.worker import ClientJob, optimize_client
 
     src = tmp_path / "w.c"
     src.write_text(WORK_C)

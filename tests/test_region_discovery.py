@@ -759,7 +759,7 @@ def test_parse_maps_and_view_errors(tmp_path):
     assert rs[0].perms == "r-x" and rs[0].file_backed and rs[0].module == "/bin/x"
     assert (rs[0].dev, rs[0].inode, rs[0].offset) == ((8, 1), 42, 0)
     assert not rs[1].file_backed
-    from dbr_service.errors import MemoryViewError
+    from dbr_service.common.errors import MemoryViewError
     (tmp_path / "t.txt").write_text("hello")
     with pytest.raises(MemoryViewError, match="not an ELF"):
         ElfMemoryView(str(tmp_path / "t.txt"))
@@ -774,7 +774,7 @@ def test_parse_maps_and_view_errors(tmp_path):
 # ---------------------------------------------------------------------------
 
 def test_analyze_command(builds, tmp_path, capsys):
-    from dbr_service.cli import main
+    from dbr_service.commands.cli import main
     c = _case(builds, "switch-O2")
     sfile = tmp_path / "s.txt"
     lines = ["# samples from the unicorn profile"]
@@ -813,10 +813,10 @@ def test_analyze_uses_the_service_settings():
     """`dbr analyze` selects with what the service would use on as many samples (it
     used the pipeline's own defaults: half the service's discovery reach, a quarter of
     its loop trip count), and -o still overrides a key."""
-    from dbr_service.config import Config
+    from dbr_service.common.config import Config
     from dbr_service.region import pipeline
     from dbr_service.region.analyze import _load_config
-    from dbr_service.worker import region_config
+    from dbr_service.region.worker import region_config
 
     cfg, want = _load_config([], pipeline, 1000), region_config(Config(), 1000)
     for key in ("jumps_from_hot_limit", "hot_threshold", "min_loop_trip_count",
@@ -825,7 +825,7 @@ def test_analyze_uses_the_service_settings():
     assert cfg.jumps_from_hot_limit == Config().jumps_from_hot_limit
     assert cfg.keep_stages
     assert _load_config(["jumps_from_hot_limit=3"], pipeline, 1000).jumps_from_hot_limit == 3
-    from dbr_service.errors import ConfigError
+    from dbr_service.common.errors import ConfigError
     with pytest.raises(ConfigError, match="unknown configuration key"):
         _load_config(["no_such_key=1"], pipeline, 1000)
 

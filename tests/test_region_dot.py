@@ -79,7 +79,7 @@ def _hot_program(tmp_path, flags=()) -> tuple[str, int]:
 
 
 def test_analyze_graphs_name_and_disassemble_each_block(tmp_path, capsys):
-    from dbr_service.cli import main
+    from dbr_service.commands.cli import main
 
     for kind, want in (("symbols", "hot_loop"), ("stripped", "fn_")):
         d = tmp_path / kind
@@ -125,7 +125,7 @@ def test_ctl_region_dot_names_the_function(tmp_path):
                      what="a region")
         rid = svc.call("regions", {"pid": client.pid})["regions"][0]["id"]
         out = tmp_path / "r.dot"
-        r = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "region",
+        r = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl", "region",
                             str(client.pid), rid, "--dot", str(out)], capture_output=True,
                            text=True, timeout=60, env=dict(os.environ, DBR_RUNTIME_DIR=svc.dir))
         assert r.returncode == 0, r.stderr

@@ -13,9 +13,9 @@ import pytest
 
 from dbr_service.codegen.cfi import load_eh_frame
 from dbr_service.codegen.frames import Module
-from dbr_service.entry_sites import decode_inner
+from dbr_service.installation.entry_sites import decode_inner
 from dbr_service.region.functions import FunctionEntries, call_targets
-from dbr_service.symbols import symbols_of
+from dbr_service.common.symbols import symbols_of
 from dbr_service.region.model import CloneKey
 from dbr_service.region.patchpoints import (check_entry_invariant, entry_site_inner,
                                             select_patch_points)
@@ -256,9 +256,9 @@ def test_the_service_takes_no_entry_site_unless_configured():
     bytes 1..4" is only known for decoded code, and glibc's __mempcpy_* jumps to
     __memcpy_*+3.  The pass honours RegionConfig.entry_sites; the service's default
     turns it off, `-o entry_sites=true` on."""
-    from dbr_service.config import Config
+    from dbr_service.common.config import Config
     from dbr_service.region.pipeline import PassContext, PatchPointSelectionPass, RegionConfig
-    from dbr_service.worker import region_config
+    from dbr_service.region.worker import region_config
 
     assert region_config(Config(), 1000).entry_sites is False
     assert region_config(Config().replace_value("entry_sites", "true"), 1000).entry_sites

@@ -123,7 +123,7 @@ def test_analyze_keeps_a_hot_function_patched_at_its_entry(tmp_path):
     lines = [f"{a:#x} 40" for a in insns]
     samples = tmp_path / "s.txt"
     samples.write_text("\n".join(lines) + "\n")
-    cmd = [sys.executable, "-m", "dbr_service.cli", "analyze", str(exe), "--samples",
+    cmd = [sys.executable, "-m", "dbr_service.commands.cli", "analyze", str(exe), "--samples",
            str(samples), "-o", "min_loop_trip_count=16", "-o", "entry_sites=true"]
     on = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert on.returncode == 0, on.stderr

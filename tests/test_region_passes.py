@@ -7,7 +7,7 @@ from collections import Counter
 import networkx as nx
 import pytest
 
-from dbr_service.errors import RegionError
+from dbr_service.common.errors import RegionError
 from dbr_service.region.fallthrough import compute_fall_through_only
 from dbr_service.region.inline import inline_hot_calls, remove_call_blocks
 from dbr_service.region.loops import loop_forest

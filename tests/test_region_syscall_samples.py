@@ -93,7 +93,7 @@ def _symbols(exe: Path) -> dict[str, int]:
 def _analyze(exe: Path, samples: dict[int, int], tmp_path: Path) -> str:
     f = tmp_path / "samples.txt"
     f.write_text("".join(f"{a:#x} {n}\n" for a, n in samples.items()))
-    r = subprocess.run([sys.executable, "-m", "dbr_service.cli", "analyze", str(exe),
+    r = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "analyze", str(exe),
                         "--samples", str(f)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return r.stdout

@@ -1,4 +1,4 @@
-"""`dbr run --compare N` (dbr_service/compare.py): the interval of the median, the
+"""`dbr run --compare N` (dbr_service/commands/compare.py): the interval of the median, the
 verdict, and whole comparisons of small programs under an embedded service: the
 exit status is PROG's, a run whose output or status differs makes it 1, bad N is
 refused before anything runs."""
@@ -12,9 +12,9 @@ import sys
 import pytest
 from harness import compile_c
 
-from dbr_service.compare import Run, format_compare, median_interval, summarize, verdict
+from dbr_service.commands.compare import Run, format_compare, median_interval, summarize, verdict
 
-DBR = [sys.executable, "-m", "dbr_service.cli"]
+DBR = [sys.executable, "-m", "dbr_service.commands.cli"]
 
 
 def test_median_interval_is_the_order_statistic_one():
@@ -120,9 +120,9 @@ def test_a_missing_program_is_said_once(tmp_path):
 
 def test_the_demo_names_the_region_it_shows(tmp_path):
     """`make demo`'s last lines: the region's entry by the name the run report gives
-    it (dbr_service/hotnames.py names it after the function holding it), its size
+    it (dbr_service/common/hotnames.py names it after the function holding it), its size
     and layout, and the share of samples in the copy."""
-    from dbr_service.demo import describe_regions
+    from dbr_service.commands.demo import describe_regions
 
     prog = str(tmp_path / "mislaid")
     report = {"clients": [{

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from dbr_service import protocol
-from dbr_service.errors import SamplingError
+from dbr_service.wire import protocol
+from dbr_service.common.errors import SamplingError
 from dbr_service.sampling import perf
 from dbr_service.sampling.aggregate import SampleAggregator
 from dbr_service.sampling.agent_timer import AgentTimerRing, AgentTimerSource, create_ring_memfd
@@ -512,7 +512,7 @@ def test_gated_threads_get_the_agents_timer_and_failures_leave_perf_going(bins, 
     unnamed; timer samples join perf's.  An agent answer other than OK / E_UNKNOWN,
     or a start it refuses, gives the fallback up (``failed``, told once) while
     perf goes on."""
-    from dbr_service.errors import AgentError
+    from dbr_service.common.errors import AgentError
     from dbr_service.sampling.gated import GatedTimerSource
 
     p = spawn(bins["switchy"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from service_helpers import ServiceProc, kill
 
-from dbr_service import protocol as P
+from dbr_service.wire import protocol as P
 
 
 class DescriptorLeak(AssertionError):
@@ -80,7 +80,7 @@ def _struct(cls) -> st.SearchStrategy:
 
 @st.composite
 def well_formed(draw, mtype: P.MsgType | None = None) -> bytes:
-    """A message built with protocol.py's builders, its fields drawn."""
+    """A message built with wire/protocol.py's builders, its fields drawn."""
     mtype = mtype or draw(st.sampled_from(list(P.MsgType)))
     body = draw(_struct(P.MSG_CLASS[mtype]))
     seq = draw(st.integers(0, 0xFFFFFFFF))

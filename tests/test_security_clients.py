@@ -18,10 +18,10 @@ import time
 import pytest
 from service_helpers import FakeAgent, ServiceProc, agent_path, build_example, kill, spawn_client
 
-from dbr_service import protocol as P
-from dbr_service.clientfiles import (PERF_MAP_RECORDS, PerfMap, ProcHandle,
-                                     code_buffer_problem, perf_map_path,
-                                     remove_stale_perf_maps, safe_text)
+from dbr_service.wire import protocol as P
+from dbr_service.common.clientfiles import (PERF_MAP_RECORDS, PerfMap, ProcHandle,
+                                            code_buffer_problem, perf_map_path,
+                                            remove_stale_perf_maps, safe_text)
 
 needs_agent = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the service must run as root")
@@ -30,7 +30,7 @@ VICTIM_TEXT = "root's own file\n"
 
 
 def _dbr(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dbr_service.cli", *argv], env=env,
+    return subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", *argv], env=env,
                           capture_output=True, text=True, timeout=20)
 
 

@@ -20,10 +20,10 @@ import pytest
 import zmq
 from service_helpers import ServiceProc
 
-from dbr_service import control, control_verbs
-from dbr_service.control import MAX_FRAME, ControlServer
-from dbr_service.events import EventBus
-from dbr_service.ctlclient import MAX_REQUEST, Code
+from dbr_service.commands import control, control_verbs
+from dbr_service.commands.control import MAX_FRAME, ControlServer
+from dbr_service.common.events import EventBus
+from dbr_service.commands.ctlclient import MAX_REQUEST, Code
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +302,7 @@ def test_report_follows_forks_in_linear_time():
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from dbr_service.config import Config  # noqa: E402
+from dbr_service.common.config import Config  # noqa: E402
 
 FUZZ_VERBS = sorted(v for v in control_verbs.VERBS if v != "shutdown")
 WORDS = [*Config.keys(), *control_verbs.VERBS, "json", "dot", "svg", "r1", "", "verb", "args"]

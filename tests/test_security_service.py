@@ -26,7 +26,7 @@ import pytest
 from harness import compile_c
 from service_helpers import FakeAgent, ServiceProc, agent_path, kill, spawn_client
 
-from dbr_service import protocol as P
+from dbr_service.wire import protocol as P
 
 TESTS = Path(__file__).resolve().parent
 NOBODY = 65534
@@ -52,7 +52,7 @@ def settle(pid: int, want: int, timeout: float = 20.0) -> int:
 def start_service(runtime_dir: str, *opts: str) -> tuple[int, str]:
     """Run `dbr service` on ``runtime_dir`` until it is ready or exits (bounded)."""
     env = dict(os.environ, DBR_RUNTIME_DIR=runtime_dir)
-    argv = [sys.executable, "-m", "dbr_service.cli", "service"]
+    argv = [sys.executable, "-m", "dbr_service.commands.cli", "service"]
     for o in opts:
         argv += ["-o", o]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -123,7 +123,7 @@ def test_a_runtime_dir_under_a_dir_another_user_controls_is_refused(base):
 
 
 def test_safe_dirs_pass_and_each_unsafe_kind_is_named(base):
-    from dbr_service.paths import UnsafeDirError, open_safe_dir
+    from dbr_service.common.paths import UnsafeDirError, open_safe_dir
 
     os.chmod(base, 0o755)
     fd = open_safe_dir(base / "new", create=True, mode=0o700)   # made, then checked
@@ -314,7 +314,7 @@ def test_the_host_service_raises_its_descriptor_limit():
 
 def _ready(svc: subprocess.Popen, d: Path):
     """A control client of the service ``svc`` started on ``d``, once it answers."""
-    from dbr_service.ctlclient import ControlClient
+    from dbr_service.commands.ctlclient import ControlClient
 
     ctl = ControlClient(str(d), timeout=2.0)
     deadline = time.monotonic() + 15
@@ -378,8 +378,8 @@ def test_the_service_serves_another_users_program_with_only_its_capabilities(bas
     os.chmod(prog, 0o755)
     native = subprocess.run([str(prog), "300"], capture_output=True, text=True, timeout=30)
     env = dict(os.environ, DBR_RUNTIME_DIR=str(d), HOME=str(base))
-    svc = subprocess.Popen(["setpriv", *priv, sys.executable, "-m", "dbr_service.cli", "service",
-                            "--aggressive", "-o", f"allowed_uids=0,{NOBODY}"],
+    svc = subprocess.Popen(["setpriv", *priv, sys.executable, "-m", "dbr_service.commands.cli",
+                            "service", "--aggressive", "-o", f"allowed_uids=0,{NOBODY}"],
                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = None
     try:
@@ -422,7 +422,7 @@ def test_the_unit_is_hardened_and_its_command_starts_with_no_config_file(base):
     """The shipped unit: systemd accepts it, it keeps the hardening the threat model
     relies on, and its ExecStart, run with its environment and capability bounding set,
     starts a service that answers although no configuration file exists."""
-    from dbr_service.config import DEFAULT_CONFIG_FILE
+    from dbr_service.common.config import DEFAULT_CONFIG_FILE
 
     u = _unit()
     for key, want in {"NoNewPrivileges": "yes", "ProtectSystem": "strict",
@@ -450,7 +450,7 @@ def test_the_unit_is_hardened_and_its_command_starts_with_no_config_file(base):
     d = base / "run"
     env = dict(os.environ, DBR_RUNTIME_DIR=str(d))   # the unit's Environment=, moved
     svc = subprocess.Popen(["setpriv", f"--bounding-set=-all,{caps}", sys.executable, "-m",
-                            "dbr_service.cli", *exec_start[1:]],
+                            "dbr_service.commands.cli", *exec_start[1:]],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         ctl = _ready(svc, d)
@@ -470,10 +470,10 @@ def test_dbr_ctl_and_dbr_run_do_not_take_another_users_dir_for_a_service(base):
     os.chown(d, NOBODY, NOBODY)
     os.chmod(d, 0o777)
     env = dict(os.environ, DBR_RUNTIME_DIR=str(d))
-    r = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "status"], env=env,
+    r = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl", "status"], env=env,
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 1 and "not talking to a service there" in r.stderr, r.stderr
     assert f"owned by uid {NOBODY}" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "dbr_service.cli", "run", "--", "true"],
+    r = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "run", "--", "true"],
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "starting an embedded one" in r.stderr, r.stderr

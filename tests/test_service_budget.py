@@ -11,12 +11,12 @@ import time
 import pytest
 from service_helpers import ServiceProc, agent_path, build_example, kill, spawn_client, symbol_range
 
-from dbr_service.config import Config, load_config
-from dbr_service.errors import ConfigError
-from dbr_service.cadence import hot_addresses, newly_hot, next_job_gap
-from dbr_service.budget import CpuBudget, budget_limit, client_cpu_s
-from dbr_service.scheduler import Scheduler
-from dbr_service.worker import JobResult
+from dbr_service.common.config import Config, load_config
+from dbr_service.common.errors import ConfigError
+from dbr_service.session.cadence import hot_addresses, newly_hot, next_job_gap
+from dbr_service.session.budget import CpuBudget, budget_limit, client_cpu_s
+from dbr_service.daemon.scheduler import Scheduler
+from dbr_service.region.worker import JobResult
 
 needs_agent = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 
@@ -147,10 +147,10 @@ def test_second_client_of_a_binary_is_not_decoded_again(monkeypatch):
     """Two processes of one PIE binary (different bases): the second's job takes every
     instruction from the worker's module cache, decodes none, and selects the same
     code; a patched byte in it is still seen as one."""
-    from dbr_service.procmaps import module_base, read_maps
+    from dbr_service.common.procmaps import module_base, read_maps
     from dbr_service.region import decode
     from dbr_service.region.memview import LiveMemoryView
-    from dbr_service.worker import ClientJob, optimize_client
+    from dbr_service.region.worker import ClientJob, optimize_client
 
     monkeypatch.setattr(decode, "DECODE_CACHE", decode.ModuleDecodeCache())
     prog = build_example("hotloop")
@@ -192,7 +192,7 @@ def test_code_that_differs_from_its_file_is_not_cached(monkeypatch):
     does not know yet) are decoded for that job only, never entered in the cache."""
     import signal
 
-    from dbr_service.procmaps import module_base, read_maps
+    from dbr_service.common.procmaps import module_base, read_maps
     from dbr_service.region import decode
     from dbr_service.region.memview import LiveMemoryView
 
@@ -243,10 +243,10 @@ def test_busy_client_over_a_tiny_budget_waits_and_is_reported():
         assert row["service_cpu_s"] > 0
         st = svc.call("status")
         assert st["scheduler"]["deferred_by_budget"] >= 3
-        human = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "clients"],
+        human = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl", "clients"],
                                env=svc.env, capture_output=True, text=True, timeout=30)
         assert "deferred)" in human.stdout and "BUDGET USED" in human.stdout, human.stdout
-        human = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "status"],
+        human = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl", "status"],
                                env=svc.env, capture_output=True, text=True, timeout=30)
         assert "service CPU budget: 0.0% of each client" in human.stdout, human.stdout
         rep = svc.call("report", {"pids": [client.pid]})[0]

@@ -14,8 +14,8 @@ import pytest
 from harness import compile_c
 from service_helpers import ServiceProc, agent_path, kill, spawn_client
 
-from dbr_service.config import AGGRESSIVE, Config
-from dbr_service.cadence import QUIET_BEFORE_BACKOFF, sampling_interval
+from dbr_service.common.config import AGGRESSIVE, Config
+from dbr_service.session.cadence import QUIET_BEFORE_BACKOFF, sampling_interval
 
 
 def _cfg(**kw):
@@ -97,7 +97,7 @@ def test_a_region_inside_code_already_replaced_is_covered():
     Once the installed region is removed, the variant is installable."""
     import threading
 
-    from dbr_service.session_regions import RegionBook, RegionRecord, RegionState
+    from dbr_service.session.session_regions import RegionBook, RegionRecord, RegionState
 
     live = RegionRecord("r1", "/lib/liblzma.so", [0x19F7], 11, 203,
                         state=RegionState.INSTALLED, orig_ranges=[(0x19A0, 0x1A30)])
@@ -176,11 +176,11 @@ def test_jobs_wait_while_nothing_new_is_hot_and_back_off():
     import os
     import threading
 
-    from dbr_service.cadence import SessionCadence, hot_addresses
-    from dbr_service.budget import CpuBudget
-    from dbr_service.scheduler import Scheduler
-    from dbr_service.worker import QUICK_JOBS
-    from dbr_service.service import Service
+    from dbr_service.session.cadence import SessionCadence, hot_addresses
+    from dbr_service.session.budget import CpuBudget
+    from dbr_service.daemon.scheduler import Scheduler
+    from dbr_service.region.worker import QUICK_JOBS
+    from dbr_service.daemon.service import Service
 
     cfg = Config()
     sched = Scheduler(lambda res, sid: None)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dbr_service.config import AGGRESSIVE, Config, ConfigSources, load_config
-from dbr_service.errors import ConfigError
+from dbr_service.common.config import AGGRESSIVE, Config, ConfigSources, load_config
+from dbr_service.common.errors import ConfigError
 
 
 def test_defaults_and_precedence(tmp_path):

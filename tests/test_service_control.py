@@ -10,8 +10,8 @@ import time
 import pytest
 from service_helpers import FakeAgent, ServiceProc
 
-from dbr_service import protocol as P
-from dbr_service.ctlclient import Code
+from dbr_service.wire import protocol as P
+from dbr_service.commands.ctlclient import Code
 
 
 @pytest.fixture(scope="module")

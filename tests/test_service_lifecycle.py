@@ -13,12 +13,12 @@ import time
 import pytest
 from service_helpers import FakeAgent, ServiceProc, agent_path, build_example, kill, spawn_client
 
-from dbr_service import protocol as P
-from dbr_service.paths import QUIET_FILE
+from dbr_service.wire import protocol as P
+from dbr_service.common.paths import QUIET_FILE
 
 
 def _dbr(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dbr_service.cli", *argv], env=env,
+    return subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", *argv], env=env,
                           capture_output=True, text=True, timeout=20)
 
 

@@ -9,7 +9,7 @@ import time
 
 from service_helpers import FakeAgent, ServiceProc
 
-from dbr_service import protocol as P
+from dbr_service.wire import protocol as P
 
 
 def requests_seen(agent: FakeAgent, seconds: float) -> list[tuple[P.MsgType, int]]:

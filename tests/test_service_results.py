@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-from dbr_service.cadence import SessionCadence
-from dbr_service.session_regions import RegionBook, RegionRecord, RegionState
-from dbr_service.budget import CpuBudget
-from dbr_service.worker import JobResult
-from dbr_service.service import Service
+from dbr_service.session.cadence import SessionCadence
+from dbr_service.session.session_regions import RegionBook, RegionRecord, RegionState
+from dbr_service.session.budget import CpuBudget
+from dbr_service.region.worker import JobResult
+from dbr_service.daemon.service import Service
 
 
 def _session(regions: dict[str, RegionRecord], alive: bool) -> SimpleNamespace:

@@ -1,4 +1,4 @@
-"""Session threads kept from one session to the next (dbr_service/reuse.py).
+"""Session threads kept from one session to the next (dbr_service/session/reuse.py).
 
 A thread born per session cost a short program that starts many threads ~30 ms
 (docs/decisions/0029-session-threads-reused.md); these tests show the pool's rules: a
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from dbr_service.reuse import IDLE_NAME, ReusedThreads
+from dbr_service.session.reuse import IDLE_NAME, ReusedThreads
 from service_helpers import ServiceProc, agent_path, build_example, kill, spawn_client
 
 

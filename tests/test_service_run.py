@@ -14,13 +14,13 @@ import time
 import pytest
 from service_helpers import ServiceProc, agent_path, build_example, symbol_range
 
-from dbr_service.paths import QUIET_FILE, program_key, program_quiet_file
+from dbr_service.common.paths import QUIET_FILE, program_key, program_quiet_file
 
 pytestmark = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 
 
 def _run(*argv: str, env: dict[str, str] | None = None, timeout: float = 60):
-    return subprocess.run([sys.executable, "-m", "dbr_service.cli", "run", *argv],
+    return subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "run", *argv],
                           env=env or dict(os.environ), capture_output=True, text=True,
                           timeout=timeout)
 
@@ -70,7 +70,7 @@ def test_signals_to_dbr_run_reach_prog(noservice_env, aggressive):
     PROG (after dbr run's forwarding handlers) or before it: the embedded service never
     takes the process's signal handlers."""
     script = 'trap "echo got TERM; exit 3" TERM; echo ready $$; while :; do sleep 0.05; done'
-    argv = [sys.executable, "-m", "dbr_service.cli", "run", "--embedded", "--quiet",
+    argv = [sys.executable, "-m", "dbr_service.commands.cli", "run", "--embedded", "--quiet",
             *(["--aggressive"] if aggressive else []), "--", "sh", "-c", script]
     p = subprocess.Popen(argv, env=noservice_env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
@@ -146,7 +146,7 @@ def test_a_program_gone_within_the_agent_quiet_start_is_explained():
         assert r.returncode == 0, r.stderr
         assert "(host service)" in r.stderr
         assert "PROG ended within its agent's quiet start (1000 ms" in r.stderr, r.stderr
-        # a program the service found to run too short to gain (shortruns.py): its file
+        # a program the service found to run too short to gain (daemon/shortruns.py): its file
         key = program_key(os.stat(shutil.which("true")))
         with open(os.path.join(svc.dir, program_quiet_file(key)), "w") as f:
             f.write("3000\n")
@@ -168,12 +168,12 @@ def test_run_starts_prog_without_importing_the_service():
     """`dbr run` on the host-service path imports neither the region/codegen code nor
     the session code before PROG starts (they cost 0.2 s of every run), and the report
     module it uses after PROG exits stays light too."""
-    probe = ("import sys, dbr_service.cli as c\n"
+    probe = ("import sys, dbr_service.commands.cli as c\n"
              "p = c.build_parser('run'); a = p.parse_args(['run', '--', 'true'])\n"
-             "import dbr_service.report\n"
+             "import dbr_service.commands.report\n"
              "heavy = sorted(m for m in ('networkx', 'capstone', 'keystone', 'lief', 'zmq',\n"
-             "               'dbr_service.config', 'logging',\n"
-             "               'dbr_service.clients', 'dbr_service.service',\n"
+             "               'dbr_service.common.config', 'logging',\n"
+             "               'dbr_service.session.clients', 'dbr_service.daemon.service',\n"
              "               'dbr_service.region.model', 'dbr_service.codegen.emit')\n"
              "               if m in sys.modules)\n"
              "print(','.join(heavy) or 'none')\n")
@@ -184,8 +184,8 @@ def test_run_starts_prog_without_importing_the_service():
 
 
 def test_report_installed_state_matches_region_state():
-    from dbr_service import report
-    from dbr_service.session_regions import RegionState
+    from dbr_service.commands import report
+    from dbr_service.session.session_regions import RegionState
 
     assert report.INSTALLED == RegionState.INSTALLED.value
 

@@ -101,7 +101,7 @@ def test_regions_selected_in_workers_and_shown():
         assert any(lo <= e - base < hi for e in r["entries"]), (r["entries"], base)
         dot = svc.call("region", {"pid": client.pid, "id": r["id"], "format": "dot"})["dot"]
         assert dot.lstrip().startswith("digraph")
-        out = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "region",
+        out = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl", "region",
                               str(client.pid), r["id"], "--dot", "/dev/null"], env=svc.env,
                              capture_output=True, text=True, timeout=20)
         assert out.returncode == 0, out.stderr
@@ -120,7 +120,7 @@ def test_short_lived_threads_turn_the_notices_off_and_late_ones_are_still_sample
     from /proc/PID/task when the next window opens, or (continuous sampling) when the
     open source is refreshed at the next snapshot."""
     from harness import compile_c
-    from dbr_service.session_threads import SHORT_THREADS_MIN
+    from dbr_service.session.session_threads import SHORT_THREADS_MIN
 
     # first without the service's memory of such programs (below), so that every
     # window asks for notices and is quieted
@@ -185,7 +185,7 @@ def test_programs_with_short_lived_threads_are_remembered():
     """ShortThreadPrograms: by executable and build id, for keep_s after the last
     sighting, at most max_programs (least recently seen first out); an unknown
     executable (empty name) is never remembered."""
-    from dbr_service.session_threads import ShortThreadPrograms
+    from dbr_service.session.session_threads import ShortThreadPrograms
 
     m = ShortThreadPrograms(keep_s=10.0, max_programs=2)
     m.note("/bin/churn", "ab", now=100.0)

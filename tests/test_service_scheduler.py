@@ -12,11 +12,11 @@ import threading
 import pytest
 from service_helpers import agent_path, build_example, kill, spawn_client, symbol_range
 
-from dbr_service.procmaps import MapEntry
-from dbr_service.config import Config, ConfigSources
-from dbr_service.errors import SamplingError
-from dbr_service.scheduler import Scheduler, auto_workers
-from dbr_service.worker import ClientJob, JobResult, find_hotspots
+from dbr_service.common.procmaps import MapEntry
+from dbr_service.common.config import Config, ConfigSources
+from dbr_service.common.errors import SamplingError
+from dbr_service.daemon.scheduler import Scheduler, auto_workers
+from dbr_service.region.worker import ClientJob, JobResult, find_hotspots
 
 MAPS = [MapEntry(0x400000, 0x401000, "r--p", 0, "/bin/prog"),
         MapEntry(0x401000, 0x402000, "r-xp", 0x1000, "/bin/prog"),
@@ -70,9 +70,9 @@ def test_schedule_hottest_first_and_worker_result():
 
 @pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 def test_agent_timer_fallback_when_perf_refused(monkeypatch):
-    from dbr_service import service as service_mod
-    from dbr_service import snapshots
-    from dbr_service.control import ControlServer
+    from dbr_service.daemon import service as service_mod
+    from dbr_service.daemon import snapshots
+    from dbr_service.commands.control import ControlServer
 
     def refused(session, cfg, kind):
         raise SamplingError("perf_event_open: Permission denied (simulated)")
@@ -163,8 +163,8 @@ def test_quick_job_takes_the_short_reach(monkeypatch):
     import dataclasses
 
     import dbr_service.region.pipeline as pl
-    from dbr_service.worker import (QUICK_ALL_SEEDS_MAX, QUICK_MAX_BLOCKS, QUICK_REACH,
-                                    QUICK_SEED_MIN, select_client_regions)
+    from dbr_service.region.worker import (QUICK_ALL_SEEDS_MAX, QUICK_MAX_BLOCKS, QUICK_REACH,
+                                           QUICK_SEED_MIN, select_client_regions)
 
     seen = []
     seeds = []
@@ -195,7 +195,7 @@ def test_quick_job_takes_the_short_reach(monkeypatch):
 def test_quick_jobs_until_a_region_or_three_jobs():
     """Jobs stay quick while the client has no region, at most QUICK_JOBS of them; a
     client with a region, or after QUICK_JOBS jobs, gets the full search."""
-    from dbr_service.worker import QUICK_JOBS, quick_job
+    from dbr_service.region.worker import QUICK_JOBS, quick_job
 
     assert QUICK_JOBS >= 2
     assert [quick_job(n, False) for n in range(QUICK_JOBS + 2)] == \
@@ -206,7 +206,7 @@ def test_quick_jobs_until_a_region_or_three_jobs():
 def test_set_thread_nice_is_per_thread():
     """Niceness is a thread's own on Linux: a job thread's does not change the
     others' (the service's control thread keeps its priority)."""
-    from dbr_service.worker import set_thread_nice
+    from dbr_service.region.worker import set_thread_nice
 
     main = os.getpriority(os.PRIO_PROCESS, 0)
     seen = {}
@@ -229,7 +229,7 @@ def test_autogroup_nice_is_tried_again_when_the_kernel_says_later(monkeypatch):
     import errno
     import io
 
-    from dbr_service import worker
+    from dbr_service.region import worker
 
     state = {"nice": 0, "busy": 1, "writes": 0}
 

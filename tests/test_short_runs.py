@@ -1,5 +1,5 @@
 """Programs whose runs end too soon to gain get their agent's thread later
-(dbr_service/shortruns.py; the agent's side: dbr_agent/connect.c, program_hint).
+(dbr_service/daemon/shortruns.py; the agent's side: dbr_agent/connect.c, program_hint).
 
 After SHORT_RUNS runs in a row that each ended within short_run_s of their start with
 nothing installed, the service writes short_run_s in ms to ``agent-quiet-ms.KEY`` in
@@ -21,10 +21,10 @@ from birth_helpers import run_birth, task_changes
 from harness import compile_c
 from service_helpers import ServiceProc, kill, spawn_client
 
-from dbr_service.paths import (QUIET_FILE, agent_quiet, open_safe_dir, program_key,
-                               program_quiet_file, quiet_hint_ms)
-from dbr_service.procfs import process_lives, started_boottime
-from dbr_service.shortruns import SHORT_RUNS, ShortRunPrograms
+from dbr_service.common.paths import (QUIET_FILE, agent_quiet, open_safe_dir, program_key,
+                                      program_quiet_file, quiet_hint_ms)
+from dbr_service.common.procfs import process_lives, started_boottime
+from dbr_service.daemon.shortruns import SHORT_RUNS, ShortRunPrograms
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +270,7 @@ def test_the_service_learns_a_short_running_program_and_forgets_it_when_it_runs_
         learned = svc.call("status")["short_runs"]
         assert [(x["exe"], x["key"], x["birth_ms"]) for x in learned] == \
             [(os.path.realpath(birth_exe), key, 1000)], learned
-        out = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "status"],
+        out = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl", "status"],
                              env=svc.env, capture_output=True, text=True, timeout=30)
         assert f"born late (1000 ms, short_run_s): {os.path.realpath(birth_exe)}" in \
             out.stdout, out
@@ -301,9 +301,9 @@ def test_only_the_end_of_a_programs_own_run_is_counted(tmp_path):
     """Service._count_run: a session whose process lives on (an agent that stepped
     aside), a fork child of a live client of the same program, and a session the
     service ended are not runs of the program; the ended process of a session is."""
-    from dbr_service.config import ConfigSources
-    from dbr_service.control import ControlServer
-    from dbr_service.service import Service
+    from dbr_service.common.config import ConfigSources
+    from dbr_service.commands.control import ControlServer
+    from dbr_service.daemon.service import Service
 
     svc = Service(ConfigSources(env=dict(os.environ, DBR_RUNTIME_DIR=str(tmp_path))),
                   control_server=ControlServer, embedded=True)
@@ -347,7 +347,7 @@ def test_only_the_end_of_a_programs_own_run_is_counted(tmp_path):
 
 # ----------------------------------------------------------------------------- dbr ctl waiting
 def test_agent_socket_of_resolves_as_the_agent_does():
-    from dbr_service.waiting import agent_socket_of
+    from dbr_service.commands.waiting import agent_socket_of
 
     assert agent_socket_of({"DBR_RUNTIME_DIR": "/x"}, 1000) == "/x/agent.sock"
     assert agent_socket_of({"DBR_RUNTIME_DIR": ""}, 0) == "/run/dbr/agent.sock"
@@ -367,7 +367,7 @@ def test_waiting_lists_processes_that_carry_the_agent_without_a_session(birth_ex
         other.mkdir()
         key = program_key(os.stat(birth_exe))
         with open(os.path.join(svc.dir, program_quiet_file(key)), "w") as f:
-            f.write("3000\n")          # as if learned: shortruns.py
+            f.write("3000\n")          # as if learned: daemon/shortruns.py
         sleep_exe = subprocess.run(["sh", "-c", "command -v sleep"], capture_output=True,
                                    text=True).stdout.strip()
         procs["young"] = spawn_client(svc.dir, [birth_exe, "busy", "2500"])
@@ -395,7 +395,7 @@ def test_waiting_lists_processes_that_carry_the_agent_without_a_session(birth_ex
         assert "once it runs past 500 ms (min_client_age_s): it has slept since" in \
             asleep["why"], asleep
         assert mine["disabled"] and "disabled" in mine["disabled"]["why"], rows
-        out = subprocess.run([sys.executable, "-m", "dbr_service.cli", "ctl", "waiting"],
+        out = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl", "waiting"],
                              env=svc.env, capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         assert out.stdout.splitlines()[0].split() == ["PID", "AGE", "EXE", "WHY"], out.stdout

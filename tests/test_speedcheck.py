@@ -1,4 +1,4 @@
-"""dbr_service/speedcheck.py: the phases of a speed check, its verdicts from made-up
+"""dbr_service/installation/speedcheck.py: the phases of a speed check, its verdicts from made-up
 progress readings, and the progress read from a real process."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import types
 
 import pytest
 
-from dbr_service.cadence import SessionCadence
-from dbr_service.clients import ClientSession
-from dbr_service.session_regions import RegionBook, RegionRecord, RegionState
-from dbr_service.install import InstallState
-from dbr_service.speedcheck import (CHECK_TRIES, MIN_CPU_S, MIN_ENTRIES, MIN_IO_BYTES, ORIGINAL,
-                                    REPLACEMENT, Progress, SpeedCheck, read_progress,
-                                    verdict_text)
+from dbr_service.session.cadence import SessionCadence
+from dbr_service.session.clients import ClientSession
+from dbr_service.session.session_regions import RegionBook, RegionRecord, RegionState
+from dbr_service.installation.install import InstallState
+from dbr_service.installation.speedcheck import (CHECK_TRIES, MIN_CPU_S, MIN_ENTRIES, MIN_IO_BYTES,
+                                                 ORIGINAL,
+                                                 REPLACEMENT, Progress, SpeedCheck, read_progress,
+                                                 verdict_text)
 
 
 def run_check(rates: dict[str, list[float]], pairs: int = 6, cpu_s: float = 0.4,
@@ -216,7 +217,7 @@ def test_read_progress_of_a_process_that_reads_and_writes():
 
 
 def test_dbr_ctl_regions_shows_each_regions_verdict():
-    from dbr_service.cmd_ctl import render
+    from dbr_service.commands.cmd_ctl import render
 
     out = render("regions", {"pid": 7, "status": "2 region(s) selected", "regions": [
         {"id": "r1", "state": "removed", "blocks": 3, "code_bytes": 90, "entries": [0x1000],
@@ -236,7 +237,7 @@ def test_dbr_ctl_regions_shows_each_regions_verdict():
 
 
 def test_the_run_report_on_stderr_names_each_check():
-    from dbr_service.report import format_report, run_report
+    from dbr_service.commands.report import format_report, run_report
 
     client = {"pid": 5, "exe": "/bin/x", "samples": 10, "samples_in_replacement": 5,
               "patches_installed": 1, "regions": [], "sampling_source": "perf",
@@ -342,7 +343,7 @@ def test_a_map_change_over_a_counter_buffer_takes_the_counting_code_out(monkeypa
     """The program unmaps a data buffer that counting code writes to: before the agent
     lets the call go ahead, the check's counting code is removed and the check ends
     "abandoned"; no counter is handed out there again.  A change elsewhere leaves it."""
-    from dbr_service.progress_points import CounterSpace
+    from dbr_service.installation.progress_points import CounterSpace
 
     s = _session(monkeypatch)
     removed = []

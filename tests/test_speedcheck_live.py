@@ -1,7 +1,7 @@
-"""Speed checks on the real service daemon (dbr_service/speedcheck.py): a streaming
+"""Speed checks on the real service daemon (dbr_service/installation/speedcheck.py): a streaming
 filter's region is measured in alternated phases with its patches in and out, and
 kept or removed by the verdict; a CPU-bound program is measured by its progress
-points (dbr_service/progress_points.py); a program without I/O and without a
+points (dbr_service/installation/progress_points.py); a program without I/O and without a
 progress point passed often enough cannot be measured and keeps its region; a loop
 that never leaves its region (stayloop.c) is moved out of it for the phases with the
 original code, and out of a region found slower.  The client's output equals the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dbr_service.config import AGGRESSIVE
+from dbr_service.common.config import AGGRESSIVE
 from harness import compile_c
 from service_helpers import ServiceProc, agent_path, kill, spawn_client
 

@@ -13,14 +13,14 @@ import pytest
 
 from harness import compile_c, terminate
 
-from dbr_service.clientfiles import ProcHandle
+from dbr_service.common.clientfiles import ProcHandle
 from dbr_service.codegen.frames import CfiSource
-from dbr_service.procmaps import read_maps
+from dbr_service.common.procmaps import read_maps
 from dbr_service.sampling.perf import probe_event
 from dbr_service.sampling.perf_abi import EVENTS, PERF_RECORD_SAMPLE
 from dbr_service.sampling.stacks import StackSample, StackSampler, parse_stack_records
-from dbr_service.stackprof import CallGraph, Func, StackProfile, collect, parse_folded
-from dbr_service.unwind import Unwinder, cfa_expression
+from dbr_service.stacks.stackprof import CallGraph, Func, StackProfile, collect, parse_folded
+from dbr_service.stacks.unwind import Unwinder, cfa_expression
 
 PROG = Path(__file__).resolve().parent / "sampling_progs" / "callpath.c"
 PATH_A = ("main", "path_a", "leaf_work")

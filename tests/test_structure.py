@@ -25,13 +25,16 @@ PACKAGE = "dbr_service"
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
 #: What the offline tool (``dbr analyze``) must not load when it is imported.
-SERVICE_MODULES = {"dbr_service.scheduler", "dbr_service.service", "dbr_service.clients",
-                   "dbr_service.control", "dbr_service.snapshots", "dbr_service.results",
-                   "dbr_service.sources", "dbr_service.runtime_dir", "dbr_service.cadence",
-                   "dbr_service.session_threads", "dbr_service.session_sampling",
-                   "dbr_service.session_regions", "dbr_service.session_speed",
-                   "dbr_service.checked_conn", "dbr_service.worker",
-                   "dbr_service.budget", "dbr_service.events"}
+SERVICE_MODULES = {"dbr_service.daemon.scheduler", "dbr_service.daemon.service",
+                   "dbr_service.session.clients",
+                   "dbr_service.commands.control", "dbr_service.daemon.snapshots",
+                   "dbr_service.daemon.results",
+                   "dbr_service.session.sources", "dbr_service.daemon.runtime_dir",
+                   "dbr_service.session.cadence",
+                   "dbr_service.session.session_threads", "dbr_service.session.session_sampling",
+                   "dbr_service.session.session_regions", "dbr_service.session.session_speed",
+                   "dbr_service.wire.checked_conn", "dbr_service.region.worker",
+                   "dbr_service.session.budget", "dbr_service.common.events"}
 
 
 def _modules() -> dict[str, Path]:
@@ -47,7 +50,7 @@ def _modules() -> dict[str, Path]:
 def _targets(node: ast.Import | ast.ImportFrom, module: str, is_pkg: bool,
              known: dict[str, Path]) -> set[str]:
     """The dbr_service modules one import statement loads (the deepest known module
-    of each name: ``from dbr_service import protocol`` is dbr_service.protocol)."""
+    of each name: ``from dbr_service.wire import protocol`` is dbr_service.wire.protocol)."""
     if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
     else:
@@ -123,10 +126,11 @@ def _describe(cycles: set[frozenset[str]], top, deferred) -> str:
 
 def test_the_graph_covers_the_package() -> None:
     top, deferred = import_graph()
-    assert "dbr_service.region.analyze" in top and "dbr_service.service" in top
-    assert "dbr_service.clients" in top["dbr_service.service"]
-    assert "dbr_service.protocol" in top["dbr_service.clients"]      # from dbr_service import
-    assert "dbr_service.worker" in deferred["dbr_service.region.analyze"]
+    assert "dbr_service.region.analyze" in top and "dbr_service.daemon.service" in top
+    assert "dbr_service.session.clients" in top["dbr_service.daemon.service"]
+    # from dbr_service import
+    assert "dbr_service.wire.protocol" in top["dbr_service.session.clients"]
+    assert "dbr_service.region.worker" in deferred["dbr_service.region.analyze"]
 
 
 def test_no_import_cycle_among_module_level_imports() -> None:

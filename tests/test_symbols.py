@@ -1,4 +1,4 @@
-"""dbr_service/symbols.py: function names for addresses from .symtab/.dynsym, checked
+"""dbr_service/common/symbols.py: function names for addresses from .symtab/.dynsym, checked
 against nm; stripped programs fall back to .dynsym or nothing; any file, however
 malformed, gives a table or OSError, never another exception."""
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dbr_service import symbols as S
+from dbr_service.common import symbols as S
 
 SRC = r"""
 #include <stdio.h>
@@ -118,14 +118,14 @@ def test_analyze_names_addresses_of_a_pie_at_its_base(progs):
 
 
 def test_hot_spots_are_named_only_from_the_file_the_maps_show(progs, tmp_path):
-    """dbr_service/hotnames.py: a hot spot gets ``symbol`` from its module file when
+    """dbr_service/common/hotnames.py: a hot spot gets ``symbol`` from its module file when
     that path is a regular file with the maps' device and inode; a file replaced since
     (another inode), a path that is no regular file or a stripped program: none."""
     import os
     import shutil
 
-    from dbr_service.hotnames import name_hotspots
-    from dbr_service.procmaps import MapEntry, parse_maps
+    from dbr_service.common.hotnames import name_hotspots
+    from dbr_service.common.procmaps import MapEntry, parse_maps
 
     exe = tmp_path / "pie"
     shutil.copy(progs["pie"], exe)

@@ -1,7 +1,7 @@
-"""Warm start (dbr_service/warmstart.py): a program's second run is patched from the
+"""Warm start (dbr_service/profiles/warmstart.py): a program's second run is patched from the
 profile its first run left in the store, from its start, where a cold run of the
 same length is never patched; the next runs reuse that selection, moved to where each
-process maps the program (dbr_service/rebase.py)."""
+process maps the program (dbr_service/profiles/rebase.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from harness import compile_c
 from service_helpers import ServiceProc, agent_path, spawn_client
 
-from dbr_service.paths import program_key, program_quiet_file
+from dbr_service.common.paths import program_key, program_quiet_file
 
 needs_agent = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 

@@ -56,19 +56,19 @@ class Service(HostService):
         self.name, self.logdir = name, logdir
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
-        from dbr_service.cmd_run import child_env
+        from dbr_service.commands.cmd_run import child_env
 
         return child_env(self.agent, Path(self.rt or ""), base)
 
     def client(self):
-        from dbr_service.ctlclient import ControlClient
+        from dbr_service.commands.ctlclient import ControlClient
 
         return ControlClient(self.rt)
 
     def report(self, pid: int, wall: float, exit_code: int) -> dict:
         """The dbr.run/1 numbers of one client (asked once it ended)."""
-        from dbr_service.cmd_run import collect_report
-        from dbr_service.report import run_report
+        from dbr_service.commands.cmd_run import collect_report
+        from dbr_service.commands.report import run_report
 
         try:
             clients = collect_report(self.client(), pid)

@@ -67,7 +67,7 @@ from dbr_service.codegen.relocate import (
     ret_adjust,
 )
 from dbr_service.codegen.x86 import X86Writer
-from dbr_service.errors import CodegenError
+from dbr_service.common.errors import CodegenError
 from dbr_service.region.model import (
     END,
     MAX_CASCADE_TARGETS,

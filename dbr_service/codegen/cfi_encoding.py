@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 
-from dbr_service.errors import CodegenError
+from dbr_service.common.errors import CodegenError
 
 
 MASK64 = (1 << 64) - 1

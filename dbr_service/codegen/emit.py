@@ -36,7 +36,7 @@ from dbr_service.codegen.dispatch import DispatchPlan, dispatch_data, region_dis
 from dbr_service.codegen.layout import ALIGN, Layout, compute_layout
 from dbr_service.codegen.relocate import Relocator
 from dbr_service.codegen.x86 import CALL_LEN, X86Writer, nop_bytes
-from dbr_service.errors import CodegenError
+from dbr_service.common.errors import CodegenError
 from dbr_service.region.model import CloneKey, NodeKey, SuperRegion, TermKind, fmt_node
 
 

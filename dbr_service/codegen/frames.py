@@ -32,7 +32,7 @@ import threading
 from typing import Callable, Iterable, NamedTuple
 
 from dbr_service.codegen.cfi import CfiBlob, CfiError, EhFrame, Glue, load_eh_frame, translate
-from dbr_service.procmaps import mapped_file
+from dbr_service.common.procmaps import mapped_file
 
 
 class Module(NamedTuple):

@@ -63,7 +63,7 @@ from dbr_service.codegen.x86 import (
 # one-instruction encoders, also importable from here
 from dbr_service.codegen.x86 import call_rel32 as call_rel32
 from dbr_service.codegen.x86 import jmp_rel32 as jmp_rel32
-from dbr_service.errors import CodegenError
+from dbr_service.common.errors import CodegenError
 
 TargetMap = Callable[[int], "int | None"]
 #: Original exit target -> the address the exit branch jumps to (a far-exit stub).

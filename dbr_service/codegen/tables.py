@@ -43,7 +43,7 @@ Conditions, each making ``T'[idx]`` the entry the original reads:
 * ``T' + 8*(M+1) <= 2**31`` (a disp32 without base is sign-extended).  Where the
   buffer's data lies higher, the original instructions are emitted instead (an exit);
   both forms have the same size and the copy is emitted either way, so a region's
-  size never depends on where it is placed (optimize.py emits at a provisional address
+  size never depends on where it is placed (installation/optimize.py emits at a provisional address
   first).
 
 Counted refusals (the partition pass's counters): an index without a mask right
@@ -61,7 +61,7 @@ import capstone
 from capstone import x86 as X
 
 from dbr_service.codegen.x86 import REG_NAMES, X86Writer
-from dbr_service.errors import MemoryViewError
+from dbr_service.common.errors import MemoryViewError
 from dbr_service.region.jumptable import MAX_TABLE, _reg64, _reg_size
 from dbr_service.region.model import END, BasicBlock, EdgeKind, NodeKey, SuperRegion, TermKind
 

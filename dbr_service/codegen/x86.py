@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import struct
 
-from dbr_service.errors import CodegenError
+from dbr_service.common.errors import CodegenError
 
 RAX, RCX, RDX, RBX, RSP, RBP, RSI, RDI = range(8)
 R8, R9, R10, R11, R12, R13, R14, R15 = range(8, 16)

@@ -4,7 +4,7 @@ Runs hot-code discovery (docs/architecture.md, "Region selection") on BINARY loa
 its link address, then the rest of the region-selection pipeline, prints the
 super-regions it selects (named after the functions of the binary's symbol table or
 .eh_frame) and writes one DOT file per pass (and SVG with graphviz's `dot`).  Settings
-are the service's defaults (`dbr_service/config.py`, as its scheduler turns them into
+are the service's defaults (`dbr_service/common/config.py`, as its scheduler turns them into
 pipeline settings for that many samples), so the regions are those the service would
 select from the same samples; `-o KEY=VALUE` changes one.  `--json` prints the result
 as one JSON document (schema dbr.analyze/1, docs/control-api.md).
@@ -46,7 +46,7 @@ from typing import TextIO
 import networkx as nx
 
 from dbr_service.codegen.frames import CfiSource
-from dbr_service.errors import ConfigError, DbrError, MemoryViewError
+from dbr_service.common.errors import ConfigError, DbrError, MemoryViewError
 from dbr_service.region.discovery import hot_code_discovery
 from dbr_service.region.functions import FunctionEntries, call_targets
 from dbr_service.region.memview import ElfMemoryView
@@ -156,7 +156,7 @@ class _DiscoveryOnlyConfig:
 
 
 def _service_defaults():
-    from dbr_service.config import Config
+    from dbr_service.common.config import Config
     return Config()
 
 
@@ -181,7 +181,7 @@ def _load_config(options: list[str], pipe, total_samples: float = 0.0) -> object
     threshold as that fraction of the samples), or discovery-only settings, with -o
     applied."""
     if pipe is not None:
-        from dbr_service.worker import region_config
+        from dbr_service.region.worker import region_config
         cfg = region_config(_service_defaults(), int(total_samples))
     else:
         cfg = _DiscoveryOnlyConfig()

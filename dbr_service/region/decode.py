@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import capstone
 from capstone import x86 as X
 
-from dbr_service.errors import MemoryViewError
+from dbr_service.common.errors import MemoryViewError
 from dbr_service.region.memview import MemoryView
 
 #: Longest x86 instruction.

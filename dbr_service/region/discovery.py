@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from dbr_service.errors import MemoryViewError
+from dbr_service.common.errors import MemoryViewError
 from dbr_service.region import decode
 from dbr_service.region.blockmap import (
     Block, Cfe, CfeKind, DisResult, Entry, EntryMapping, EntryState, Position)

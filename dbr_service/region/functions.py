@@ -9,7 +9,7 @@ answers ``addr in entries`` (run-time addresses) from
 * each module's ``.eh_frame``: an address where an FDE starts (through
   ``module_at``, ``codegen.frames.CfiSource.module_at``: file, bias, parsed CFI);
 * the same module's ELF symbol table (``.symtab``, else ``.dynsym``; dbr_service/
-  symbols.py): a defined function symbol's value.
+  common/symbols.py): a defined function symbol's value.
 
 A look-up that fails (no module file, unreadable CFI) says no.
 """
@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 from dbr_service.codegen.cfi import CfiError
 from dbr_service.region.model import SuperRegion, TermKind
-from dbr_service.symbols import symbols_of
+from dbr_service.common.symbols import symbols_of
 
 
 def call_targets(sr: SuperRegion) -> set[int]:

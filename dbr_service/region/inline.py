@@ -96,7 +96,7 @@ import networkx as nx
 
 from dbr_service.codegen.calls import MAX_PROMOTED, icall_insn
 from dbr_service.codegen.relocate import CannotRelocate, Relocator
-from dbr_service.errors import MemoryViewError
+from dbr_service.common.errors import MemoryViewError
 from dbr_service.region.loops import body_bytes, sorted_nodes
 from dbr_service.region.model import (END, START, BasicBlock, CloneKey, EdgeKind, NodeKey,
                                       SuperRegion, TermKind)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import capstone
 from capstone import x86 as X
 
-from dbr_service.errors import MemoryViewError
+from dbr_service.common.errors import MemoryViewError
 from dbr_service.region.memview import MemoryView
 
 #: Largest jump table believed (entries).

@@ -18,9 +18,9 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dbr_service.errors import MemoryViewError
-from dbr_service.procfs import proc_dir
-from dbr_service import procmaps
+from dbr_service.common.errors import MemoryViewError
+from dbr_service.common.procfs import proc_dir
+from dbr_service.common import procmaps
 
 PAGE = 4096
 

@@ -24,9 +24,9 @@ from typing import Iterator, NamedTuple, Union
 
 import networkx as nx
 
-from dbr_service.errors import RegionError
+from dbr_service.common.errors import RegionError
 from dbr_service.region.dot import Namer, block_label, escape
-from dbr_service.states import RegionState
+from dbr_service.common.states import RegionState
 
 START = "START"
 END = "END"

@@ -27,7 +27,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from dbr_service.errors import DbrError
+from dbr_service.common.errors import DbrError
 
 #: The first eight bytes of a perf.data file (perf's own test: either byte order).
 PERF_MAGIC = (b"PERFILE2", b"2ELIFREP")

@@ -23,10 +23,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-from dbr_service.errors import RegionError
+from dbr_service.common.errors import RegionError
 from dbr_service.region import dispatch, fallthrough, inline, partition, patchpoints, prune
 from dbr_service.region.model import MAX_CASCADE_TARGETS, SuperRegion
-from dbr_service.states import RegionState
+from dbr_service.common.states import RegionState
 
 
 @dataclass

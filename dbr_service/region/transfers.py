@@ -8,7 +8,7 @@ register and indexed indirect transfers, inferred from the code before them
 
 from __future__ import annotations
 
-from dbr_service.errors import MemoryViewError
+from dbr_service.common.errors import MemoryViewError
 from dbr_service.region import jumptable
 from dbr_service.region.blockmap import Block, CfeKind, DisResult
 from dbr_service.region.decode import InsnKind

@@ -23,9 +23,9 @@ import os
 import time
 from typing import Callable, Sequence
 
-from dbr_service import protocol
-from dbr_service.clientfiles import size_sealed
-from dbr_service.errors import SamplingError
+from dbr_service.wire import protocol
+from dbr_service.common.clientfiles import size_sealed
+from dbr_service.common.errors import SamplingError
 from dbr_service.sampling.base import Sample, SamplingSource
 
 HEADER_SIZE = ctypes.sizeof(protocol.RingHeader)  # 64

@@ -11,7 +11,7 @@ import abc
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from dbr_service.errors import SamplingError
+from dbr_service.common.errors import SamplingError
 
 __all__ = ["Sample", "SamplingSource", "SamplingError", "SourceStats", "BranchPair"]
 

@@ -40,7 +40,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from dbr_service.errors import SamplingError
+from dbr_service.common.errors import SamplingError
 from dbr_service.sampling.base import Sample
 from dbr_service.sampling.perf import PerfSource, SwitchGate, explain_errno
 from dbr_service.sampling.perf_abi import (

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from dbr_service.errors import SamplingError
+from dbr_service.common.errors import SamplingError
 from dbr_service.sampling import branchperf, perf
 from dbr_service.sampling.agent_timer import AgentTimerSource, StartFn, StopFn
 from dbr_service.sampling.base import SamplingSource

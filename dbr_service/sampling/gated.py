@@ -25,9 +25,9 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Sequence
 
-from dbr_service import protocol as P
-from dbr_service.agentconn import result_name
-from dbr_service.errors import SamplingError
+from dbr_service.wire import protocol as P
+from dbr_service.wire.agentconn import result_name
+from dbr_service.common.errors import SamplingError
 from dbr_service.sampling.agent_timer import AgentTimerSource
 from dbr_service.sampling.base import Sample, SamplingSource
 from dbr_service.sampling.perf import PerfSource

@@ -31,8 +31,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from dbr_service.errors import SamplingError
-from dbr_service.procfs import started_boottime, status_field
+from dbr_service.common.errors import SamplingError
+from dbr_service.common.procfs import started_boottime, status_field
 from dbr_service.sampling.base import Sample, SamplingSource
 from dbr_service.sampling.perf_abi import (
     EVENTS, PAGE_SIZE, PERF_ATTR_SIZE_VER7, PERF_EVENT_IOC_DISABLE, PERF_EVENT_IOC_ENABLE,

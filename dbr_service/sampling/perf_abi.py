@@ -20,7 +20,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from dbr_service.errors import SamplingError
+from dbr_service.common.errors import SamplingError
 from dbr_service.sampling.base import Sample
 
 # ---------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import json
 import os
 from typing import IO, Iterable, Sequence
 
-from dbr_service.errors import SamplingError
+from dbr_service.common.errors import SamplingError
 from dbr_service.sampling.base import BranchPair, Sample, SamplingSource
 from dbr_service.sampling.lbr import LbrProfile, edges_from_lbr, fallthroughs_from_lbr, lbr_profile
 

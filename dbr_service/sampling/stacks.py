@@ -7,7 +7,7 @@ Each sample of a thread carries, besides its IP:
   that keeps ``rbp`` as its frame pointer;
 * the user registers rip, rsp and rbp (``PERF_SAMPLE_REGS_USER``) and a bounded copy
   of the stack from rsp up (``PERF_SAMPLE_STACK_USER``), which the service unwinds
-  with the modules' ``.eh_frame`` (unwind.py).
+  with the modules' ``.eh_frame`` (stacks/unwind.py).
 
 Like the snapshot sampler (sampling/perf.py) it opens one event and ring per thread
 (``pid=tid``); its events are separate from the snapshot sampler's and live only for
@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass
 from typing import Sequence
 
-from dbr_service.errors import SamplingError
+from dbr_service.common.errors import SamplingError
 from dbr_service.sampling.perf_abi import (
     EVENTS, PAGE_SIZE, PERF_RECORD_LOST, PERF_RECORD_SAMPLE, PERF_RECORD_THROTTLE,
     PERF_SAMPLE_CALLCHAIN, PERF_SAMPLE_IP, PERF_SAMPLE_TID, PERF_SAMPLE_TIME, PerfRing,

@@ -1,0 +1,314 @@
+"""Warm start: the service's side of the profile store (profiles/profilestore.py).
+
+* **Recording.**  When a client's session ends, its samples (attributed to original
+  code) are merged into the store per module, with the hot text of the regions it
+  had installed (``profiledata.module_hot_text``).  A run with fewer than
+  MIN_RUN_SAMPLES samples is not recorded: it says too little.
+* **A warm client.**  A program whose executable has stored hot text is *warm*.  When
+  a warm client connects, its first selection job is queued at once, from the stored
+  counts of every module it maps that has hot text stored (module offsets rebased to
+  where the client maps them), instead of after its first sampling windows.  The job
+  selects and installs as any other: discovery reads the client's live code, the
+  agent checks every site's bytes, and sampling goes on to refine the choice.
+* **Born at once.**  A warm program's agents are told to connect at their start: the
+  program's own birth age, 0, beside the service's hint (paths.program_quiet_file),
+  written when a run leaves hot text and, at the service's start, for the stored
+  programs whose file is still the one profiled.  Short-run learning
+  (daemon/shortruns.py) treats a warm program as one that gains.
+
+A store that cannot be opened (another service holds it, a directory that is not
+safe) leaves the service without warm start, with a WARNING; it never stops it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import logging
+import os
+import sqlite3
+import threading
+import time
+from typing import Any, Callable
+
+from dbr_service.common.errors import DbrError
+from dbr_service.profiles.modkey import ModuleKey, ModuleKeyError, key_for_build_id, module_key
+from dbr_service.common.paths import program_key, program_quiet_file, write_ms_file
+from dbr_service.common.procmaps import MapEntry, mapped_file, module_base
+from dbr_service.profiles.profiledata import (ModuleProfile, ProfileDataError, module_counts,
+                                              module_hot_text, selection_params)
+from dbr_service.profiles.rebase import NoRebase, rebase
+from dbr_service.profiles.profilestore import ProfileStore, StoreBusyError, StoreError
+
+log = logging.getLogger("dbr.warm")
+
+#: A run with fewer samples than this (in all its modules) is not recorded.
+MIN_RUN_SAMPLES = 50
+#: Modules of one run recorded at most (its most sampled ones).
+MAX_RUN_MODULES = 16
+#: Stored programs whose birth hint is written at the service's start, at most.
+MAX_START_HINTS = 256
+#: A warm job's selection is reused for the program's next processes this many times,
+#: for at most this long; then a warm job selects anew from the store.
+REUSE_MAX_TIMES = 20
+REUSE_MAX_S = 600.0
+MAX_KEPT_SELECTIONS = 64
+
+
+class WarmStart:
+    """The store as the service uses it; called from session threads and the control
+    thread (one lock around the store)."""
+
+    def __init__(self, store: ProfileStore, config: Any) -> None:
+        self.store = store
+        self.config = config
+        self._lock = threading.Lock()
+        #: (path, dev, ino, mtime_ns) -> its ModuleKey (None: not an ELF file we read).
+        self._keys: dict[tuple, ModuleKey | None] = {}
+        self.runs_recorded = 0
+        self.warm_jobs = 0
+        self.errors = 0
+        self._closed = False
+        #: exe store key -> the first warm job's result for a process of it, the maps
+        #: it was selected on, when, and how often it was reused.
+        self._results: dict[str, list] = {}
+        #: session id -> (exe store key, maps) of a warm job queued and not done.
+        self._pending: dict[int, tuple[str, list[MapEntry]]] = {}
+        #: Store keys of executables a recorded run of which left hot text in some
+        #: module (warm even when it is not the executable's: libpython for python3);
+        #: the store's programs table, mirrored.
+        self._programs: set[str] = set(self._call("list programs", store.programs) or ())
+        self.reuses = 0
+
+    @classmethod
+    def open(cls, config: Any, embedded: bool = False) -> WarmStart | None:
+        """The store of ``config``, or None.  An embedded service (`dbr run`) whose
+        store a host service or another run holds goes without, quietly: that is
+        routine for it."""
+        if not config.warm_start:
+            return None
+        try:
+            store = ProfileStore.open_for(config)
+        except StoreBusyError as exc:
+            (log.info if embedded else log.warning)("no warm start: %s", exc)
+            return None
+        except (StoreError, OSError) as exc:
+            log.warning("no warm start: the profile store cannot be opened: %s", exc)
+            return None
+        return cls(store, config)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self.store.close()
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the store under the lock; None (logged, counted) if it fails or
+        the store was closed meanwhile (a session that ends after the service)."""
+        try:
+            with self._lock:
+                return None if self._closed else fn()
+        except (StoreError, ProfileDataError, OSError, sqlite3.Error) as exc:
+            self.errors += 1
+            log.warning("profile store: cannot %s: %s", what, exc)
+            return None
+
+    def status(self) -> dict[str, Any]:
+        return {"store": str(self.store.path), "runs_recorded": self.runs_recorded,
+                "warm_jobs": self.warm_jobs, "reused_selections": self.reuses,
+                "errors": self.errors}
+
+    # ---------------------------------------------------------------- module keys
+    def _key(self, path: str, maps: list[MapEntry]) -> ModuleKey | None:
+        """The store key of the file a client maps at ``path``, if it is still that
+        file (the mapping's device and inode)."""
+        m = next((m for m in maps if m.path == path), None)
+        if m is None:
+            return None
+        try:
+            st = mapped_file(path, m.dev, m.ino)
+        except OSError:
+            return None
+        if st is None:
+            return None
+        k = (path, m.dev, m.ino, st.st_mtime_ns)
+        if k not in self._keys:
+            try:
+                self._keys[k] = module_key(path)
+            except ModuleKeyError as exc:
+                log.debug("no store key for %s: %s", path, exc)
+                self._keys[k] = None
+            if len(self._keys) > 4096:
+                self._keys.pop(next(iter(self._keys)))
+        return self._keys[k]
+
+    def _lookup(self, key: str) -> ModuleProfile | None:
+        return self._call(f"read {key}", lambda: self.store.lookup(key))
+
+    # ---------------------------------------------------------------- recording
+    def record(self, s: Any) -> bool:
+        """Session thread, at the session's end: merge its run into the store.  Whether
+        the program is warm now (its executable has hot text stored)."""
+        maps = list(s.maps)
+        with s.lock:
+            ips = dict(s.ip_counts)
+        per_module = module_counts(ips, maps)
+        if sum(sum(c.values()) for c in per_module.values()) < MIN_RUN_SAMPLES:
+            return self.is_warm(s)
+        hot = module_hot_text(list(s.region_book.regions.values()), maps,
+                              selection_params(self.config))
+        ranked = sorted(per_module, key=lambda p: -sum(per_module[p].values()))
+        recorded = 0
+        for path in ranked[:MAX_RUN_MODULES]:
+            mk = self._key(path, maps)
+            if mk is None:
+                continue
+            done = self._call(f"record {path} of pid {s.pid}",
+                              lambda mk=mk, path=path: self.store.record_run(
+                                  mk, per_module[path], None, hot.get(path)) or True)
+            recorded += bool(done)
+        if recorded:
+            self.runs_recorded += 1
+            log.info("pid %d (%s): profile of %d module(s) stored", s.pid, s.exe, recorded)
+            exe = self._exe_key(s)
+            if exe and any(hot.values()) and self._call(
+                    f"mark {s.exe}", lambda: self.store.mark_program(exe, s.exe) or True):
+                self._programs.add(exe)
+        return self.is_warm(s)
+
+    # ---------------------------------------------------------------- warm clients
+    def _exe_key(self, s: Any) -> str | None:
+        if s.build_id:
+            return key_for_build_id(s.build_id)
+        mk = self._key(s.exe, s.maps) if s.maps else None
+        return None if mk is None else mk.key
+
+    def is_warm(self, s: Any) -> bool:
+        """Whether the client's program is warm: its executable has stored hot text, or
+        a run of it recorded by this service left hot text in a module it maps (a
+        library, as libpython for python3)."""
+        key = self._exe_key(s)
+        if not key:
+            return False
+        if key in self._programs:
+            return True
+        prof = self._lookup(key)
+        return prof is not None and bool(prof.hot_text)
+
+    def job_input(self, s: Any) -> dict[int, int]:
+        """Session thread, when a warm client connects (its map read): the samples by
+        address its first job selects from: the stored counts of the modules it maps
+        that have hot text, those within that hot text's code only, so that the job
+        selects what was installed before and not the whole profile again (a large
+        one, libpython's, takes a worker seconds)."""
+        maps = list(s.maps)
+        out: dict[int, int] = {}
+        for path in sorted({m.path for m in maps if m.executable and m.path.startswith("/")}):
+            mk = self._key(path, maps)
+            prof = self._lookup(mk.key) if mk is not None else None
+            if prof is None or not prof.hot_text:
+                continue
+            base = module_base(maps, path)
+            ends = [m for m in maps if m.path == path and m.executable]
+            spans: list[tuple[int, int]] = []
+            for lo, hi in sorted(b for r in prof.hot_text for b in r.blocks):
+                if spans and lo <= spans[-1][1]:
+                    spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
+                else:
+                    spans.append((lo, hi))
+            starts = [lo for lo, _ in spans]
+            for off, n in prof.counts.items():
+                i = bisect.bisect_right(starts, off) - 1
+                if i < 0 or off >= spans[i][1]:
+                    continue
+                addr, c = base + off, int(round(n))
+                if c > 0 and any(m.lo <= addr < m.hi for m in ends):
+                    out[addr] = out.get(addr, 0) + c
+        return out
+
+    # ---------------------------------------------------------------- selections kept
+    def job_queued(self, s: Any, maps: list[MapEntry]) -> None:
+        """Control thread: a warm job of session ``s`` selects on ``maps``."""
+        key = self._exe_key(s)
+        if key:
+            self._pending[s.session_id] = (key, list(maps))
+            while len(self._pending) > MAX_KEPT_SELECTIONS:   # jobs lost on the way
+                self._pending.pop(next(iter(self._pending)))
+
+    def job_done(self, session_id: int, res: Any) -> None:
+        """Control thread, before the result is installed: keep a warm job's result (a
+        copy: installation annotates the regions it emits) to reuse for the next
+        processes of the program."""
+        key, maps = self._pending.pop(session_id, (None, None))
+        if key and res is not None and res.srs:
+            self._results[key] = [maps, copy.deepcopy(res), time.monotonic(), 0]
+            while len(self._results) > MAX_KEPT_SELECTIONS:
+                self._results.pop(next(iter(self._results)))
+
+    def reused_result(self, s: Any) -> Any:
+        """Session thread, when a warm client connects (its map read): the kept
+        selection of its program moved to where this process maps its files
+        (profiles/rebase.py), ready to install; None when there is none, it is stale
+        (REUSE_MAX_S, REUSE_MAX_TIMES) or names memory this process has no
+        counterpart of."""
+        key = self._exe_key(s)
+        kept = self._results.get(key) if key else None
+        if kept is None:
+            return None
+        maps, res, since, uses = kept
+        if uses >= REUSE_MAX_TIMES or time.monotonic() - since > REUSE_MAX_S:
+            self._results.pop(key, None)
+            return None
+        try:
+            moved = rebase(res, maps, list(s.maps))
+        except NoRebase as exc:
+            log.info("pid %d: the kept selection of %s cannot be moved: %s", s.pid, s.exe, exc)
+            self._results.pop(key, None)
+            return None
+        kept[3] += 1
+        self.reuses += 1
+        moved.session_id, moved.pid = s.session_id, s.pid
+        moved.cpu_s = moved.elapsed_s = 0.0
+        moved.decode_cached = moved.decode_new = 0
+        for d in moved.regions or []:
+            d["dot"] = None          # its labels name the other process's addresses
+        return moved
+
+    # ---------------------------------------------------------------- birth hints
+    def write_hint(self, exe_key: str, dir_fd: int) -> None:
+        """The program's agents connect at their start (its own birth age 0)."""
+        if not exe_key or dir_fd < 0:
+            return
+        try:
+            write_ms_file(program_quiet_file(exe_key), 0, dir_fd=dir_fd)
+        except OSError as exc:
+            log.warning("cannot write the warm start hint for %s: %s", exe_key, exc)
+
+    def write_start_hints(self, dir_fd: int) -> int:
+        """At the service's start: hints for the stored modules with hot text whose
+        file at their path is still the one profiled (a library's hint names a file no
+        process runs as its program: harmless); how many were written."""
+        summaries = self._call("list it", self.store.summaries) or []
+        progs = self._call("list programs", self.store.programs) or {}
+        n = 0
+        for key, path in list(progs.items())[:MAX_START_HINTS]:
+            try:
+                st = os.stat(path)
+                if module_key(path).key != key:
+                    continue
+            except (OSError, ModuleKeyError, DbrError):
+                continue
+            self.write_hint(program_key(st), dir_fd)
+            n += 1
+        for sm in sorted(summaries, key=lambda x: -x.last_seen)[:MAX_START_HINTS]:
+            if not sm.regions:
+                continue
+            try:
+                st = os.stat(sm.path)
+                if module_key(sm.path).key != sm.key:
+                    continue
+            except (OSError, ModuleKeyError, DbrError):
+                continue
+            self.write_hint(program_key(st), dir_fd)
+            n += 1
+        return n
