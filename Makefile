@@ -36,9 +36,11 @@ demo: build
 bench: build
 	$(PY) -m bench
 
-# ruff (installed by build, settings in pyproject.toml); fails on any finding
+# ruff (installed by build, settings in pyproject.toml) and the structure test (import
+# cycles, package order, module sizes: tests/test_structure.py); fails on any finding
 lint: build
-	$(VENV)/bin/ruff check dbr_service tests bench
+	$(VENV)/bin/ruff check dbr_service tests bench tools
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_structure.py
 
 clean:
 	$(MAKE) -C dbr_agent clean

@@ -1,4 +1,4 @@
-"""The import graph of dbr_service.
+"""The import graph of dbr_service, its packages' order, and module sizes.
 
 Every module is parsed (not imported) and its imports of dbr_service modules are
 collected in two kinds: *module-level* (run when the module is imported; imports in
@@ -23,6 +23,27 @@ PACKAGE = "dbr_service"
 #: Strongly connected components of the whole import graph (module-level and deferred
 #: imports together) that are allowed, each with the reason it still exists: none.
 KNOWN_CYCLES: set[frozenset[str]] = set()
+
+#: The packages of dbr_service, one per stage of the cycle, in the order of imports: a
+#: module may import its own package and those before it (the top-level
+#: ``dbr_service`` package, which holds the version, comes before all).  Deferred
+#: imports count too.  docs/architecture.md, "Where things live", describes each.
+PACKAGE_ORDER = ["common", "wire", "sampling", "codegen", "region", "stacks",
+                 "installation", "session", "profiles", "daemon", "commands"]
+
+#: Imports against that order, as (importing package, imported module): each reason.
+ORDER_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("codegen", "region.model"):
+        "codegen translates the region model selection builds, and selection asks "
+        "codegen what the code will be (relocator, dispatch and table plans, calls, "
+        "CFI): the model is the data both stages share",
+    ("codegen", "region.jumptable"):
+        "codegen's table translation takes selection's bound on a table and its "
+        "register helpers, so that it accepts exactly the tables selection found",
+}
+
+#: Lines a module of dbr_service may have.
+MAX_MODULE_LINES = 600
 
 #: What the offline tool (``dbr analyze``) must not load when it is imported.
 SERVICE_MODULES = {"dbr_service.daemon.scheduler", "dbr_service.daemon.service",
@@ -171,3 +192,71 @@ def test_offline_analyze_does_not_load_the_service() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=True).stdout.strip()
     assert out == "[]", out
+
+
+def _package_of(module: str) -> str | None:
+    """A module's package below dbr_service ("" for dbr_service itself); None for a
+    module directly in dbr_service."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return ""
+    if (ROOT / PACKAGE / parts[1]).is_dir():
+        return parts[1]
+    return None
+
+
+def _against_the_order(top, deferred) -> dict[tuple[str, str], list[str]]:
+    """(importing package, imported module) -> the importing modules, for every import
+    that goes from a package to a later one."""
+    rank = {"": -1, **{p: i for i, p in enumerate(PACKAGE_ORDER)}}
+    out: dict[tuple[str, str], list[str]] = {}
+    for a in top:
+        for b in top[a] | deferred[a]:
+            pa, pb = _package_of(a), _package_of(b)
+            if pa in rank and pb in rank and rank[pb] > rank[pa]:
+                out.setdefault((pa, b.removeprefix(PACKAGE + ".")), []).append(a)
+    return out
+
+
+def test_every_module_is_in_a_declared_package() -> None:
+    top, _ = import_graph()
+    loose = sorted(m for m in top if _package_of(m) is None)
+    assert not loose, f"modules directly in {PACKAGE}/ (move them into a package): {loose}"
+    packages = {p.name for p in (ROOT / PACKAGE).iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(PACKAGE_ORDER), (
+        f"packages not in PACKAGE_ORDER: {sorted(packages - set(PACKAGE_ORDER))}, "
+        f"in it but gone: {sorted(set(PACKAGE_ORDER) - packages)}")
+
+
+def test_imports_follow_the_package_order() -> None:
+    """No module imports a later package, even inside a function, but for the listed
+    exceptions."""
+    top, deferred = import_graph()
+    bad = {k: v for k, v in _against_the_order(top, deferred).items()
+           if k not in ORDER_EXCEPTIONS}
+    assert not bad, "imports against PACKAGE_ORDER:\n" + "\n".join(
+        f"    {', '.join(sorted(v))} -> {PACKAGE}.{m} ({p} before {m.split('.')[0]})"
+        for (p, m), v in sorted(bad.items()))
+
+
+def test_every_order_exception_is_used() -> None:
+    top, deferred = import_graph()
+    unused = set(ORDER_EXCEPTIONS) - set(_against_the_order(top, deferred))
+    assert not unused, f"ORDER_EXCEPTIONS no longer needed (remove them): {sorted(unused)}"
+
+
+def test_the_order_check_sees_a_violation() -> None:
+    """A module of an early package importing a later one is found (checked on a
+    made-up graph, so that the check cannot pass by seeing nothing)."""
+    top = {f"{PACKAGE}.common.errors": {f"{PACKAGE}.commands.ctlclient"},
+           f"{PACKAGE}.commands.ctlclient": set()}
+    deferred = {m: set() for m in top}
+    assert _against_the_order(top, deferred) == {("common", "commands.ctlclient"):
+                                                 [f"{PACKAGE}.common.errors"]}
+    assert _against_the_order(deferred, top) == _against_the_order(top, deferred)
+
+
+def test_no_module_is_too_long() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / PACKAGE).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them): {long}"
