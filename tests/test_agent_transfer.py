@@ -177,7 +177,7 @@ def test_installer_with_transfer_disabled_moves_nobody(svc, spin_exe):
 
 def test_evaluator_restarts_are_bounded():
     class Reg:
-        region_id, state, installed_at = 1, InstallState.INSTALLED, 0.0
+        region_id, state, installed_at, kept = 1, InstallState.INSTALLED, 0.0, False
         orig_ranges = [(0x1000, 0x1100)]
 
         def contains_code(self, ip):

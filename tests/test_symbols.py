@@ -4,8 +4,10 @@ malformed, gives a table or OSError, never another exception."""
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -151,3 +153,15 @@ def test_hot_spots_are_named_only_from_the_file_the_maps_show(progs, tmp_path):
     stripped = m._replace(path=str(progs["stripped"]), ino=s.st_ino,
                           dev=(os.major(s.st_dev), os.minor(s.st_dev)))
     assert named([stripped], module=str(progs["stripped"])) is None
+
+
+def test_a_passing_read_failure_is_not_kept(monkeypatch, tmp_path):
+    """An OSError (EMFILE, say) gives an empty table this once, not for good."""
+    exe = os.path.realpath(sys.executable)
+    real = S.read_symbols
+    S._cache.clear()
+    monkeypatch.setattr(S, "read_symbols",
+                        lambda p: (_ for _ in ()).throw(OSError(24, "Too many open files")))
+    assert len(S.symbols_of(exe)) == 0
+    monkeypatch.setattr(S, "read_symbols", real)
+    assert len(S.symbols_of(exe)) > 0

@@ -161,7 +161,7 @@ _cache_lock = threading.Lock()
 
 def symbols_of(path: str, st: os.stat_result | None = None) -> SymbolTable:
     """:func:`read_symbols`, cached per file identity; an unreadable or non-regular
-    file gives an empty table."""
+    file gives an empty table (not cached: it may be readable next time)."""
     try:
         st = st or os.stat(path)
     except OSError:
@@ -175,7 +175,9 @@ def symbols_of(path: str, st: os.stat_result | None = None) -> SymbolTable:
         try:
             got = read_symbols(path)
         except OSError:
-            got = SymbolTable([], "")
+            # not kept: a passing failure (EMFILE, EINTR) must not blank the module
+            # for the rest of the process
+            return SymbolTable([], "")
         with _cache_lock:
             if len(_cache) > 128:
                 _cache.clear()
