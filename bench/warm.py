@@ -30,6 +30,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,17 @@ def _ttfp(entry: dict[str, Any]) -> float | None:
     return entry.get("time_to_first_patch_s")
 
 
+def _recorded(svc: HostService, runs: int, timeout: float = 10.0) -> None:
+    """Wait (bounded) until the service has stored ``runs`` runs: a run's profile is
+    written as its session ends, just after the program exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = ControlClient(svc.rt).result("status").get("warm_start") or {}
+        if st.get("runs_recorded", 0) >= runs:
+            return
+        time.sleep(0.05)
+
+
 def _train(prog: Any, train: int, work: Path, agent: str, base: dict[str, str],
            timeout: float) -> tuple[int | None, str]:
     """Runs of ``prog`` under an aggressive service until one is patched: how many
@@ -65,6 +77,7 @@ def _train(prog: Any, train: int, work: Path, agent: str, base: dict[str, str],
             if r.exit_code != 0:
                 return None, f"training run exited {r.exit_code}: {r.stderr_tail}"
             if _ttfp(_report(svc, r.pid)) is not None:
+                _recorded(svc, i + 1)
                 return i + 1, ""
         return None, ""
     finally:
@@ -95,6 +108,7 @@ def _bench_one(name: str, prog: Any, pairs: int, train: int, work: Path,
         walls: dict[str, list[float]] = {"native": [], "warm": [], "cold": []}
         cpu: dict[str, list[float]] = {"warm": [], "cold": []}
         ttfp: dict[str, list[float | None]] = {"warm": [], "cold": []}
+        timelines: dict[str, list[Any]] = {"warm": [], "cold": []}
         wrong = 0
         names = list(walls)
         svcs = {"warm": warm, "cold": cold}
@@ -111,7 +125,9 @@ def _bench_one(name: str, prog: Any, pairs: int, train: int, work: Path,
                     want = r.digest
                 walls[n].append(r.wall)
                 if svc is not None:
-                    ttfp[n].append(_ttfp(_report(svc, r.pid)))
+                    entry = _report(svc, r.pid)
+                    ttfp[n].append(_ttfp(entry))
+                    timelines[n].append(entry.get("timeline"))
                     c1 = svc.cpu_s()
                     if c0 is not None and c1 is not None:
                         cpu[n].append(c1 - c0)
@@ -128,7 +144,8 @@ def _bench_one(name: str, prog: Any, pairs: int, train: int, work: Path,
                       "first_patch_ms_range": [round(min(got) * 1e3, 1),
                                                round(max(got) * 1e3, 1)] if got else None,
                       "service_cpu_ms_per_run": round(statistics.mean(cpu[n]) * 1e3, 1)
-                      if cpu[n] else None}
+                      if cpu[n] else None,
+                      "timelines": timelines[n]}
         return row
     finally:
         warm.stop()

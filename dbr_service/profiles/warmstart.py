@@ -55,6 +55,13 @@ REUSE_MAX_S = 600.0
 MAX_KEPT_SELECTIONS = 64
 
 
+def _disowned(rec: Any) -> bool:
+    """A region the next runs must not get again: found slower by a speed check, or
+    taken out by the operator."""
+    why = str(rec.info.get("removed_why", ""))
+    return why.startswith("slower") or why == "operator"
+
+
 class WarmStart:
     """The store as the service uses it; called from session threads and the control
     thread (one lock around the store)."""
@@ -155,24 +162,28 @@ class WarmStart:
         per_module = module_counts(ips, maps)
         if sum(sum(c.values()) for c in per_module.values()) < MIN_RUN_SAMPLES:
             return self.is_warm(s)
-        hot = module_hot_text(list(s.region_book.regions.values()), maps,
-                              selection_params(self.config))
+        hot = module_hot_text([r for r in list(s.region_book.regions.values())
+                               if not _disowned(r)], maps, selection_params(self.config))
         ranked = sorted(per_module, key=lambda p: -sum(per_module[p].values()))
-        recorded = 0
-        for path in ranked[:MAX_RUN_MODULES]:
-            mk = self._key(path, maps)
-            if mk is None:
-                continue
-            done = self._call(f"record {path} of pid {s.pid}",
-                              lambda mk=mk, path=path: self.store.record_run(
-                                  mk, per_module[path], None, hot.get(path)) or True)
-            recorded += bool(done)
+        keys = [(path, mk) for path in ranked[:MAX_RUN_MODULES]
+                if (mk := self._key(path, maps)) is not None]
+        exe = self._exe_key(s)
+        mark = bool(exe) and any(hot.values())
+
+        def write() -> int:
+            # one hold of the lock: a service stopping meanwhile closes the store after
+            # the whole run is in, never between its modules and its program mark
+            for path, mk in keys:
+                self.store.record_run(mk, per_module[path], None, hot.get(path))
+            if mark and keys:
+                self.store.mark_program(exe, s.exe)
+            return len(keys)
+
+        recorded = self._call(f"record the run of pid {s.pid}", write) or 0
         if recorded:
             self.runs_recorded += 1
             log.info("pid %d (%s): profile of %d module(s) stored", s.pid, s.exe, recorded)
-            exe = self._exe_key(s)
-            if exe and any(hot.values()) and self._call(
-                    f"mark {s.exe}", lambda: self.store.mark_program(exe, s.exe) or True):
+            if mark:
                 self._programs.add(exe)
         return self.is_warm(s)
 
