@@ -405,9 +405,9 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
             if res is not None:
                 self.post(lambda: self.apply_reused_selection(s, res))
                 return
-            selection = warm.job_input(s)
+            selection, cfg = warm.job_input(s)
             if selection:
-                self.post(lambda: self.start_warm_job(s, selection))
+                self.post(lambda: self.start_warm_job(s, selection, cfg))
 
     def session_refused(self, s: ClientSession, why: str, peer_gone: bool = False) -> None:
         with self.lock:

@@ -35,7 +35,9 @@ from dbr_service.common.errors import DbrError
 from dbr_service.profiles.modkey import ModuleKey, ModuleKeyError, key_for_build_id, module_key
 from dbr_service.common.paths import program_key, program_quiet_file, write_ms_file
 from dbr_service.common.procmaps import MapEntry, mapped_file, module_base
-from dbr_service.profiles.profiledata import (ModuleProfile, ProfileDataError, module_counts,
+from dbr_service.common.errors import ConfigError
+from dbr_service.profiles.profiledata import (SELECTION_KEYS, ModuleProfile,
+                                              ProfileDataError, module_counts,
                                               module_hot_text, selection_params)
 from dbr_service.profiles.rebase import NoRebase, rebase
 from dbr_service.profiles.profilestore import ProfileStore, StoreBusyError, StoreError
@@ -206,14 +208,19 @@ class WarmStart:
         prof = self._lookup(key)
         return prof is not None and bool(prof.hot_text)
 
-    def job_input(self, s: Any) -> dict[int, int]:
+    def job_input(self, s: Any) -> tuple[dict[int, int], Any]:
         """Session thread, when a warm client connects (its map read): the samples by
         address its first job selects from: the stored counts of the modules it maps
         that have hot text, those within that hot text's code only, so that the job
         selects what was installed before and not the whole profile again (a large
-        one, libpython's, takes a worker seconds)."""
+        one, libpython's, takes a worker seconds).  With it, the service Config that
+        selects as that hot text was selected: the current one with the selection
+        settings the hot text of the most sampled module records, each checked as
+        `dbr ctl config set` checks it (a store may come from another host)."""
         maps = list(s.maps)
         out: dict[int, int] = {}
+        params: dict[str, Any] = {}
+        weight = -1.0
         for path in sorted({m.path for m in maps if m.executable and m.path.startswith("/")}):
             mk = self._key(path, maps)
             prof = self._lookup(mk.key) if mk is not None else None
@@ -221,6 +228,8 @@ class WarmStart:
                 continue
             base = module_base(maps, path)
             ends = [m for m in maps if m.path == path and m.executable]
+            if sum(prof.counts.values()) > weight and prof.hot_text[0].params:
+                weight, params = sum(prof.counts.values()), prof.hot_text[0].params
             spans: list[tuple[int, int]] = []
             for lo, hi in sorted(b for r in prof.hot_text for b in r.blocks):
                 if spans and lo <= spans[-1][1]:
@@ -235,7 +244,14 @@ class WarmStart:
                 addr, c = base + off, int(round(n))
                 if c > 0 and any(m.lo <= addr < m.hi for m in ends):
                     out[addr] = out.get(addr, 0) + c
-        return out
+        cfg = self.config
+        for k, v in params.items():
+            if k in SELECTION_KEYS:
+                try:
+                    cfg = cfg.replace_value(k, v, source="profile store")
+                except ConfigError as exc:
+                    log.info("stored selection setting %s=%r not used: %s", k, v, exc)
+        return out, cfg
 
     # ---------------------------------------------------------------- selections kept
     def job_queued(self, s: Any, maps: list[MapEntry]) -> None:
