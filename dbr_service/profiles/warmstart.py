@@ -22,7 +22,6 @@ safe) leaves the service without warm start, with a WARNING; it never stops it.
 
 from __future__ import annotations
 
-import bisect
 import copy
 import logging
 import os
@@ -210,10 +209,9 @@ class WarmStart:
 
     def job_input(self, s: Any) -> tuple[dict[int, int], Any]:
         """Session thread, when a warm client connects (its map read): the samples by
-        address its first job selects from: the stored counts of the modules it maps
-        that have hot text, those within that hot text's code only, so that the job
-        selects what was installed before and not the whole profile again (a large
-        one, libpython's, takes a worker seconds).  With it, the service Config that
+        address its first job selects from, the stored counts of the modules it maps
+        that have hot text (those of the hot text's code alone are too few to select
+        from: one or two blocks a region), and the service Config that
         selects as that hot text was selected: the current one with the selection
         settings the hot text of the most sampled module records, each checked as
         `dbr ctl config set` checks it (a store may come from another host)."""
@@ -230,17 +228,7 @@ class WarmStart:
             ends = [m for m in maps if m.path == path and m.executable]
             if sum(prof.counts.values()) > weight and prof.hot_text[0].params:
                 weight, params = sum(prof.counts.values()), prof.hot_text[0].params
-            spans: list[tuple[int, int]] = []
-            for lo, hi in sorted(b for r in prof.hot_text for b in r.blocks):
-                if spans and lo <= spans[-1][1]:
-                    spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
-                else:
-                    spans.append((lo, hi))
-            starts = [lo for lo, _ in spans]
             for off, n in prof.counts.items():
-                i = bisect.bisect_right(starts, off) - 1
-                if i < 0 or off >= spans[i][1]:
-                    continue
                 addr, c = base + off, int(round(n))
                 if c > 0 and any(m.lo <= addr < m.hi for m in ends):
                     out[addr] = out.get(addr, 0) + c
