@@ -405,9 +405,9 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
             if res is not None:
                 self.post(lambda: self.apply_reused_selection(s, res))
                 return
-            selection, cfg = warm.job_input(s)
+            selection = warm.job_input(s)
             if selection:
-                self.post(lambda: self.start_warm_job(s, selection, cfg))
+                self.post(lambda: self.start_warm_job(s, selection))
 
     def session_refused(self, s: ClientSession, why: str, peer_gone: bool = False) -> None:
         with self.lock:

@@ -263,18 +263,16 @@ class SnapshotCycle:
             # left unqueued (every worker busy) is not judged this time
         self.notifier.status(self._status_line())
 
-    def start_warm_job(self, s: ClientSession, selection: dict[int, int],
-                       config: Any = None) -> None:
+    def start_warm_job(self, s: ClientSession, selection: dict[int, int]) -> None:
         """Control thread: a warm client's first region job, from its stored profile
-        (``selection``, samples by address, and ``config``, the service's with the
-        hot text's selection settings: warmstart.WarmStart.job_input), queued at
+        (``selection``, samples by address: warmstart.WarmStart.job_input), queued at
         once rather than after its first sampling windows."""
         if not s.alive or s.paused or self.paused or s.jobs_done or \
                 s.session_id in self.scheduler.running:
             return
         job = ClientJob(s.session_id, s.pid, s.exe, dict(selection), dict(selection),
-                        list(s.maps), (config or self.config).to_dict(),
-                        patched=s.patched_ranges())
+                        list(s.maps), self.config.to_dict(), patched=s.patched_ranges(),
+                        quick=True)
         if self.scheduler.schedule([job], self.config.max_workers):
             s.mark("warm_job_queued")
             if self.warm is not None:      # its result is kept with these (_apply_result)

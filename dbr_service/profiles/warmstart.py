@@ -34,8 +34,7 @@ from dbr_service.common.errors import DbrError
 from dbr_service.profiles.modkey import ModuleKey, ModuleKeyError, key_for_build_id, module_key
 from dbr_service.common.paths import program_key, program_quiet_file, write_ms_file
 from dbr_service.common.procmaps import MapEntry, mapped_file, module_base
-from dbr_service.common.errors import ConfigError
-from dbr_service.profiles.profiledata import (SELECTION_KEYS, ModuleProfile,
+from dbr_service.profiles.profiledata import (ModuleProfile,
                                               ProfileDataError, module_counts,
                                               module_hot_text, selection_params)
 from dbr_service.profiles.rebase import NoRebase, rebase
@@ -207,18 +206,16 @@ class WarmStart:
         prof = self._lookup(key)
         return prof is not None and bool(prof.hot_text)
 
-    def job_input(self, s: Any) -> tuple[dict[int, int], Any]:
+    def job_input(self, s: Any) -> dict[int, int]:
         """Session thread, when a warm client connects (its map read): the samples by
         address its first job selects from, the stored counts of the modules it maps
         that have hot text (those of the hot text's code alone are too few to select
-        from: one or two blocks a region), and the service Config that
-        selects as that hot text was selected: the current one with the selection
-        settings the hot text of the most sampled module records, each checked as
-        `dbr ctl config set` checks it (a store may come from another host)."""
+        from: one or two blocks a region).  The job selects under the service's own
+        settings: those a hot text was made with (``HotRegion.params``) are shown, not
+        applied (a hot text made under --aggressive selects many more regions, and
+        their code takes hundreds of ms to emit)."""
         maps = list(s.maps)
         out: dict[int, int] = {}
-        params: dict[str, Any] = {}
-        weight = -1.0
         for path in sorted({m.path for m in maps if m.executable and m.path.startswith("/")}):
             mk = self._key(path, maps)
             prof = self._lookup(mk.key) if mk is not None else None
@@ -226,20 +223,11 @@ class WarmStart:
                 continue
             base = module_base(maps, path)
             ends = [m for m in maps if m.path == path and m.executable]
-            if sum(prof.counts.values()) > weight and prof.hot_text[0].params:
-                weight, params = sum(prof.counts.values()), prof.hot_text[0].params
             for off, n in prof.counts.items():
                 addr, c = base + off, int(round(n))
                 if c > 0 and any(m.lo <= addr < m.hi for m in ends):
                     out[addr] = out.get(addr, 0) + c
-        cfg = self.config
-        for k, v in params.items():
-            if k in SELECTION_KEYS:
-                try:
-                    cfg = cfg.replace_value(k, v, source="profile store")
-                except ConfigError as exc:
-                    log.info("stored selection setting %s=%r not used: %s", k, v, exc)
-        return out, cfg
+        return out
 
     # ---------------------------------------------------------------- selections kept
     def job_queued(self, s: Any, maps: list[MapEntry]) -> None:
