@@ -41,9 +41,11 @@ def test_summary_reports_mismatches_and_what_dbr_did():
     warm = Run("native", 1.0, 0, "h", 1)
     client = {"patches_installed": 2, "regions_went_live": 1, "samples_after_first_patch": 80,
               "samples_in_replacement": 20, "time_to_first_patch_s": 0.4,
-              "service_cpu_s": 0.05, "client_cpu_s": 1.0}
-    runs = [(Run("native", 1.0, 0, "h", 2), Run("dbr", 0.9, 0, "h", 3, [client])),
-            (Run("native", 1.0, 0, "h", 4), Run("dbr", 0.95, 0, "other", 5, [client]))]
+              "service_cpu_s": 0.05, "client_cpu_s": 0.3}
+    # the program's CPU is the runs' own (wait4), not the service's last look at it
+    runs = [(Run("native", 1.0, 0, "h", 2), Run("dbr", 0.9, 0, "h", 3, [client], cpu_s=1.0)),
+            (Run("native", 1.0, 0, "h", 4),
+             Run("dbr", 0.95, 0, "other", 5, [client], cpu_s=1.0))]
     res = summarize(warm, runs)
     assert res["ratios"] == [0.9, 0.95] and res["mismatches"] == [
         {"pair": 2, "config": "dbr", "exit_code": 0, "output_differs": True}]
