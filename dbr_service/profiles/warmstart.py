@@ -243,7 +243,9 @@ class WarmStart:
         copy: installation annotates the regions it emits) to reuse for the next
         processes of the program."""
         key, maps = self._pending.pop(session_id, (None, None))
-        if key and res is not None and res.srs:
+        # kept also when it selected nothing: the next processes get that at once
+        # instead of a job each that selects nothing again
+        if key and res is not None and res.regions is not None:
             self._results[key] = [maps, copy.deepcopy(res), time.monotonic(), 0]
             while len(self._results) > MAX_KEPT_SELECTIONS:
                 self._results.pop(next(iter(self._results)))
