@@ -73,3 +73,18 @@ def test_thread_state_parses_comm_with_parentheses(tmp_path):
     stat.write_bytes(b"123 (a) b) (c) S 1 2 3")
     assert thread_state(str(stat)) == "S"
     assert thread_state(str(tmp_path / "missing")) is None
+
+
+def test_a_module_base_is_its_private_mappings_not_a_shared_one_of_the_same_file():
+    """A process that maps one of its libraries' files shared (reading it as data) has
+    that mapping below the library's own; the module's base is the loader's."""
+    from dbr_service.common.procmaps import module_base, parse_maps
+
+    maps = parse_maps(
+        "7f0000029000-7f0000200000 r--s 00000000 fe:00 42 /usr/lib/libc.so.6\n"
+        "7f1000000000-7f1000028000 r--p 00000000 fe:00 42 /usr/lib/libc.so.6\n"
+        "7f1000028000-7f10001bd000 r-xp 00028000 fe:00 42 /usr/lib/libc.so.6\n")
+    assert module_base(maps, "/usr/lib/libc.so.6") == 0x7f1000000000
+    only_shared = maps[:1]
+    assert module_base(only_shared, "/usr/lib/libc.so.6") == 0x7f0000029000
+    assert module_base(maps, "/nothing") == 0

@@ -62,8 +62,13 @@ def find_mapping(maps: list[MapEntry], addr: int) -> MapEntry | None:
 
 
 def module_base(maps: list[MapEntry], path: str) -> int:
-    """Load base of a file mapping: lowest address of a mapping of ``path``."""
-    return min((m.lo - m.offset for m in maps if m.path == path), default=0)
+    """Load base of a file mapping: lowest address of a private mapping of ``path``
+    (as the loader maps a module's segments), less its file offset.  A shared mapping
+    of the same file (a program reading an ELF file through mmap) is not the module;
+    without any private one, the lowest mapping of ``path`` is."""
+    private = [m for m in maps if m.path == path and m.perms[3:4] == "p"]
+    return min((m.lo - m.offset for m in private or [m for m in maps if m.path == path]),
+               default=0)
 
 
 def mapped_file(path: str, dev: tuple[int, int], ino: int) -> os.stat_result | None:
