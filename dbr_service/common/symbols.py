@@ -23,6 +23,7 @@ import os
 import stat
 import struct
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 SHT_SYMTAB, SHT_DYNSYM = 2, 11
@@ -100,14 +101,21 @@ def read_symbols(path: str) -> SymbolTable:
     return parse_symbols(data)
 
 
-def parse_symbols(data: bytes) -> SymbolTable:
+def _sections(data: bytes) -> list[tuple] | None:
+    """The section headers of little-endian ELF64 ``data``, None for anything else."""
     if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        return SymbolTable([], "")
+        return None
     shoff, = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
     if shentsize < 64 or shoff + shentsize * shnum > len(data):
+        return None
+    return [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+
+
+def parse_symbols(data: bytes) -> SymbolTable:
+    secs = _sections(data)
+    if secs is None:
         return SymbolTable([], "")
-    secs = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
     first = _first_load(data)
     for want, label in ((SHT_SYMTAB, ".symtab"), (SHT_DYNSYM, ".dynsym")):
         syms = _table(data, secs, want)
@@ -126,8 +134,11 @@ def _first_load(data: bytes) -> int:
     return min(loads) & ~0xFFF if loads else 0
 
 
-def _table(data: bytes, secs: list[tuple], kind: int) -> list[Symbol]:
-    best: dict[tuple[int, int], tuple[int, str, int]] = {}
+def _entries(data: bytes, secs: list[tuple],
+             kind: int) -> Iterator[tuple[int, str, int, int, int]]:
+    """``(index, name, st_info, value, size)`` of the defined, named symbols with a
+    value in the symbol tables of section type ``kind`` (bounded: MAX_SYMBOLS a table,
+    every offset checked against ``data``)."""
     for sec in secs:
         _name, typ, _flags, _addr, off, size, link, _info, _align, entsize = sec
         if typ != kind or entsize < 24 or link >= len(secs) or off + size > len(data):
@@ -135,23 +146,27 @@ def _table(data: bytes, secs: list[tuple], kind: int) -> list[Symbol]:
         stroff, strsize = secs[link][4], secs[link][5]
         if stroff + strsize > len(data):
             continue
-        count = min(size // entsize, MAX_SYMBOLS)
-        for i in range(count):
+        for i in range(min(size // entsize, MAX_SYMBOLS)):
             st_name, st_info, _other, shndx, value, sz = struct.unpack_from(
                 "<IBBHQQ", data, off + i * entsize)
-            if st_info & 0xF not in (STT_FUNC, STT_GNU_IFUNC) or shndx == 0 or not value:
-                continue
-            if st_name >= strsize:
+            if shndx == 0 or not value or st_name >= strsize:
                 continue
             end = data.find(b"\0", stroff + st_name, stroff + strsize)
             if end < 0:
                 continue
             name = data[stroff + st_name:end].decode("utf-8", "replace")
-            if not name:
-                continue
-            cand = (st_info >> 4, name, i)
-            key = (value, sz)
-            best[key] = _pick(best[key], cand) if key in best else cand
+            if name:
+                yield i, name, st_info, value, sz
+
+
+def _table(data: bytes, secs: list[tuple], kind: int) -> list[Symbol]:
+    best: dict[tuple[int, int], tuple[int, str, int]] = {}
+    for i, name, st_info, value, sz in _entries(data, secs, kind):
+        if st_info & 0xF not in (STT_FUNC, STT_GNU_IFUNC):
+            continue
+        cand = (st_info >> 4, name, i)
+        key = (value, sz)
+        best[key] = _pick(best[key], cand) if key in best else cand
     return [Symbol(start, size, name) for (start, size), (_b, name, _i) in best.items()]
 
 
@@ -210,29 +225,11 @@ def dynamic_functions(path: str, names: set[str],
         data = os.pread(fd, st.st_size, 0)
     finally:
         os.close(fd)
-    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+    secs = _sections(data)
+    if secs is None:
         return {}, 0
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    if shentsize < 64 or shoff + shentsize * shnum > len(data):
-        return {}, 0
-    secs = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
     found: dict[str, int] = {}
-    wanted = {n.encode() for n in names}
-    for sec in secs:
-        _name, typ, _flags, _addr, off, size, link, _info, _align, entsize = sec
-        if typ != SHT_DYNSYM or entsize < 24 or link >= len(secs) or off + size > len(data):
-            continue
-        stroff, strsize = secs[link][4], secs[link][5]
-        if stroff + strsize > len(data):
-            continue
-        for i in range(min(size // entsize, MAX_SYMBOLS)):
-            st_name, st_info, _other, shndx, value, _sz = struct.unpack_from(
-                "<IBBHQQ", data, off + i * entsize)
-            if st_info & 0xF != STT_FUNC or shndx == 0 or not value or st_name >= strsize:
-                continue
-            end = data.find(b"\0", stroff + st_name, stroff + strsize)
-            name = data[stroff + st_name:end] if end >= 0 else b""
-            if name in wanted and name.decode() not in found:
-                found[name.decode()] = value
+    for _i, name, st_info, value, _sz in _entries(data, secs, SHT_DYNSYM):
+        if st_info & 0xF == STT_FUNC and name in names and name not in found:
+            found[name] = value
     return found, _first_load(data)
