@@ -18,7 +18,9 @@ import ctypes
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from dbr_service.common.errors import SamplingError
 from dbr_service.sampling.base import Sample
@@ -275,8 +277,14 @@ def _sample_parser(sample_type: int, branch_hw_index: bool):
 
 def parse_records(buf: bytes, sample_type: int, branch_hw_index: bool = False) -> ParseResult:
     """Parse a run of perf records (already unwrapped from the ring)."""
-    parse_sample = _sample_parser(sample_type, branch_hw_index)
-    out = ParseResult([])
+    return walk_records(buf, _sample_parser(sample_type, branch_hw_index), ParseResult([]))
+
+
+def walk_records(buf: bytes, parse_sample: Callable[[bytes, int, int], Any], out: Any) -> Any:
+    """Walk a run of perf records into ``out`` (its ``samples``, ``lost``,
+    ``throttles`` and ``bad_records``): samples through ``parse_sample(buf, body,
+    end)``; a record that overruns the run ends the walk, one that does not parse is
+    counted bad."""
     hdr = struct.Struct("<IHH").unpack_from
     pos, n = 0, len(buf)
     while pos + 8 <= n:

@@ -25,9 +25,8 @@ from typing import Sequence
 
 from dbr_service.common.errors import SamplingError
 from dbr_service.sampling.perf_abi import (
-    EVENTS, PAGE_SIZE, PERF_RECORD_LOST, PERF_RECORD_SAMPLE, PERF_RECORD_THROTTLE,
-    PERF_SAMPLE_CALLCHAIN, PERF_SAMPLE_IP, PERF_SAMPLE_TID, PERF_SAMPLE_TIME, PerfRing,
-    make_attr, perf_event_open)
+    EVENTS, PAGE_SIZE, PERF_SAMPLE_CALLCHAIN, PERF_SAMPLE_IP, PERF_SAMPLE_TID,
+    PERF_SAMPLE_TIME, PerfRing, make_attr, perf_event_open, walk_records)
 
 PERF_SAMPLE_REGS_USER = 1 << 12
 PERF_SAMPLE_STACK_USER = 1 << 13
@@ -112,25 +111,7 @@ def _parse_sample(buf: bytes, pos: int, end: int) -> StackSample:
 
 def parse_stack_records(buf: bytes) -> StackParse:
     """Parse a run of perf records of :data:`SAMPLE_TYPE` (unwrapped from the ring)."""
-    out = StackParse([])
-    hdr = struct.Struct("<IHH").unpack_from
-    pos, n = 0, len(buf)
-    while pos + 8 <= n:
-        rtype, _misc, size = hdr(buf, pos)
-        if size < 8 or pos + size > n:
-            out.bad_records += 1
-            break
-        try:
-            if rtype == PERF_RECORD_SAMPLE:
-                out.samples.append(_parse_sample(buf, pos + 8, pos + size))
-            elif rtype == PERF_RECORD_LOST:
-                out.lost += struct.unpack_from("<QQ", buf, pos + 8)[1]
-            elif rtype == PERF_RECORD_THROTTLE:
-                out.throttles += 1
-        except (struct.error, ValueError):
-            out.bad_records += 1
-        pos += size
-    return out
+    return walk_records(buf, _parse_sample, StackParse([]))
 
 
 class StackSampler:
