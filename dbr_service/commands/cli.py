@@ -27,6 +27,17 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
+def pid_arg(text: str) -> int:
+    """argparse type of a PID argument, as every command that takes one checks it."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a pid") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a pid")
+    return v
+
+
 def _base_parser() -> argparse.ArgumentParser:
     import dbr_service
 

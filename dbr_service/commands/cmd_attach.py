@@ -14,17 +14,8 @@ import os
 import sys
 import time
 
+from dbr_service.commands.cli import pid_arg
 from dbr_service.common.paths import resolve_runtime_dir, untrusted_dir
-
-
-def pid_arg(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a pid")
-    return v
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from dbr_service.commands.cli import pid_arg
 from dbr_service.common.paths import resolve_runtime_dir, untrusted_dir
 from dbr_service.commands.ctlclient import Code, ControlClient
 from dbr_service.commands.cmd_flame import add_parser as add_flame_parser
@@ -39,16 +40,6 @@ EPILOG = """examples:
   dbr ctl probe add 1234 parse --kind args --filter 'arg1>100'
   DBR_RUNTIME_DIR=/tmp/dbr dbr ctl shutdown
 """
-
-
-def _pid(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a pid") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a pid")
-    return v
 
 
 def _positive(text: str) -> int:
@@ -84,25 +75,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--all", action="store_true", help="also sessions that ended")
     verb("waiting", "processes that carry the agent but have no session yet, and why")
     p = verb("hotspots", "hottest addresses of a client")
-    p.add_argument("pid", type=_pid, help=pid_help)
+    p.add_argument("pid", type=pid_arg, help=pid_help)
     p.add_argument("--top", type=_positive, default=20, metavar="N",
                    help="how many addresses, hottest first (default 20)")
     p = verb("regions", "regions of a client")
-    p.add_argument("pid", type=_pid, help=pid_help)
+    p.add_argument("pid", type=pid_arg, help=pid_help)
     p = verb("region", "one region (JSON, or its graph with --dot/--svg)")
-    p.add_argument("pid", type=_pid, help=pid_help)
+    p.add_argument("pid", type=pid_arg, help=pid_help)
     p.add_argument("id", help="the region's id (r1, ...), as `dbr ctl regions PID` lists it")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--dot", metavar="FILE", help="write the region graph as DOT")
     g.add_argument("--svg", metavar="FILE", help="write the region graph as SVG")
     p = verb("unpatch", "remove a client's patches (one region or all); they stay out "
                         "until `dbr ctl resume PID`")
-    p.add_argument("pid", type=_pid, help=pid_help)
+    p.add_argument("pid", type=pid_arg, help=pid_help)
     p.add_argument("id", nargs="?", help="only this region (r1, ...); default: every region")
     for name in ("pause", "resume"):
         p = verb(name, f"{name} sampling of one client or of the service" +
                  ("; resume also allows what `unpatch` held back" if name == "resume" else ""))
-        p.add_argument("pid", type=_pid, nargs="?",
+        p.add_argument("pid", type=pid_arg, nargs="?",
                        help=pid_help + "; default: the whole service")
     p = verb("config", "config get [KEY] | config set KEY VALUE")
     csub = p.add_subparsers(dest="op", metavar="OP", required=True)
@@ -119,12 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "object a line)")
     p.add_argument("--since", type=int, default=0, metavar="SEQ",
                    help="only events after this sequence number")
-    add_flame_parser(verb, _pid, pid_help)
+    add_flame_parser(verb, pid_arg, pid_help)
     verb("shutdown", "stop the service")
     p = verb("probe", "dynamic probes: probe add|list|show|del (docs/operators.md, Probes)")
     psub = p.add_subparsers(dest="op", metavar="OP", required=True)
     a = psub.add_parser("add", parents=[common], help="place a probe at a location")
-    a.add_argument("pid", type=_pid, help=pid_help)
+    a.add_argument("pid", type=pid_arg, help=pid_help)
     a.add_argument("location", help="SYMBOL[+OFF] or MODULE+OFF (a mapped file's path or "
                                     "basename, as `dbr ctl hotspots` prints it)")
     a.add_argument("--kind", choices=("count", "args", "latency"), default="count",
@@ -135,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for op, text in (("list", "a client's probes"), ("show", "one probe and its data"),
                      ("del", "remove a probe (its site gets its original bytes back)")):
         q = psub.add_parser(op, parents=[common], help=text)
-        q.add_argument("pid", type=_pid, help=pid_help)
+        q.add_argument("pid", type=pid_arg, help=pid_help)
         if op != "list":
             q.add_argument("id", type=_positive, help="the probe's id (`probe list`)")
         if op == "show":

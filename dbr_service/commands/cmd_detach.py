@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from dbr_service.commands.cmd_attach import pid_arg
+from dbr_service.commands.cli import pid_arg
 from dbr_service.common.paths import resolve_runtime_dir, untrusted_dir
 
 
