@@ -55,13 +55,6 @@ REUSE_MAX_S = 600.0
 MAX_KEPT_SELECTIONS = 64
 
 
-def _disowned(rec: Any) -> bool:
-    """A region the next runs must not get again: found slower by a speed check, or
-    taken out by the operator."""
-    why = str(rec.info.get("removed_why", ""))
-    return why.startswith("slower") or why == "operator"
-
-
 class WarmStart:
     """The store as the service uses it; called from session threads and the control
     thread (one lock around the store)."""
@@ -162,8 +155,13 @@ class WarmStart:
         per_module = module_counts(ips, maps)
         if sum(sum(c.values()) for c in per_module.values()) < MIN_RUN_SAMPLES:
             return self.is_warm(s)
-        hot = module_hot_text([r for r in list(s.region_book.regions.values())
-                               if not _disowned(r)], maps, selection_params(self.config))
+        # the next runs must not get again what this one may not install again (found
+        # slower or not effective) nor what the operator took out
+        book = s.region_book
+        kept = [] if book.operator_hold_all else [
+            r for r in list(book.regions.values())
+            if r.id not in book.blocked_regions and r.id not in book.operator_held]
+        hot = module_hot_text(kept, maps, selection_params(self.config))
         ranked = sorted(per_module, key=lambda p: -sum(per_module[p].values()))
         keys = [(path, mk) for path in ranked[:MAX_RUN_MODULES]
                 if (mk := self._key(path, maps)) is not None]
