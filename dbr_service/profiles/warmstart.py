@@ -4,12 +4,17 @@
   code) are merged into the store per module, with the hot text of the regions it
   had installed (``profiledata.module_hot_text``).  A run with fewer than
   MIN_RUN_SAMPLES samples is not recorded: it says too little.
-* **A warm client.**  A program whose executable has stored hot text is *warm*.  When
-  a warm client connects, its first selection job is queued at once, from the stored
-  counts of every module it maps that has hot text stored (module offsets rebased to
-  where the client maps them), instead of after its first sampling windows.  The job
-  selects and installs as any other: discovery reads the client's live code, the
-  agent checks every site's bytes, and sampling goes on to refine the choice.
+* **A warm client.**  A program is *warm* when its executable has stored hot text, or
+  a recorded run of it left hot text in a module it maps (the store's programs).
+  When a warm client connects, its first selection job is queued at once, a quick
+  one under the service's settings, from the stored counts of every module it maps
+  that has hot text (module offsets rebased to where the client maps them), instead
+  of after its first sampling windows.  The job selects and installs as any other:
+  discovery reads the client's live code, the agent checks every site's bytes, and
+  sampling goes on to refine the choice.
+* **Kept selections.**  That job's result is kept, and the program's next processes
+  get it at connection with no job, moved to where each maps its files
+  (profiles/rebase.py), REUSE_MAX_TIMES times within REUSE_MAX_S.
 * **Born at once.**  A warm program's agents are told to connect at their start: the
   program's own birth age, 0, beside the service's hint (paths.program_quiet_file),
   written when a run leaves hot text and, at the service's start, for the stored
@@ -17,7 +22,8 @@
   (daemon/shortruns.py) treats a warm program as one that gains.
 
 A store that cannot be opened (another service holds it, a directory that is not
-safe) leaves the service without warm start, with a WARNING; it never stops it.
+safe) leaves the service without warm start, with a WARNING (at INFO for `dbr run`'s
+embedded service when another holds it); it never stops it.
 """
 
 from __future__ import annotations
