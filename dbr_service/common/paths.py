@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 AGENT_SOCKET = "agent.sock"
@@ -14,33 +14,33 @@ CONTROL_SOCKET = "control.sock"
 EVENTS_SOCKET = "events.sock"
 
 
-def resolve_runtime_dir(configured: str = "", env: Mapping[str, str] | None = None) -> Path:
-    """Configured value, else $DBR_RUNTIME_DIR, else /run/dbr (root) or $XDG_RUNTIME_DIR/dbr."""
+def _resolve(configured: str, env: Mapping[str, str] | None, var: str, as_root: str,
+             user_base: Callable[[Mapping[str, str]], str]) -> Path:
+    """The precedence both directories follow: configured, else ``$var``, else
+    ``as_root`` for root, else ``user_base(env)/dbr``."""
     env = os.environ if env is None else env
     if configured:
         return Path(configured)
-    if env.get("DBR_RUNTIME_DIR"):
-        return Path(env["DBR_RUNTIME_DIR"])
+    if env.get(var):
+        return Path(env[var])
     if os.geteuid() == 0:
-        return Path("/run/dbr")
-    xdg = env.get("XDG_RUNTIME_DIR") or f"/tmp/dbr-{os.getuid()}"
-    return Path(xdg) / "dbr"
+        return Path(as_root)
+    return Path(user_base(env)) / "dbr"
+
+
+def resolve_runtime_dir(configured: str = "", env: Mapping[str, str] | None = None) -> Path:
+    """Configured value, else $DBR_RUNTIME_DIR, else /run/dbr (root) or $XDG_RUNTIME_DIR/dbr."""
+    return _resolve(configured, env, "DBR_RUNTIME_DIR", "/run/dbr",
+                    lambda e: e.get("XDG_RUNTIME_DIR") or f"/tmp/dbr-{os.getuid()}")
 
 
 def resolve_state_dir(configured: str = "", env: Mapping[str, str] | None = None) -> Path:
     """Configured value, else $DBR_STATE_DIR, else /var/lib/dbr (root) or
     $XDG_STATE_HOME/dbr ($HOME/.local/state/dbr without it): where the profile store
     lives (dbr_service/profiles/profilestore.py)."""
-    env = os.environ if env is None else env
-    if configured:
-        return Path(configured)
-    if env.get("DBR_STATE_DIR"):
-        return Path(env["DBR_STATE_DIR"])
-    if os.geteuid() == 0:
-        return Path("/var/lib/dbr")
-    xdg = env.get("XDG_STATE_HOME") or os.path.join(
-        env.get("HOME") or os.path.expanduser("~"), ".local", "state")
-    return Path(xdg) / "dbr"
+    return _resolve(configured, env, "DBR_STATE_DIR", "/var/lib/dbr",
+                    lambda e: e.get("XDG_STATE_HOME") or os.path.join(
+                        e.get("HOME") or os.path.expanduser("~"), ".local", "state"))
 
 
 class UnsafeDirError(OSError):
