@@ -5,8 +5,9 @@ A multi-threaded program started without the agent (hot threads checking their o
 results, a thread blocked in read(), one in nanosleep) is attached while it runs under
 a real service, gets patched, answers correctly, is detached with its text as in its
 file (checked here too, not only by the service), and attached again.  Then every
-refusal: a static binary, a zombie, a pid that is gone, another user's process,
-a process another tracer holds, another mount namespace, an active agent, Yama.
+refusal: a static binary, a 32-bit program, a zombie, a pid that is gone, another
+user's process, a process that is not dumpable, a process another tracer holds,
+another mount namespace, an active agent, Yama.
 """
 
 from __future__ import annotations
@@ -218,6 +219,38 @@ def test_refuses_another_users_process(program):
     try:
         msg = refused(p.pid, user=65534)
         assert f"pid {p.pid} (sleep) runs as uid 65533" in msg and "you are uid 65534" in msg
+    finally:
+        kill(p)
+
+
+def test_refuses_a_process_that_is_not_dumpable():
+    """Its owner may not trace it: prctl(PR_SET_DUMPABLE, 0) closes its /proc entries
+    and ptrace to all but CAP_SYS_PTRACE."""
+    if shutil.which("setpriv") is None or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv to run the target and dbr as another user")
+    p = start(["/usr/bin/python3", "-c", "import ctypes, time\n"
+               "assert ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) == 0\n"
+               "print('ready', flush=True)\ntime.sleep(30)\n"], user=65534, group=65534)
+    try:
+        assert p.stdout.readline().strip() == b"ready"
+        msg = refused(p.pid, user=65534)
+        assert f"pid {p.pid} (python3) is not dumpable" in msg, msg
+    finally:
+        kill(p)
+
+
+def test_refuses_a_32_bit_process(tmp_path):
+    src = tmp_path / "pause32.s"
+    src.write_text(".globl _start\n_start:\n mov $29, %eax\n int $0x80\n jmp _start\n")
+    exe = tmp_path / "pause32"
+    if (subprocess.run(["as", "--32", "-o", str(tmp_path / "p.o"), str(src)]).returncode
+            or subprocess.run(["ld", "-m", "elf_i386", "-o", str(exe),
+                               str(tmp_path / "p.o")]).returncode):
+        pytest.skip("binutils cannot build an i386 program here")
+    p = start([str(exe)])
+    try:
+        wait_until(lambda: A._status(p.pid).get("State", "").startswith("S"), 5, "pause")
+        assert "is not an x86-64 process (a 32-bit one?)" in refused(p.pid)
     finally:
         kill(p)
 

@@ -164,6 +164,11 @@ def check_target(pid: int) -> Target:
         raise AttachError(_yama_message(pid, scope))
     try:
         theirs, ours = os.stat(f"/proc/{pid}/ns/mnt"), os.stat("/proc/self/ns/mnt")
+    except PermissionError:
+        # the owner's own process, yet its /proc entries are closed: not dumpable
+        raise AttachError(f"pid {pid} ({name}) is not dumpable (it called "
+                          "prctl(PR_SET_DUMPABLE, 0), or it runs a set-user-ID or file-"
+                          "capability program): only root (CAP_SYS_PTRACE) may attach") from None
     except OSError as exc:
         raise AttachError(f"cannot see pid {pid}'s mount namespace: {exc.strerror}") from None
     if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
