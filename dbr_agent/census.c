@@ -459,6 +459,8 @@ static int census_collect(const struct dbr_range *ranges, uint32_t n_ranges, uin
     if (n_ranges > 0 && (table = stacks_read()) == NULL)
         return -1;
     n = dbr_list_threads(tids, DBR_CENSUS_SLOTS);
+    if (n < 0)
+        return -1;          /* threads unknown: no census rather than one that misses some */
     if (n > (int)DBR_CENSUS_SLOTS)
         n = DBR_CENSUS_SLOTS;   /* the rest cannot be reported */
 

@@ -101,13 +101,15 @@ static pid_t trap_blocker(void)
     pid_t *tids, found = 0;
     uint64_t m;
 
-    if (n <= 0)
+    if (n < 0)
+        return -1;
+    if (n == 0)
         return 0;
     tids = dbr_alloc((size_t)(n + 64) * sizeof *tids);
     if (!tids)
         return -1;
     k = dbr_list_threads(tids, n + 64);
-    if (k > n + 64) {           /* more threads than the list holds: some go unseen */
+    if (k < 0 || k > n + 64) {           /* more threads than the list holds: some go unseen */
         dbr_free(tids);
         return -1;
     }

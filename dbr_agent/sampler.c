@@ -237,6 +237,8 @@ int dbr_sampler_start(uint32_t period_us, uint32_t ring_entries, uint32_t flags,
         goto out;
     }
     n = dbr_list_threads(tids, DBR_TIMER_TABLE_MAX);
+    if (n < 0)
+        n = 0;                  /* threads unknown: they get timers as they are seen */
     if (n > (int)DBR_TIMER_TABLE_MAX)
         n = DBR_TIMER_TABLE_MAX;
     for (i = 0; i < n; i++)

@@ -189,6 +189,12 @@ int dbr_transfer_run(uint32_t region_id, const struct dbr_transfer_point *p, uin
     g_tp_lo = evict ? lo : 0;
     g_tp_hi = evict ? hi : 0;
     nt = dbr_list_threads(tids, DBR_CENSUS_SLOTS);
+    if (nt < 0) {               /* threads unknown: no transfer rather than one that misses some */
+        g_tp_n = 0;
+        dbr_free(tids);
+        dbr_free(waiting);
+        return DBR_E_BUSY;
+    }
     if (nt > (int)DBR_CENSUS_SLOTS)
         nt = DBR_CENSUS_SLOTS;
     slots_reset(g_tslots, tids, nt);

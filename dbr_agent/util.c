@@ -519,15 +519,19 @@ struct dbr_dirent64 {
     char d_name[];
 };
 
-int dbr_list_threads(pid_t *tids, int max)
+/* One walk of /proc/self/task: tids found (the first max stored), *calls the
+ * getdents calls that returned entries, *last the last tid listed. */
+static int list_walk(char *buf, size_t cap, pid_t *tids, int max, int *calls, pid_t *last)
 {
-    char buf[4096] __attribute__((aligned(8)));
     int fd = open("/proc/self/task", O_RDONLY | O_DIRECTORY | O_CLOEXEC), n = 0;
     long k, off;
 
+    *calls = 0;
+    *last = 0;
     if (fd < 0)
-        return 0;
-    while ((k = syscall(SYS_getdents64, fd, buf, sizeof buf)) > 0) {
+        return -1;
+    while ((k = syscall(SYS_getdents64, fd, buf, cap)) > 0) {
+        (*calls)++;
         for (off = 0; off < k; off += ((struct dbr_dirent64 *)(buf + off))->d_reclen) {
             const char *name = ((struct dbr_dirent64 *)(buf + off))->d_name;
             long t = 0;
@@ -540,10 +544,58 @@ int dbr_list_threads(pid_t *tids, int max)
                 continue;
             if (tids && n < max)
                 tids[n] = (pid_t)t;
+            *last = (pid_t)t;
             n++;
         }
     }
     close(fd);
+    return k < 0 ? -1 : n;
+}
+
+/* The kernel walks a thread group's list from the leader and can stop early
+ * while threads end (it stands on one that ended); a later getdents call then
+ * resumes by position, and with threads gone that position skips live ones.
+ * A walk is taken only when it came in one call and listed at least as many
+ * threads as the kernel counted just before it: a walk cut short lists only
+ * threads that stand before the one it missed (new threads join at the end),
+ * fewer than that count.  So every thread alive through a walk that is taken
+ * is in it.  Else it is walked again, with room for every thread.  -1 when no
+ * walk was taken (threads ending all the time, or no memory): callers treat
+ * the answer as unknown. */
+#define LIST_TRIES     32
+#define LIST_DIRENT_SZ 32      /* a dirent64 naming a tid of up to 12 digits */
+
+int dbr_list_threads(pid_t *tids, int max)
+{
+    char small[4096] __attribute__((aligned(8)));
+    char *buf = small, *big = NULL;
+    size_t cap = sizeof small;
+    int try, n = -1, calls, before;
+    pid_t last;
+
+    for (try = 0; try < LIST_TRIES; try++) {
+        before = dbr_status_threads();
+        n = list_walk(buf, cap, tids, max, &calls, &last);
+        if (n < 0 || before < 0)
+            break;
+        if (calls <= 1 && n >= before)
+            goto out;
+        if (calls > 1) {          /* more than the buffer held: room for all, and some */
+            size_t want = ((size_t)(n > before ? n : before) * 2 + 64) * LIST_DIRENT_SZ;
+
+            if (want > cap) {
+                dbr_free(big);
+                big = dbr_alloc(want);
+                if (!big)
+                    break;
+                buf = big;
+                cap = want;
+            }
+        }
+    }
+    n = -1;
+out:
+    dbr_free(big);
     return n;
 }
 
@@ -577,7 +629,9 @@ int dbr_thread_sigblk(pid_t tid, uint64_t *mask)
 
 int dbr_count_threads(void)
 {
-    return dbr_list_threads(NULL, 0);
+    int n = dbr_list_threads(NULL, 0);
+
+    return n < 0 ? dbr_status_threads() : n;
 }
 
 /* The process's thread count as the kernel keeps it ("Threads:" of the calling
