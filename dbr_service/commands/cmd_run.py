@@ -239,9 +239,21 @@ def _exit_now(code: int) -> None:
     concurrent.futures and multiprocessing still join its manager thread and child
     processes at exit, and that join can hang after shutdown(wait=False) (CPython
     #83386).  PROG's exit status and the report are already out; workers and the
-    forkserver leave on their own when this process is gone (pidfd watch)."""
+    forkserver leave on their own when this process is gone (pidfd watch).  The
+    resource tracker would then find the pool's semaphores unreleased and print
+    warnings into our stderr after we are gone (spoiling `--json`); their names were
+    unlinked when they were made, so it has nothing to clean and is stopped first."""
     import logging
+    import signal
+    from multiprocessing import resource_tracker
 
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    pid = getattr(tracker, "_pid", None)
+    if isinstance(pid, int) and pid > 0:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
     logging.shutdown()
     for f in (sys.stdout, sys.stderr):
         try:
