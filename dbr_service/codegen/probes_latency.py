@@ -33,6 +33,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+from dbr_service.codegen.counting import Trampoline, relocate_site
+from dbr_service.codegen.relocate import Relocator
 from dbr_service.common.errors import CodegenError
 
 COUNT, SUM, MISS_SLOT, MISS_DEPTH = 0, 8, 16, 24
@@ -255,3 +257,17 @@ def read_latency(data: bytes, ticks_per_ns: float) -> dict[str, Any]:
         v = _quantile(hist, q, ticks_per_ns)
         out[name] = round(v) if v is not None else None
     return out
+
+
+def latency_trampoline(code: bytes, site: int, at: int, data: int,
+                       relocator: Relocator | None = None) -> Trampoline:
+    """The latency probe's trampoline at ``at`` for the function start ``site``
+    (original bytes ``code``): the entry handler, the patched instructions relocated
+    and a jmp back (counting.relocate_site), then the exit stub."""
+    head = entry_handler(at, data, 0)
+    tail, n, exits = relocate_site(code, site, at + len(head), relocator)
+    stub_at = at + len(head) + len(tail)
+    head = entry_handler(at, data, stub_at)
+    if stub_at != at + len(head) + len(tail):      # pragma: no cover - movabs is 10 bytes
+        raise CodegenError("the latency entry handler's size depends on its exit stub")
+    return Trampoline(site, at, head + tail + exit_stub(stub_at, data), n, exits)

@@ -1,0 +1,182 @@
+"""Latency probes on a real program under a real service (dbr_service/session/probes.py,
+codegen/probes_latency.py).
+
+tests/agent_progs/latency.c sleeps known times in ``nap``, nests ``rec``, leaves
+``leap`` by ``longjmp`` on odd calls, and runs ``nap`` on 8 threads.  Each count is
+exact; no sample is shorter than its sleep; the recursion's calls each last at least
+their depth's sleeps; calls left by ``longjmp`` are not counted and leave no entry
+behind (the slot table does not fill up); ``del`` and the service's stop while 8
+threads sleep inside the function let them return to their callers (the program's
+sums are right).  A C++ program is refused (its exceptions would unwind into the
+exit stub, which has no unwind information)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from harness import compile_c
+from service_helpers import ServiceProc, agent_path
+from test_probes_live import Prog
+
+from dbr_service.common.tsc import invariant_problem
+
+pytestmark = [
+    pytest.mark.skipif(agent_path() is None, reason="the agent cannot be built"),
+    pytest.mark.skipif(invariant_problem() is not None,
+                       reason=f"latency probes need an invariant TSC: {invariant_problem()}"),
+]
+
+MS = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def prog() -> str:
+    return str(compile_c(["latency.c"], flags=["-fcf-protection=none"], out_name="latency"))
+
+
+@pytest.fixture
+def quiet(prog):
+    """The program under a service told to leave it alone (paused: no regions)."""
+    svc = ServiceProc().wait_ready()
+    p = None
+    try:
+        p = Prog(svc, prog)
+        svc.call("pause", {"pid": p.pid})
+        yield p
+    finally:
+        if p is not None:
+            p.close()
+        svc.stop()
+
+
+def _samples(shown: dict) -> list[tuple[int, int]]:
+    """Each measured call's bucket as (low ns, high ns), shortest first."""
+    return [(lo, hi) for lo, hi, n in shown["buckets"] for _ in range(n)]
+
+
+def _done(p: Prog, line: str, timeout: float = 60.0) -> int:
+    return int(p.run(line, "done", timeout).split()[1])
+
+
+def test_latency_of_a_sleep(quiet: Prog) -> None:
+    p = quiet.probe("add", location="nap", kind="latency")
+    assert (p["kind"], p["location"], p["count"], p["misses_no_slot"]) == \
+        ("latency", "nap", 0, 0)
+    assert _done(quiet, "nap 50 2000") == 50 * 2000
+    shown = quiet.probe("show", id=p["id"])
+    assert shown["count"] == 50
+    assert shown["misses_no_slot"] == shown["misses_too_deep"] == 0
+    samples = _samples(shown)
+    assert len(samples) == 50
+    assert all(hi > 2 * MS for _lo, hi in samples), samples      # none shorter than 2 ms
+    assert all(lo < 100 * MS for lo, _hi in samples), samples    # none absurdly long
+    assert sum(1 for lo, _hi in samples if lo <= 3 * MS) >= 40, samples
+    assert 2 * MS <= shown["mean_ns"] < 20 * MS
+    assert shown["p50_ns"] > 2 * MS and shown["p99_ns"] >= shown["p90_ns"] >= shown["p50_ns"]
+    assert 50 * 2 * MS <= shown["sum_ns"]
+
+
+def test_recursion_counts_every_depth(quiet: Prog) -> None:
+    r = quiet.probe("add", location="rec", kind="latency")
+    n = quiet.probe("add", location="nap", kind="latency")
+    assert _done(quiet, "rec 6 1000") == 6 * 1000
+    shown = quiet.probe("show", id=r["id"])
+    assert shown["count"] == 6 and quiet.probe("show", id=n["id"])["count"] == 6
+    # the call at depth d (counted from the innermost) sleeps d times 1 ms
+    for d, (_lo, hi) in enumerate(_samples(shown), 1):
+        assert hi > d * MS, (d, shown["buckets"])
+    assert shown["sum_ns"] >= 21 * MS
+    assert _done(quiet, "rec 40 0") == 0          # deeper than a thread's 24 entries
+    shown = quiet.probe("show", id=r["id"])
+    assert (shown["count"], shown["misses_too_deep"]) == (6 + 24, 16)
+
+
+def test_longjmp_out_of_the_function(quiet: Prog) -> None:
+    p = quiet.probe("add", location="leap", kind="latency")
+    want = sum(i for i in range(1000) if i % 2 == 0) + 1000 * 500
+    assert _done(quiet, "leap 1000") == want
+    shown = quiet.probe("show", id=p["id"])
+    assert shown["count"] == 500                  # the calls that returned
+    assert _done(quiet, "leap 1000") == want      # abandoned entries were dropped
+    shown = quiet.probe("show", id=p["id"])
+    assert (shown["count"], shown["misses_no_slot"], shown["misses_too_deep"]) == (1000, 0, 0)
+
+
+def test_eight_threads(quiet: Prog) -> None:
+    p = quiet.probe("add", location="nap", kind="latency")
+    assert _done(quiet, "threads 8 25 1000") == 8 * 25 * 1000
+    shown = quiet.probe("show", id=p["id"])
+    assert (shown["count"], shown["misses_no_slot"], shown["misses_too_deep"]) == (200, 0, 0)
+    assert all(hi > MS for _lo, hi in _samples(shown))
+
+
+def test_del_while_threads_are_inside(quiet: Prog) -> None:
+    p = quiet.probe("add", location="nap", kind="latency")
+    quiet.run("bg 8 3 200000", "started")
+    gone = quiet.probe("del", id=p["id"])         # every thread sleeps inside nap
+    assert gone["state"] == "removed: deleted"
+    assert _done(quiet, "join") == 8 * 3 * 200000
+    assert _done(quiet, "nap 3 1000") == 3000
+
+
+def test_service_stop_while_threads_are_inside(prog: str) -> None:
+    svc = ServiceProc().wait_ready()
+    p = None
+    try:
+        p = Prog(svc, prog)
+        svc.call("pause", {"pid": p.pid})
+        p.probe("add", location="nap", kind="latency")
+        p.run("bg 8 2 200000", "started")
+        svc.stop()                     # probes are removed before BYE; buffers stay
+        assert _done(p, "join") == 8 * 2 * 200000
+        assert _done(p, "rec 3 1000") == 3000
+    finally:
+        if p is not None:
+            p.close()
+        svc.stop()
+
+
+def test_refusals(quiet: Prog) -> None:
+    assert "latency probes go at a function's start" in quiet.refused("nap+4", kind="latency")
+    assert "--filter applies to args probes only" in quiet.refused(
+        "nap", kind="latency", filter="arg0==1")
+
+
+def test_cxx_program_is_refused() -> None:
+    binary = str(compile_c(["latency_cxx.cc"], cc="g++", out_name="latency_cxx"))
+    svc = ServiceProc().wait_ready()
+    p = None
+    try:
+        p = Prog(svc, binary)
+        svc.call("pause", {"pid": p.pid})
+        why = p.refused("_Z5riskyl", kind="latency")
+        assert "maps libstdc++" in why and "exit stub" in why, why
+        assert p.probe("list")["probes"] == []
+        assert _done(p, "go 10") == 5                   # untouched: it still throws
+        c = p.probe("add", location="_Z5riskyl", kind="count")   # other kinds are fine
+        assert _done(p, "go 10") == 5
+        assert p.probe("show", id=c["id"])["count"] == 10
+    finally:
+        if p is not None:
+            p.close()
+        svc.stop()
+
+
+def test_dbr_ctl_probe_show_latency(quiet: Prog) -> None:
+    def ctl(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl", "--timeout",
+                               "40", "probe", *argv], capture_output=True, text=True,
+                              timeout=60, env=dict(os.environ, DBR_RUNTIME_DIR=quiet.svc.dir))
+    pid = str(quiet.pid)
+    r = ctl("add", pid, "nap", "--kind", "latency")
+    assert r.returncode == 0 and "latency at nap" in r.stdout, r.stdout + r.stderr
+    _done(quiet, "nap 10 1000")
+    r = ctl("show", pid, "1")
+    assert r.returncode == 0, r.stderr
+    for word in ("count: 10", "mean", "p50", "p90", "p99", "misses: 0"):
+        assert word in r.stdout, r.stdout
+    r = ctl("list", pid)
+    assert "latency" in r.stdout and " 10 " in r.stdout, r.stdout
