@@ -114,11 +114,31 @@ def test_eight_threads(quiet: Prog) -> None:
 
 
 def test_del_while_threads_are_inside(quiet: Prog) -> None:
+    """8 threads sleep 4 s inside nap when the probe goes: its code (the exit stub
+    their return addresses point to) stays while censuses find it on their stacks,
+    and is freed once they returned; the program's sums are right.  Censuses run in
+    the client's sampling cycle, so the client is resumed after the ``del``."""
     p = quiet.probe("add", location="nap", kind="latency")
-    quiet.run("bg 8 3 200000", "started")
+    lo, hi = p["code"]
+    quiet.run("bg 8 1 4000000", "started")
     gone = quiet.probe("del", id=p["id"])         # every thread sleeps inside nap
-    assert gone["state"] == "removed: deleted"
-    assert _done(quiet, "join") == 8 * 3 * 200000
+    assert gone["state"] == "removed: deleted" and gone["retained"] is not None
+    quiet.svc.call("resume", {"pid": quiet.pid})
+
+    def held() -> dict | None:
+        shown = [x for x in quiet.probe("list")["probes"] if x["id"] == p["id"]]
+        return shown[0]["retained"] if shown else None
+    seen = quiet.svc.wait_for(lambda: (held() or {}).get("stack_refs", 0) >= 8, 3.0,
+                              "a census finding the exit stub on 8 threads' stacks")
+    assert seen
+    # other probes placed meanwhile do not get its space
+    for _ in range(3):
+        c = quiet.probe("add", location="rec", kind="count")
+        assert c["code"][1] <= lo or hi <= c["code"][0], (c["code"], lo, hi)
+        quiet.probe("del", id=c["id"])
+    assert held() is not None
+    assert _done(quiet, "join") == 8 * 4000000
+    quiet.svc.wait_for(lambda: held() is None, 20, "the exit stub's code freed")
     assert _done(quiet, "nap 3 1000") == 3000
 
 

@@ -255,16 +255,45 @@ class SessionProbes:
     def probe_request(self, op: str, args: dict[str, Any]) -> Any:
         """Any thread: one ``probe_*`` verb.  add and del run on the session thread."""
         if op == "list":
-            return {"pid": self.pid, "probes": [p.to_json() for p in self._probe_list()]}
+            return {"pid": self.pid, "probes": [self._probe_json(p) for p in self._probe_list()
+                                                if self._probe_shown(p)]}
         if op == "show":
             p = self._probe_get(args["id"])
-            return p.to_json(min(max(args.get("last") or 0, 0), SHOW_MAX))
+            return self._probe_json(p, min(max(args.get("last") or 0, 0), SHOW_MAX))
         if not self.alive:
             raise ProbeRefused(f"client {self.pid} is no longer connected")
         if op == "add":
             return self.call(lambda: self.probe_add(args["location"], args["kind"],
                                                     args.get("filter")), timeout=30.0)
         return self.call(lambda: self.probe_del(args["id"]), timeout=6.0)
+
+    def _probe_retained(self, p: Probe) -> dict[str, Any] | None:
+        """What still holds a removed latency probe's code (its exit stub: threads that
+        were inside the function return through it), or None once it is free."""
+        inst = self.installer
+        reg = inst.regions.get(p.region_id) if inst is not None else None
+        return inst.space.retained(reg.chunk) if reg is not None else None
+
+    def _probe_shown(self, p: Probe) -> bool:
+        """Whether ``list`` shows ``p``: a deleted latency probe only while its exit stub
+        is retained (it is forgotten then)."""
+        if p.removed != "deleted":
+            return True
+        if self._probe_retained(p) is not None:
+            return True
+        with self.lock:
+            self.probes.pop(p.id, None)
+        return False
+
+    def _probe_json(self, p: Probe, last: int = 0) -> dict[str, Any]:
+        out = p.to_json(last)
+        inst = self.installer
+        reg = inst.regions.get(p.region_id) if inst is not None else None
+        if reg is not None:
+            out["code"] = list(reg.code_range())
+        if p.kind == "latency" and p.removed:
+            out["retained"] = self._probe_retained(p)
+        return out
 
     def _probe_list(self) -> list[Probe]:
         with self.lock:
@@ -376,15 +405,16 @@ class SessionProbes:
             probes[pid] = p
         self.service.events.publish("probe-added", pid=self.pid, probe=pid, kind=kind,
                                     location=p.location)
-        return p.to_json()
+        return self._probe_json(p)
 
     def probe_del(self, pid: int) -> dict[str, Any]:
         p = self._probe_get(pid)
         if not p.removed:
             self._probe_remove(p, "deleted")
-        with self.lock:
-            self.probes.pop(pid, None)
-        return p.to_json()
+        if p.kind != "latency" or self._probe_retained(p) is None:
+            with self.lock:
+                self.probes.pop(pid, None)
+        return self._probe_json(p)
 
     def probes_remove_all(self, why: str) -> None:
         """Session thread: remove every live probe (the service detaches)."""
