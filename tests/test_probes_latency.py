@@ -30,6 +30,7 @@ def _machine(body: str, main: str) -> tuple[unicorn.Uc, int]:
     mu.mem_map(DATA, 0x20000)
     mu.mem_map(STACK, 0x10000)
     mu.mem_map(TCB, 0x1000)
+    mu.mem_write(DATA, L.initial_data())
     head = L.entry_handler(F, DATA, EXIT)
     mu.mem_write(F, head + asm(body, F + len(head)))
     mu.mem_write(EXIT, L.exit_stub(EXIT, DATA))
@@ -189,3 +190,41 @@ def test_read_latency_quantiles() -> None:
         (100, 1500, 2, 1)
     assert r["p50_ns"] == 2048 and r["p90_ns"] == 2048 and r["p99_ns"] == 8192
     assert r["buckets"] == [[1024, 2048, 90], [4096, 8192, 10]]
+
+
+def test_signal_handler_between_reserve_and_write() -> None:
+    """A signal handler that calls F while F's entry handler has reserved its entry
+    (the xadd) and not written it yet: the handler's call pushes above it, returns
+    through the stub and leaves the reserved entry alone; both calls are measured and
+    return to their callers."""
+    handler_at = CODE + 0x5000
+    # the first call runs deeper: its entry, once dropped, lies below the handler's
+    mu, end = _machine("mov rax, 41; ret", f"sub rsp, 2048; call {F:#x}; add rsp, 2048; "
+                                           f"call {F:#x}; mov rbx, rax")
+    code = bytes(mu.mem_read(F, 0x200))
+    import capstone
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    after_xadd = next(i.address + i.size for i in md.disasm(code, F) if i.mnemonic == "xadd")
+    hcode = asm(f"call {F:#x}; mov r12, rax; nop", handler_at)
+    mu.mem_write(handler_at, hcode)
+    hits = []
+
+    def stop_second(uc, *_):
+        hits.append(1)
+        if len(hits) == 2:
+            uc.emu_stop()
+    hook = mu.hook_add(unicorn.UC_HOOK_CODE, stop_second, begin=after_xadd, end=after_xadd)
+    mu.emu_start(MAIN, end, count=20000)                 # up to the second call's xadd
+    assert _data(mu)[0] == 1
+    mu.hook_del(hook)
+    assert mu.reg_read(U.UC_X86_REG_RIP) == after_xadd
+    assert _slot(mu)[0][1] == 1                          # reserved
+    ctx = mu.context_save()
+    mu.reg_write(U.UC_X86_REG_RSP, mu.reg_read(U.UC_X86_REG_RSP) - 1024)
+    mu.emu_start(handler_at, handler_at + len(hcode) - 1, count=10000)
+    assert mu.reg_read(U.UC_X86_REG_R12) == 41 and _data(mu)[0] == 2
+    assert _slot(mu)[0][1] == 1                          # the reserved entry is kept
+    mu.context_restore(ctx)
+    mu.emu_start(after_xadd, end, count=10000)
+    assert _data(mu)[0] == 3 and mu.reg_read(U.UC_X86_REG_RBX) == 41
+    assert _slot(mu) == []

@@ -23,7 +23,9 @@ The exit stub looks for the topmost entry whose ``saved`` is its own return slot
 (rsp - 8) and drops it, every entry above it, and the run of entries right below it
 whose ``saved`` is not above its own: on one stack those are frames a ``longjmp``, an
 exception or a signal handler's ``siglongjmp`` abandoned (a live caller's return slot
-is above the callee's).  An
+is above the callee's).  Dropped entries get ``saved`` = FREE before the depth is
+lowered, so an entry reserved and not yet written (a signal handler runs between the
+``xadd`` and the stores) is neither matched nor trimmed by the handler's own exit.  An
 entry that finds no slot or no room records nothing and leaves the return address
 alone (counted as a miss).
 """
@@ -54,7 +56,9 @@ _SHIFT = 64 - (NSLOTS.bit_length() - 1)
 #: Bytes the entry handler keeps between rsp and the function's return slot.
 _ENTRY_FRAME = 128 + 7 * 8
 #: Bytes the exit stub keeps between rsp and the return slot it refills.
-_EXIT_FRAME = 8 * 8
+_EXIT_FRAME = 9 * 8
+#: ``saved`` of an entry no frame holds: never matched, never trimmed.
+FREE = (1 << 64) - 1
 
 _ks = None
 
@@ -152,7 +156,7 @@ def exit_stub(at: int, data: int) -> bytes:
     slots = data + SLOTS
     text = f"""
         push rax; pushfq
-        push rax; push rcx; push rdx; push rsi; push rdi; push r8; push r11
+        push rax; push rcx; push rdx; push rsi; push rdi; push r8; push r9; push r11
         rdtsc; shl rdx, 32; or rax, rdx; mov rsi, rax
         {_TCB_RCX}
         movabs r11, {slots:#x}
@@ -166,8 +170,10 @@ def exit_stub(at: int, data: int) -> bytes:
         push rax
         mov rax, qword ptr [r11 + rdx + 8]
         cmp rax, {DEPTH}
-        jbe scan
+        jbe top
         mov eax, {DEPTH}
+    top:
+        mov r9, rax
     scan:
         test rax, rax
         jz none
@@ -192,6 +198,17 @@ def exit_stub(at: int, data: int) -> bytes:
         dec rax
         jmp trim
     trimmed:
+        mov rdi, rax
+    clear:
+        cmp rdi, r9
+        jae cleared
+        mov rcx, rdi
+        shl rcx, {ENTRY.bit_length() - 1}
+        add rcx, rdx
+        mov qword ptr [r11 + rcx + {SLOT_HEAD}], -1
+        inc rdi
+        jmp clear
+    cleared:
         mov qword ptr [r11 + rdx + 8], rax
         test rax, rax
         jnz kept
@@ -219,11 +236,21 @@ def exit_stub(at: int, data: int) -> bytes:
         xor eax, eax
     bucket:
         lock inc qword ptr [r11 + rax * 8 + {HIST}]
-        pop r11; pop r8; pop rdi; pop rsi; pop rdx; pop rcx; pop rax
+        pop r11; pop r9; pop r8; pop rdi; pop rsi; pop rdx; pop rcx; pop rax
         popfq
         ret
     """
     return _asm(text, at)
+
+
+def initial_data(size: int = DATA_BYTES) -> bytes:
+    """The data buffer's first contents (``size`` bytes): zero counters, free slots,
+    every entry's ``saved`` FREE."""
+    data = bytearray(size)
+    for i in range(NSLOTS):
+        for k in range(DEPTH):
+            struct.pack_into("<Q", data, SLOTS + i * SLOT + SLOT_HEAD + k * ENTRY, FREE)
+    return bytes(data)
 
 
 def _quantile(hist: list[int], q: float, ticks_per_ns: float) -> float | None:

@@ -44,8 +44,8 @@ from dbr_service.wire import protocol as P
 from dbr_service.codegen.counting import inc_flags_dead
 from dbr_service.codegen.probes import (RING_BYTES, Filter, args_handler, count_handler,
                                         parse_filter, probe_trampoline, read_ring)
-from dbr_service.codegen.probes_latency import (DATA_BYTES, SLOTS, latency_trampoline,
-                                                read_latency)
+from dbr_service.codegen.probes_latency import (DATA_BYTES, SLOTS, initial_data,
+                                                latency_trampoline, read_latency)
 from dbr_service.common.tsc import invariant_problem, ticks_per_ns
 from dbr_service.codegen.relocate import Relocator
 from dbr_service.installation.entry_sites import decode_inner
@@ -463,7 +463,7 @@ class SessionProbes:
         except (AgentError, ProtocolError) as exc:
             raise ProbeRefused(f"no data buffer for the probe: {exc}") from None
         rings.append(buf)
-        buf.write(buf.base, bytes(size))
+        buf.write(buf.base, initial_data(size) if kind == "latency" else bytes(size))
         return buf, buf.base
 
     def _probe_original(self, addr: int, n: int) -> bytes:
