@@ -62,21 +62,27 @@ def _done(p: Prog, line: str, timeout: float = 60.0) -> int:
 
 
 def test_latency_of_a_sleep(quiet: Prog) -> None:
+    """50 calls of a 2 ms sleep: 50 samples, none shorter than 2 ms, and each no
+    longer than the program's own measurement around the call (the k-th shortest
+    sample's bucket starts at or below the k-th shortest measured time)."""
     p = quiet.probe("add", location="nap", kind="latency")
     assert (p["kind"], p["location"], p["count"], p["misses_no_slot"]) == \
         ("latency", "nap", 0, 0)
-    assert _done(quiet, "nap 50 2000") == 50 * 2000
+    quiet.proc.stdin.write(b"timed 50 2000\n")
+    quiet.proc.stdin.flush()
+    times = sorted(int(t) for t in quiet.out.expect("times", 60).split()[1:])
+    assert int(quiet.out.expect("done", 60).split()[1]) == 50 * 2000
+    quiet.out.expect("ready")
     shown = quiet.probe("show", id=p["id"])
     assert shown["count"] == 50
     assert shown["misses_no_slot"] == shown["misses_too_deep"] == 0
     samples = _samples(shown)
-    assert len(samples) == 50
-    assert all(hi > 2 * MS for _lo, hi in samples), samples      # none shorter than 2 ms
-    assert all(lo < 100 * MS for lo, _hi in samples), samples    # none absurdly long
-    assert sum(1 for lo, _hi in samples if lo <= 3 * MS) >= 40, samples
-    assert 2 * MS <= shown["mean_ns"] < 20 * MS
-    assert shown["p50_ns"] > 2 * MS and shown["p99_ns"] >= shown["p90_ns"] >= shown["p50_ns"]
-    assert 50 * 2 * MS <= shown["sum_ns"]
+    assert len(samples) == len(times) == 50
+    for (lo, hi), t in zip(samples, times):
+        assert hi > 2 * MS and lo <= t * 1.01, (lo, hi, t)
+    assert 50 * 2 * MS <= shown["sum_ns"] <= sum(times) * 1.01
+    assert 2 * MS <= shown["mean_ns"] and shown["p50_ns"] > 2 * MS
+    assert shown["p99_ns"] >= shown["p90_ns"] >= shown["p50_ns"]
 
 
 def test_recursion_counts_every_depth(quiet: Prog) -> None:
@@ -114,13 +120,13 @@ def test_eight_threads(quiet: Prog) -> None:
 
 
 def test_del_while_threads_are_inside(quiet: Prog) -> None:
-    """8 threads sleep 4 s inside nap when the probe goes: its code (the exit stub
+    """8 threads sleep 6 s inside nap when the probe goes: its code (the exit stub
     their return addresses point to) stays while censuses find it on their stacks,
     and is freed once they returned; the program's sums are right.  Censuses run in
     the client's sampling cycle, so the client is resumed after the ``del``."""
     p = quiet.probe("add", location="nap", kind="latency")
     lo, hi = p["code"]
-    quiet.run("bg 8 1 4000000", "started")
+    quiet.run("bg 8 1 6000000", "started")
     gone = quiet.probe("del", id=p["id"])         # every thread sleeps inside nap
     assert gone["state"] == "removed: deleted" and gone["retained"] is not None
     quiet.svc.call("resume", {"pid": quiet.pid})
@@ -128,7 +134,7 @@ def test_del_while_threads_are_inside(quiet: Prog) -> None:
     def held() -> dict | None:
         shown = [x for x in quiet.probe("list")["probes"] if x["id"] == p["id"]]
         return shown[0]["retained"] if shown else None
-    seen = quiet.svc.wait_for(lambda: (held() or {}).get("stack_refs", 0) >= 8, 3.0,
+    seen = quiet.svc.wait_for(lambda: (held() or {}).get("stack_refs", 0) >= 8, 5.0,
                               "a census finding the exit stub on 8 threads' stacks")
     assert seen
     # other probes placed meanwhile do not get its space
@@ -137,7 +143,7 @@ def test_del_while_threads_are_inside(quiet: Prog) -> None:
         assert c["code"][1] <= lo or hi <= c["code"][0], (c["code"], lo, hi)
         quiet.probe("del", id=c["id"])
     assert held() is not None
-    assert _done(quiet, "join") == 8 * 4000000
+    assert _done(quiet, "join") == 8 * 6000000
     quiet.svc.wait_for(lambda: held() is None, 20, "the exit stub's code freed")
     assert _done(quiet, "nap 3 1000") == 3000
 

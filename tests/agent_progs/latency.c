@@ -1,5 +1,7 @@
 /* A program for latency probe tests: runs its functions as told on stdin.
  *   "nap N US"        calls nap(US) N times (nanosleep of US microseconds)
+ *   "timed N US"      the same, N at most 100, and prints "times T1 T2 ..." first: each
+ *                     call's time in ns, measured around the call (CLOCK_MONOTONIC)
  *   "rec D US"        calls rec(D, US): D nested calls, each sleeping US first
  *   "leap N"          N times: setjmp, then leap(i): odd i longjmp out of leap
  *   "threads T N US"  T threads each call nap(US) N times; joined
@@ -14,6 +16,7 @@
 #include <time.h>
 
 #define MAX_THREADS 16
+#define MAX_TIMED 100
 
 static jmp_buf env;
 volatile long sink;
@@ -86,7 +89,22 @@ int main(void)
     printf("ready\n");
     while (fgets(line, sizeof line, stdin)) {
         long a = 0, b = 0, c = 0, sum = 0;
-        if (sscanf(line, "nap %ld %ld", &a, &b) == 2) {
+        if (sscanf(line, "timed %ld %ld", &a, &b) == 2) {
+            long t[MAX_TIMED];
+            struct timespec t0, t1;
+            if (a > MAX_TIMED)
+                a = MAX_TIMED;
+            for (long i = 0; i < a; i++) {
+                clock_gettime(CLOCK_MONOTONIC, &t0);
+                sum += nap(b);
+                clock_gettime(CLOCK_MONOTONIC, &t1);
+                t[i] = (t1.tv_sec - t0.tv_sec) * 1000000000L + (t1.tv_nsec - t0.tv_nsec);
+            }
+            printf("times");
+            for (long i = 0; i < a; i++)
+                printf(" %ld", t[i]);
+            printf("\n");
+        } else if (sscanf(line, "nap %ld %ld", &a, &b) == 2) {
             for (long i = 0; i < a; i++)
                 sum += nap(b);
         } else if (sscanf(line, "rec %ld %ld", &a, &b) == 2) {
