@@ -119,6 +119,20 @@ def test_eight_threads(quiet: Prog) -> None:
     assert all(hi > MS for _lo, hi in _samples(shown))
 
 
+def test_threads_that_exit_inside_the_function(quiet: Prog) -> None:
+    """Threads end inside leave (pthread_exit unwinds its frame, meets the exit stub
+    and ends the thread there).  Their entries stay in their slots; threads made
+    after them (glibc reuses their stacks and thread blocks) are measured exactly."""
+    p = quiet.probe("add", location="leave", kind="latency")
+    per = sum(range(9))                        # leave(0..8) return; leave(9) exits
+    for rounds in (1, 2, 3):
+        assert _done(quiet, "exiters 4 10") == 4 * per
+        shown = quiet.probe("show", id=p["id"])
+        assert (shown["count"], shown["misses_no_slot"], shown["misses_too_deep"]) == \
+            (rounds * 4 * 9, 0, 0)
+    assert _done(quiet, "rec 2 0") == 0        # the program goes on
+
+
 def test_del_while_threads_are_inside(quiet: Prog) -> None:
     """8 threads sleep 6 s inside nap when the probe goes: its code (the exit stub
     their return addresses point to) stays while censuses find it on their stacks,

@@ -5,6 +5,8 @@
  *   "rec D US"        calls rec(D, US): D nested calls, each sleeping US first
  *   "leap N"          N times: setjmp, then leap(i): odd i longjmp out of leap
  *   "threads T N US"  T threads each call nap(US) N times; joined
+ *   "exiters T N"     T threads each call leave(i) for i < N, and the last call ends
+ *                     the thread inside leave (pthread_exit); joined
  *   "bg T N US"       the same, not joined yet ("started" once every thread is in)
  *   "join"            joins the "bg" threads
  *   "exit"            exits 0
@@ -50,6 +52,14 @@ __attribute__((noinline)) long leap(long i)
     return i;
 }
 
+__attribute__((noinline)) long leave(long i, long last)
+{
+    sink += i;
+    if (i == last)
+        pthread_exit(NULL);
+    return i;
+}
+
 struct job { long n, us, sum; };
 static struct job jobs[MAX_THREADS];
 
@@ -61,15 +71,28 @@ static void *worker(void *arg)
     return NULL;
 }
 
-static long start(long t, long n, long us)
+static void *exiter(void *arg)
+{
+    struct job *j = arg;
+    for (long i = 0; i < j->n; i++)
+        j->sum += leave(i, j->n - 1);   /* the thread ends inside the last call */
+    return NULL;
+}
+
+static long start_fn(long t, long n, long us, void *(*fn)(void *))
 {
     if (t > MAX_THREADS)
         t = MAX_THREADS;
     for (long i = 0; i < t; i++) {
         jobs[i] = (struct job){n, us, 0};
-        pthread_create(&bg[i], NULL, worker, &jobs[i]);
+        pthread_create(&bg[i], NULL, fn, &jobs[i]);
     }
     return t;
+}
+
+static long start(long t, long n, long us)
+{
+    return start_fn(t, n, us, worker);
 }
 
 static long join(long t)
@@ -117,6 +140,8 @@ int main(void)
                     sum += 1000;
         } else if (sscanf(line, "threads %ld %ld %ld", &a, &b, &c) == 3) {
             sum = join(start(a, b, c));
+        } else if (sscanf(line, "exiters %ld %ld", &a, &b) == 2) {
+            sum = join(start_fn(a, b, 0, exiter));
         } else if (sscanf(line, "bg %ld %ld %ld", &a, &b, &c) == 3) {
             entered = 0;
             nbg = (int)start(a, b, c);
