@@ -343,7 +343,11 @@ class SessionProbes:
             why = invariant_problem() or cxx_problem(self.maps, loc.module)
             if why:
                 raise ProbeRefused(f"no latency probe at {text}: {why}")
-            rate = ticks_per_ns()
+            try:
+                rate = ticks_per_ns()
+            except OSError as exc:
+                raise ProbeRefused(f"no latency probe at {text}: the service cannot read "
+                                   f"the TSC: {exc}") from None
         if loc.addr - loc.func_start > DECODE_MAX:
             raise ProbeRefused(f"{text} is too far into {loc.func} to decode")
         self._probe_taken(inst, loc.addr)
