@@ -183,6 +183,8 @@ def test_refusals(quiet: Prog) -> None:
     assert "latency probes go at a function's start" in quiet.refused("nap+4", kind="latency")
     assert "--filter applies to args probes only" in quiet.refused(
         "nap", kind="latency", filter="arg0==1")
+    assert "_setjmp returns twice" in quiet.refused("_setjmp", kind="latency")
+    assert quiet.probe("list")["probes"] == []
 
 
 def test_cxx_program_is_refused() -> None:

@@ -20,8 +20,9 @@ instruction is shorter than 5 bytes and it is not a function's start, or somethi
 in the module's functions branches into its bytes 1..4 (no trap-per-hit fallback is
 built); its first instructions cannot be relocated (a call, a return, an indirect
 branch); an ``args`` or ``latency`` probe not at a function's start; a ``latency``
-probe on a host whose TSC is not invariant, or in a process that can throw C++
-exceptions (the exit stub has no unwind information: :func:`cxx_problem`).
+probe on a host whose TSC is not invariant, in a process that can throw C++
+exceptions (the exit stub has no unwind information: :func:`cxx_problem`), or on a
+function that returns twice (:data:`RETURNS_TWICE`).
 
 A latency probe's exit stub is in its trampoline's code, so removal leaves it in
 quarantine until censuses find no thread's stack holding its address (threads still
@@ -62,6 +63,12 @@ PROBES_MAX = 32
 RINGS_MAX = 64
 #: A latency probe's data buffer: its thread slots, rounded up to pages.
 LATENCY_BUFFER = (DATA_BYTES + 4095) & ~4095
+#: Functions that return twice, or return on a stack that is not their caller's: a
+#: latency probe's exit stub would run without its entry.
+RETURNS_TWICE = frozenset({
+    "setjmp", "_setjmp", "__setjmp", "sigsetjmp", "__sigsetjmp", "savectx", "vfork",
+    "__vfork", "getcontext", "__getcontext", "swapcontext", "__swapcontext",
+    "setcontext", "__setcontext"})
 #: Module basenames whose presence means C++ exceptions may unwind through a function.
 CXX_RUNTIMES = ("libstdc++.so", "libc++.so", "libc++abi.so")
 #: Bytes of a function decoded at most to check that a location is a boundary.
@@ -340,7 +347,9 @@ class SessionProbes:
                                f"{loc.addr - loc.func_start:#x} bytes into {loc.func}")
         rate = 0.0
         if kind == "latency":
-            why = invariant_problem() or cxx_problem(self.maps, loc.module)
+            why = (f"{loc.func} returns twice or on another stack" if loc.func in
+                   RETURNS_TWICE else None) or invariant_problem() or \
+                cxx_problem(self.maps, loc.module)
             if why:
                 raise ProbeRefused(f"no latency probe at {text}: {why}")
             try:
