@@ -52,7 +52,7 @@ def test_latency_refusals_without_a_process(tmp_path) -> None:
 
     from dbr_service.common.procmaps import MapEntry
     from dbr_service.common.tsc import invariant_problem
-    from dbr_service.session.probes import cxx_problem
+    from dbr_service.session.probes import cxx_problem, shadow_stack_problem
 
     cpu = tmp_path / "cpuinfo"
     cpu.write_text("processor\t: 0\nflags\t\t: fpu tsc msr constant_tsc\n")
@@ -77,3 +77,7 @@ def test_latency_refusals_without_a_process(tmp_path) -> None:
     mod = MapEntry(0x400000, 0x401000, "r-xp", 0, static,
                    (os.major(st.st_dev), os.minor(st.st_dev)), st.st_ino)
     assert "defines __cxa_throw" in cxx_problem([mod], static)
+
+    assert shadow_stack_problem(b"Name:\tx\nx86_Thread_features:\tshstk wrss\n")
+    assert shadow_stack_problem(b"Name:\tx\nx86_Thread_features:\t\n") is None
+    assert shadow_stack_problem(b"Name:\tx\n") is None and shadow_stack_problem(None) is None

@@ -21,8 +21,9 @@ in the module's functions branches into its bytes 1..4 (no trap-per-hit fallback
 built); its first instructions cannot be relocated (a call, a return, an indirect
 branch); an ``args`` or ``latency`` probe not at a function's start; a ``latency``
 probe on a host whose TSC is not invariant, in a process that can throw C++
-exceptions (the exit stub has no unwind information: :func:`cxx_problem`), or on a
-function that returns twice (:data:`RETURNS_TWICE`).
+exceptions (the exit stub has no unwind information: :func:`cxx_problem`), with a
+shadow stack (:func:`shadow_stack_problem`), or on a function that returns twice
+(:data:`RETURNS_TWICE`).
 
 A latency probe's exit stub is in its trampoline's code, so removal leaves it in
 quarantine until censuses find no thread's stack holding its address (threads still
@@ -234,6 +235,16 @@ def branches_into(code: bytes, start: int, lo: int, hi: int) -> int | None:
     return None
 
 
+def shadow_stack_problem(status: bytes | None) -> str | None:
+    """Why the process whose ``/proc/PID/status`` is ``status`` cannot take a latency
+    probe for its shadow stack (CET: the exit stub's ``ret`` would not match the
+    hardware's copy of the return address and fault), or None."""
+    for line in (status or b"").decode("ascii", "replace").splitlines():
+        if line.startswith("x86_Thread_features:") and "shstk" in line.split(":", 1)[1]:
+            return "the process runs with a shadow stack (CET), which the exit stub breaks"
+    return None
+
+
 def cxx_problem(maps: list[MapEntry], module: str) -> str | None:
     """Why a latency probe's exit stub could be met by a C++ exception's unwinder in
     a client with ``maps`` (the probed function in ``module``), or None: a C++
@@ -349,7 +360,8 @@ class SessionProbes:
         if kind == "latency":
             why = (f"{loc.func} returns twice or on another stack" if loc.func in
                    RETURNS_TWICE else None) or invariant_problem() or \
-                cxx_problem(self.maps, loc.module)
+                cxx_problem(self.maps, loc.module) or \
+                shadow_stack_problem(self.proc.read("status"))
             if why:
                 raise ProbeRefused(f"no latency probe at {text}: {why}")
             try:
