@@ -5,10 +5,11 @@ tests/agent_progs/latency.c sleeps known times in ``nap``, nests ``rec``, leaves
 ``leap`` by ``longjmp`` on odd calls, and runs ``nap`` on 8 threads.  Each count is
 exact; no sample is shorter than its sleep; the recursion's calls each last at least
 their depth's sleeps; calls left by ``longjmp`` are not counted and leave no entry
-behind (the slot table does not fill up); ``del`` and the service's stop while 8
-threads sleep inside the function let them return to their callers (the program's
-sums are right).  A C++ program is refused (its exceptions would unwind into the
-exit stub, which has no unwind information)."""
+behind (the slot table does not fill up); threads that end inside do not disturb
+later ones; ``del``, detach and the service's stop while 8 threads sleep inside the
+function let them return to their callers (the program's sums are right).  A C++
+program is refused (its exceptions would unwind into the exit stub, which has no
+unwind information)."""
 
 from __future__ import annotations
 
@@ -177,6 +178,17 @@ def test_service_stop_while_threads_are_inside(prog: str) -> None:
         if p is not None:
             p.close()
         svc.stop()
+
+
+def test_detach_while_threads_are_inside(quiet: Prog) -> None:
+    """`dbr detach` reverts every site and leaves the agent dormant; its buffers stay
+    mapped, so threads sleeping inside nap return through the exit stub."""
+    quiet.probe("add", location="nap", kind="latency")
+    quiet.run("bg 8 2 200000", "started")
+    r = quiet.svc.call("detach", {"pid": quiet.pid}, timeout=30.0)
+    assert r["session_ended"], r
+    assert _done(quiet, "join") == 8 * 2 * 200000
+    assert _done(quiet, "rec 3 1000") == 3000
 
 
 def test_refusals(quiet: Prog) -> None:
