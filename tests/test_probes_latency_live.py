@@ -158,6 +158,11 @@ def test_del_while_threads_are_inside(quiet: Prog) -> None:
         assert c["code"][1] <= lo or hi <= c["code"][0], (c["code"], lo, hi)
         quiet.probe("del", id=c["id"])
     assert held() is not None
+    listed = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "ctl",
+                             "--timeout", "40", "probe", "list", str(quiet.pid)],
+                            capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, DBR_RUNTIME_DIR=quiet.svc.dir)).stdout
+    assert "removed: deleted (exit stub retained: " in listed, listed
     assert _done(quiet, "join") == 8 * 6000000
     quiet.svc.wait_for(lambda: held() is None, 20, "the exit stub's code freed")
     assert _done(quiet, "nap 3 1000") == 3000

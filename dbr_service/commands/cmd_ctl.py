@@ -343,17 +343,27 @@ def _latency_lines(p: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _probe_state(p: dict[str, Any]) -> str:
+    """The probe's state; a removed latency probe's with what keeps its exit stub."""
+    held = p.get("retained")
+    if not held:
+        return p["state"]
+    return (f"{p['state']} (exit stub retained: {held['stack_refs']} stack refs, "
+            f"{held['threads_inside']} threads inside)")
+
+
 def _probes(result: dict[str, Any]) -> str:
     """probe add/show/del: one probe; probe list: a table."""
     if "probes" in result:
         rows = [[p["id"], p["kind"], p["location"], f"{p['address']:#x}", p["filter"] or "",
-                 p.get("count", p.get("records_total")), p["state"]] for p in result["probes"]]
+                 p.get("count", p.get("records_total")), _probe_state(p)]
+                for p in result["probes"]]
         return table(rows, ["ID", "KIND", "LOCATION", "ADDRESS", "FILTER", "HITS", "STATE"]) \
             if rows else f"pid {result['pid']}: no probes"
     p = result
     head = (f"probe {p['id']}: {p['kind']} at {p['location']} ({p['address']:#x}, "
             f"{p['site']} site{', flags saved' if p['flags_saved'] else ''}"
-            f"{', filter ' + p['filter'] if p['filter'] else ''}); {p['state']}")
+            f"{', filter ' + p['filter'] if p['filter'] else ''}); {_probe_state(p)}")
     if p["kind"] == "count":
         return f"{head}\ncount: {p['count']}"
     if p["kind"] == "latency":
