@@ -14,6 +14,7 @@ unwind information)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -204,6 +205,7 @@ def test_refusals(quiet: Prog) -> None:
     assert quiet.probe("list")["probes"] == []
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler (g++) here")
 def test_cxx_program_is_refused() -> None:
     binary = str(compile_c(["latency_cxx.cc"], cc="g++", out_name="latency_cxx"))
     svc = ServiceProc().wait_ready()
