@@ -119,6 +119,11 @@ def test_eight_threads(quiet: Prog) -> None:
     shown = quiet.probe("show", id=p["id"])
     assert (shown["count"], shown["misses_no_slot"], shown["misses_too_deep"]) == (200, 0, 0)
     assert all(hi > MS for _lo, hi in _samples(shown))
+    # many short calls at once: every thread claims and gives back a slot per call
+    assert _done(quiet, "threads 8 20000 0") == 0
+    shown = quiet.probe("show", id=p["id"])
+    assert (shown["count"], shown["misses_no_slot"], shown["misses_too_deep"]) == \
+        (200 + 8 * 20000, 0, 0)
 
 
 def test_threads_that_exit_inside_the_function(quiet: Prog) -> None:
