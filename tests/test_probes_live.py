@@ -173,7 +173,7 @@ def test_refusals(quiet: Prog, prog: str) -> None:
     for loc, why in cases.items():
         assert why in quiet.refused(loc, kind="count"), loc
     assert "args probes go at a function's start" in quiet.refused("work+0x10", kind="args")
-    assert "latency probes are not built" in quiet.refused("work", kind="latency")
+    assert "latency probes go at a function's start" in quiet.refused("work+0x10", kind="latency")
     assert "--filter applies to args probes only" in quiet.refused("work", kind="count",
                                                                    filter="arg0==1")
     assert "is not argI OP N" in quiet.refused("pick", kind="args", filter="rdi==1")

@@ -4,7 +4,7 @@ Verbs: status, clients [--all], waiting, hotspots PID [--top N], regions PID,
 region PID ID [--dot FILE | --svg FILE], unpatch PID [ID], pause [PID], resume [PID],
 flamegraph PID [--seconds S] [--svg FILE] [--folded FILE] (commands/cmd_flame.py),
 config get [KEY], config set KEY VALUE, events [--follow], shutdown,
-probe add PID LOCATION --kind count|args [--filter F], probe list PID,
+probe add PID LOCATION --kind count|args|latency [--filter F], probe list PID,
 probe show PID ID [--last N], probe del PID ID.
 Human-readable tables by default, --json for scripts.  Exit status: 0 ok, 1 the
 service refused the request or did not answer, 2 usage error.
@@ -119,8 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("location", help="SYMBOL[+OFF] or MODULE+OFF (a mapped file's path or "
                                     "basename, as `dbr ctl hotspots` prints it)")
     a.add_argument("--kind", choices=("count", "args", "latency"), default="count",
-                   help="count: passes; args: argument registers at a function's start "
-                        "(latency is not built)")
+                   help="count: passes; args: argument registers at a function's start; "
+                        "latency: a function's call times (a histogram)")
     a.add_argument("--filter", metavar="F", help="args only: record a pass only if "
                                                  "argI OP N holds (OP: == != < <= > >=)")
     for op, text in (("list", "a client's probes"), ("show", "one probe and its data"),
@@ -319,19 +319,55 @@ def _branch_records(smp: dict) -> str:
     return f"branch records: no ({br.get('reason', 'not detected')}); IP samples"
 
 
+def _ns(v: int | None) -> str:
+    if v is None:
+        return "-"
+    for unit, div in (("s", 10**9), ("ms", 10**6), ("us", 10**3)):
+        if v >= div:
+            return f"{v / div:.3g} {unit}"
+    return f"{v} ns"
+
+
+def _latency_lines(p: dict[str, Any]) -> list[str]:
+    """A latency probe's histogram (docs/operators.md, "Probes")."""
+    if "count" not in p:
+        return []
+    lines = [f"count: {p['count']}  mean: {_ns(p['mean_ns'])}  p50: <{_ns(p['p50_ns'])}  "
+             f"p90: <{_ns(p['p90_ns'])}  p99: <{_ns(p['p99_ns'])}",
+             f"misses: {p['misses_no_slot'] + p['misses_too_deep']} (no thread slot "
+             f"{p['misses_no_slot']}, deeper than a thread's entries {p['misses_too_deep']})"]
+    top = max((n for _lo, _hi, n in p["buckets"]), default=0)
+    for lo, hi, n in p["buckets"]:
+        bar = "#" * max(1, round(40 * n / top))
+        lines.append(f"  {_ns(lo):>9} .. {_ns(hi):>9}  {n:>10}  {bar}")
+    return lines
+
+
+def _probe_state(p: dict[str, Any]) -> str:
+    """The probe's state; a removed latency probe's with what keeps its exit stub."""
+    held = p.get("retained")
+    if not held:
+        return p["state"]
+    return (f"{p['state']} (exit stub retained: {held['stack_refs']} stack refs, "
+            f"{held['threads_inside']} threads inside)")
+
+
 def _probes(result: dict[str, Any]) -> str:
     """probe add/show/del: one probe; probe list: a table."""
     if "probes" in result:
         rows = [[p["id"], p["kind"], p["location"], f"{p['address']:#x}", p["filter"] or "",
-                 p.get("count", p.get("records_total")), p["state"]] for p in result["probes"]]
+                 p.get("count", p.get("records_total")), _probe_state(p)]
+                for p in result["probes"]]
         return table(rows, ["ID", "KIND", "LOCATION", "ADDRESS", "FILTER", "HITS", "STATE"]) \
             if rows else f"pid {result['pid']}: no probes"
     p = result
     head = (f"probe {p['id']}: {p['kind']} at {p['location']} ({p['address']:#x}, "
             f"{p['site']} site{', flags saved' if p['flags_saved'] else ''}"
-            f"{', filter ' + p['filter'] if p['filter'] else ''}); {p['state']}")
+            f"{', filter ' + p['filter'] if p['filter'] else ''}); {_probe_state(p)}")
     if p["kind"] == "count":
         return f"{head}\ncount: {p['count']}"
+    if p["kind"] == "latency":
+        return "\n".join([head, *_latency_lines(p)])
     lines = [head, f"records: {p.get('records_total')}"]
     for r in p.get("records", []):
         lines.append(f"  #{r['n']}  " + " ".join(f"arg{i}={v:#x}" for i, v in enumerate(r["args"]))

@@ -19,7 +19,16 @@ installed region copies (the copy would run instead of it, unseen); its first
 instruction is shorter than 5 bytes and it is not a function's start, or something
 in the module's functions branches into its bytes 1..4 (no trap-per-hit fallback is
 built); its first instructions cannot be relocated (a call, a return, an indirect
-branch); an ``args`` probe not at a function's start; a ``latency`` probe (not built).
+branch); an ``args`` or ``latency`` probe not at a function's start; a ``latency``
+probe on a host whose TSC is not invariant, in a process that can throw C++
+exceptions (the exit stub has no unwind information: :func:`cxx_problem`), with a
+shadow stack (:func:`shadow_stack_problem`), or on a function that returns twice
+(:data:`RETURNS_TWICE`).
+
+A latency probe's exit stub is in its trampoline's code, so removal leaves it in
+quarantine until censuses find no thread's stack holding its address (threads still
+inside the function return through it); its data buffer (the thread slots) stays
+mapped until the session ends, as an args probe's ring does.
 
 Regions and probes: discovery stops before patched bytes, so new regions exit to a
 probed location instead of copying it; a region selected before the probe was added
@@ -37,6 +46,9 @@ from dbr_service.wire import protocol as P
 from dbr_service.codegen.counting import inc_flags_dead
 from dbr_service.codegen.probes import (RING_BYTES, Filter, args_handler, count_handler,
                                         parse_filter, probe_trampoline, read_ring)
+from dbr_service.codegen.probes_latency import (DATA_BYTES, SLOTS, initial_data,
+                                                latency_trampoline, read_latency)
+from dbr_service.common.tsc import invariant_problem, ticks_per_ns
 from dbr_service.codegen.relocate import Relocator
 from dbr_service.installation.entry_sites import decode_inner
 from dbr_service.common.errors import AgentError, CodegenError, DbrError, ProtocolError
@@ -47,9 +59,19 @@ from dbr_service.installation.progress_points import CounterSpace, TrampolineCod
 
 #: Live probes per client at most (each is a patch and some code).
 PROBES_MAX = 32
-#: Argument rings per session at most: a removed probe's ring stays mapped (code in
-#: quarantine may still write it) until the session ends.
+#: Data buffers of args and latency probes per session at most: a removed probe's
+#: buffer stays mapped (code in quarantine may still write it) until the session ends.
 RINGS_MAX = 64
+#: A latency probe's data buffer: its thread slots, rounded up to pages.
+LATENCY_BUFFER = (DATA_BYTES + 4095) & ~4095
+#: Functions that return twice, or return on a stack that is not their caller's: a
+#: latency probe's exit stub would run without its entry.
+RETURNS_TWICE = frozenset({
+    "setjmp", "_setjmp", "__setjmp", "sigsetjmp", "__sigsetjmp", "savectx", "vfork",
+    "__vfork", "getcontext", "__getcontext", "swapcontext", "__swapcontext",
+    "setcontext", "__setcontext"})
+#: Module basenames whose presence means C++ exceptions may unwind through a function.
+CXX_RUNTIMES = ("libstdc++.so", "libc++.so", "libc++abi.so")
 #: Bytes of a function decoded at most to check that a location is a boundary.
 DECODE_MAX = 1 << 20
 #: Bytes of a module's functions swept at most for branches into an entry site.
@@ -96,6 +118,7 @@ class Probe:
     data_addr: int                  # counter, or ring
     site: str                       # "plain" or "entry"
     flags_saved: bool
+    ticks_per_ns: float = 0.0       # latency: the TSC's rate at add
     created: float = field(default_factory=time.time)
     removed: str = ""               # why, once removed
     final: Any = None               # the data read at removal
@@ -106,7 +129,8 @@ class Probe:
             return self.final
         if self.kind == "count":
             return self.data.read_u64(self.data_addr)
-        return None if self.data.mem.closed else self.data.read(self.data_addr, RING_BYTES)
+        size = SLOTS if self.kind == "latency" else RING_BYTES
+        return None if self.data.mem.closed else self.data.read(self.data_addr, size)
 
     def to_json(self, last: int = 0) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -118,6 +142,9 @@ class Probe:
         data = self.read()
         if self.kind == "count":
             out["count"] = data
+        elif self.kind == "latency":
+            if data is not None:
+                out.update(read_latency(data, self.ticks_per_ns))
         elif data is not None:
             n, recs = read_ring(data, last)
             out["records_total"] = n
@@ -208,6 +235,33 @@ def branches_into(code: bytes, start: int, lo: int, hi: int) -> int | None:
     return None
 
 
+def shadow_stack_problem(status: bytes | None) -> str | None:
+    """Why the process whose ``/proc/PID/status`` is ``status`` cannot take a latency
+    probe for its shadow stack (CET: the exit stub's ``ret`` would not match the
+    hardware's copy of the return address and fault), or None."""
+    for line in (status or b"").decode("ascii", "replace").splitlines():
+        if line.startswith("x86_Thread_features:") and "shstk" in line.split(":", 1)[1]:
+            return "the process runs with a shadow stack (CET), which the exit stub breaks"
+    return None
+
+
+def cxx_problem(maps: list[MapEntry], module: str) -> str | None:
+    """Why a latency probe's exit stub could be met by a C++ exception's unwinder in
+    a client with ``maps`` (the probed function in ``module``), or None: a C++
+    runtime is mapped, or the module defines ``__cxa_throw`` (linked statically)."""
+    for m in maps:
+        base = os.path.basename(m.path)
+        if any(base.startswith(r) for r in CXX_RUNTIMES):
+            return (f"the process maps {base}: a C++ exception unwinding through the "
+                    f"function would meet the exit stub, which has no unwind information")
+    m = next((x for x in maps if x.path == module), None)
+    table = mapped_symbols(module, m.dev, m.ino) if m is not None else None
+    if table is not None and table.by_name("__cxa_throw") is not None:
+        return (f"{os.path.basename(module)} defines __cxa_throw: a C++ exception "
+                f"unwinding through the function would meet the exit stub")
+    return None
+
+
 class SessionProbes:
     """The probe part of :class:`dbr_service.session.clients.ClientSession` (a mixin)."""
 
@@ -219,16 +273,45 @@ class SessionProbes:
     def probe_request(self, op: str, args: dict[str, Any]) -> Any:
         """Any thread: one ``probe_*`` verb.  add and del run on the session thread."""
         if op == "list":
-            return {"pid": self.pid, "probes": [p.to_json() for p in self._probe_list()]}
+            return {"pid": self.pid, "probes": [self._probe_json(p) for p in self._probe_list()
+                                                if self._probe_shown(p)]}
         if op == "show":
             p = self._probe_get(args["id"])
-            return p.to_json(min(max(args.get("last") or 0, 0), SHOW_MAX))
+            return self._probe_json(p, min(max(args.get("last") or 0, 0), SHOW_MAX))
         if not self.alive:
             raise ProbeRefused(f"client {self.pid} is no longer connected")
         if op == "add":
             return self.call(lambda: self.probe_add(args["location"], args["kind"],
                                                     args.get("filter")), timeout=30.0)
         return self.call(lambda: self.probe_del(args["id"]), timeout=6.0)
+
+    def _probe_retained(self, p: Probe) -> dict[str, Any] | None:
+        """What still holds a removed latency probe's code (its exit stub: threads that
+        were inside the function return through it), or None once it is free."""
+        inst = self.installer
+        reg = inst.regions.get(p.region_id) if inst is not None else None
+        return inst.space.retained(reg.chunk) if reg is not None else None
+
+    def _probe_shown(self, p: Probe) -> bool:
+        """Whether ``list`` shows ``p``: a deleted latency probe only while its exit stub
+        is retained (it is forgotten then)."""
+        if p.removed != "deleted":
+            return True
+        if self._probe_retained(p) is not None:
+            return True
+        with self.lock:
+            self.probes.pop(p.id, None)
+        return False
+
+    def _probe_json(self, p: Probe, last: int = 0) -> dict[str, Any]:
+        out = p.to_json(last)
+        inst = self.installer
+        reg = inst.regions.get(p.region_id) if inst is not None else None
+        if reg is not None:
+            out["code"] = list(reg.code_range())
+        if p.kind == "latency" and p.removed:
+            out["retained"] = self._probe_retained(p)
+        return out
 
     def _probe_list(self) -> list[Probe]:
         with self.lock:
@@ -253,8 +336,6 @@ class SessionProbes:
     def probe_add(self, text: str, kind: str, flt_text: str | None) -> dict[str, Any]:
         if kind not in ("count", "args", "latency"):
             raise ProbeRefused(f"kind {kind!r} is not count, args or latency")
-        if kind == "latency":
-            raise ProbeRefused("latency probes are not built (count and args are)")
         flt = None
         if flt_text is not None:
             if kind != "args":
@@ -272,9 +353,22 @@ class SessionProbes:
         if loc.func_start is None:
             raise ProbeRefused(f"no function symbol covers {text} ({loc.addr:#x}): whether "
                                f"it is an instruction boundary cannot be told")
-        if kind == "args" and loc.addr != loc.func_start:
-            raise ProbeRefused(f"args probes go at a function's start; {text} is "
+        if kind in ("args", "latency") and loc.addr != loc.func_start:
+            raise ProbeRefused(f"{kind} probes go at a function's start; {text} is "
                                f"{loc.addr - loc.func_start:#x} bytes into {loc.func}")
+        rate = 0.0
+        if kind == "latency":
+            why = (f"{loc.func} returns twice or on another stack" if loc.func in
+                   RETURNS_TWICE else None) or invariant_problem() or \
+                cxx_problem(self.maps, loc.module) or \
+                shadow_stack_problem(self.proc.read("status"))
+            if why:
+                raise ProbeRefused(f"no latency probe at {text}: {why}")
+            try:
+                rate = ticks_per_ns()
+            except OSError as exc:
+                raise ProbeRefused(f"no latency probe at {text}: the service cannot read "
+                                   f"the TSC: {exc}") from None
         if loc.addr - loc.func_start > DECODE_MAX:
             raise ProbeRefused(f"{text} is too far into {loc.func} to decode")
         self._probe_taken(inst, loc.addr)
@@ -301,8 +395,13 @@ class SessionProbes:
             if kind == "count":
                 return lambda at: count_handler(at, data, dead)
             return lambda at: args_handler(at, data, flt)
+
+        def trampoline(at: int, data: int):
+            if kind == "latency":
+                return latency_trampoline(code, loc.addr, at, data, rel)
+            return probe_trampoline(code, loc.addr, at, handler(data), rel)
         try:
-            trial = probe_trampoline(code, loc.addr, loc.addr, handler(loc.addr), rel)
+            trial = trampoline(loc.addr, loc.addr)
         except CodegenError as exc:
             raise ProbeRefused(f"the first instructions at {text} cannot be moved into a "
                                f"trampoline: {exc}") from None
@@ -310,7 +409,7 @@ class SessionProbes:
         pid = max(probes, default=0) + 1
         try:
             chunk = inst.reserve(len(trial.code), [loc.addr, loc.addr + trial.covered, data])
-            tr = probe_trampoline(code, loc.addr, chunk.addr, handler(data), rel)
+            tr = trampoline(chunk.addr, data)
             gen = TrampolineCode(tr.code, chunk.addr, {loc.addr: chunk.addr},
                                  [(chunk.addr, chunk.addr + len(tr.code), loc.addr)],
                                  list(tr.exits))
@@ -326,20 +425,21 @@ class SessionProbes:
             raise ProbeRefused(f"probe at {text} not installed: {why}")
         reg.kept = True
         p = Probe(pid, kind, loc.text(), loc.addr, loc.module, flt, reg.region_id, buf, data,
-                  "entry" if inner else "plain", kind == "count" and not dead)
+                  "entry" if inner else "plain", kind == "count" and not dead, rate)
         with self.lock:
             probes[pid] = p
         self.service.events.publish("probe-added", pid=self.pid, probe=pid, kind=kind,
                                     location=p.location)
-        return p.to_json()
+        return self._probe_json(p)
 
     def probe_del(self, pid: int) -> dict[str, Any]:
         p = self._probe_get(pid)
         if not p.removed:
             self._probe_remove(p, "deleted")
-        with self.lock:
-            self.probes.pop(pid, None)
-        return p.to_json()
+        if p.kind != "latency" or self._probe_retained(p) is None:
+            with self.lock:
+                self.probes.pop(pid, None)
+        return self._probe_json(p)
 
     def probes_remove_all(self, why: str) -> None:
         """Session thread: remove every live probe (the service detaches)."""
@@ -380,11 +480,15 @@ class SessionProbes:
             return self.counter_space.counter(near)
         rings = self.probe_rings
         if len(rings) >= RINGS_MAX:
-            raise ProbeRefused(f"pid {self.pid} has had {RINGS_MAX} args probes in this "
-                               f"session; their rings stay until it ends")
-        buf = inst.conn.code_buffer(near=near, size=8192, flags=P.BUFFER_F_DATA)
+            raise ProbeRefused(f"pid {self.pid} has had {RINGS_MAX} args or latency probes "
+                               f"in this session; their data buffers stay until it ends")
+        size = LATENCY_BUFFER if kind == "latency" else 8192
+        try:
+            buf = inst.conn.code_buffer(near=near, size=size, flags=P.BUFFER_F_DATA)
+        except (AgentError, ProtocolError) as exc:
+            raise ProbeRefused(f"no data buffer for the probe: {exc}") from None
         rings.append(buf)
-        buf.write(buf.base, bytes(RING_BYTES))
+        buf.write(buf.base, initial_data(size) if kind == "latency" else bytes(size))
         return buf, buf.base
 
     def _probe_original(self, addr: int, n: int) -> bytes:
