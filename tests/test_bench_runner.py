@@ -366,7 +366,16 @@ def test_sigterm_takes_down_the_run_and_the_host_service_and_keeps_the_results(t
                             svc = c
             time.sleep(0.2)
         assert svc is not None, "the benchmark never started its host service"
-        time.sleep(1.5)   # into the alternated runs
+        # into the alternated runs: a run of the workload has ended (a second began)
+        runs: set[int] = set()
+        while len(runs) < 2 and time.monotonic() < deadline and p.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for c in psutil.Process(p.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        if any("interp" in a for a in c.cmdline()[:1]):
+                            runs.add(c.pid)
+            time.sleep(0.05)
+        assert len(runs) >= 2, "the benchmark never finished a run"
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=60)
         assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
