@@ -129,8 +129,14 @@ def test_timer_signals_that_come_out_of_a_system_call_are_not_samples(svc, sysca
     os.close(fd)
     try:
         assert conn.sampler_thread(tids["sys"], True) == P.Result.OK
-        got = _samples(ring, 0.6)
-        in_kernel = ring.new_in_kernel()
+        # the timer ticks in the thread's CPU time: a loaded machine gives it less, so
+        # the window grows (bounded) until there is evidence enough
+        got, in_kernel = Counter(), 0
+        for _ in range(6):
+            got += _samples(ring, 0.6)
+            in_kernel += ring.new_in_kernel()
+            if in_kernel >= 40:
+                break
         # most of its time is in the kernel: most of its timer's signals are not
         # samples (measured: 111-206 against 30-44 left, the user-mode part of the
         # loop and of the syscall() wrappers; without the filter all are samples)
