@@ -21,7 +21,7 @@ import sys
 import pytest
 from harness import compile_c
 from service_helpers import ServiceProc, agent_path
-from test_probes_live import Prog
+from probe_helpers import Prog, paused_prog
 
 from dbr_service.common.tsc import invariant_problem
 
@@ -42,16 +42,7 @@ def prog() -> str:
 @pytest.fixture
 def quiet(prog):
     """The program under a service told to leave it alone (paused: no regions)."""
-    svc = ServiceProc().wait_ready()
-    p = None
-    try:
-        p = Prog(svc, prog)
-        svc.call("pause", {"pid": p.pid})
-        yield p
-    finally:
-        if p is not None:
-            p.close()
-        svc.stop()
+    yield from paused_prog(prog)
 
 
 def _samples(shown: dict) -> list[tuple[int, int]]:
