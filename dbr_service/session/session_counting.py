@@ -6,7 +6,9 @@ them, and their replacement by the region built from the exact counts.
 The region's record (``dbr ctl regions``, the run report) carries ``info["counting"]``:
 the phase (``counting``, ``over``, ``ended with the client``), why it ended, the
 promoted blocks, the hottest blocks' exact counts and how far the sample-inferred
-counts were from them (exact_counts.sample_error).
+counts were from them (exact_counts.sample_error); once the phase is over, when it
+ended (``over_at_s``, seconds since the process started) and how long removing the
+counting region and installing the optimised one took (``replace_s``).
 """
 
 from __future__ import annotations
@@ -141,7 +143,9 @@ class SessionCounting:
         if cr is None or rec is None or inst is None:
             return False
         reg = inst.regions.get(cr.install_id)
+        t0 = time.monotonic()
         info, prof = self._counting_record(cr, "over")
+        info["over_at_s"] = round(t0 - self.started_mono, 4)
         with self.lock:
             rec.info["counting"] = info
             rec.recheck_mono = 0.0
@@ -163,6 +167,7 @@ class SessionCounting:
         new = inst.regions.get(rec.info.get("install_id", -1)) if n else None
         with self.lock:
             info["replaced"] = bool(n)
+            info["replace_s"] = round(time.monotonic() - t0, 4)
             info["blocks_after"] = len(opt)
             if new is not None:
                 info["counters_after"] = counter_increments(new.gen)
