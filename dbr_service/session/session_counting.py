@@ -7,8 +7,9 @@ The region's record (``dbr ctl regions``, the run report) carries ``info["counti
 the phase (``counting``, ``over``, ``ended with the client``), why it ended, the
 promoted blocks, the hottest blocks' exact counts and how far the sample-inferred
 counts were from them (exact_counts.sample_error); once the phase is over, when it
-ended (``over_at_s``, seconds since the process started) and how long removing the
-counting region and installing the optimised one took (``replace_s``).
+ended (``over_at_s``, seconds since the process started), how long the counting code
+was live (``seconds``: to its removal) and how long removing it and installing the
+optimised region took (``replace_s``).
 """
 
 from __future__ import annotations
@@ -135,7 +136,9 @@ class SessionCounting:
 
     def counting_over(self, rid: str) -> bool:
         """Session thread: replace counting region ``rid`` by the region built from its
-        exact counts; whether the new region went live."""
+        exact counts; whether the new region went live.  The counting region goes first
+        (its code runs tens of times slower than the original), then its counts are
+        read, the region rebuilt from them and installed."""
         mon = self.count_monitor
         cr = mon.remove(rid) if mon is not None else None
         rec = self.region_book.regions.get(rid)
@@ -144,25 +147,29 @@ class SessionCounting:
             return False
         reg = inst.regions.get(cr.install_id)
         t0 = time.monotonic()
+        live = reg is not None and reg.state in HELD   # else gone (a map change, the operator)
+        failed = None
+        if live:
+            try:
+                inst.uninstall(reg.region_id, "counting phase over", evict=True)
+            except AgentError as exc:
+                failed = f"region {rid}: counting region not removed: {exc}"
         info, prof = self._counting_record(cr, "over")
         info["over_at_s"] = round(t0 - self.started_mono, 4)
         with self.lock:
             rec.info["counting"] = info
             rec.recheck_mono = 0.0
-        if reg is None or reg.state not in HELD:
-            return False                      # gone meanwhile (a map change, the operator)
+        if failed is not None:
+            self.errors.append(failed)
+        if not live or failed is not None:
+            return False
+        self._region_removed(rec, "counting phase over")
         try:
             opt = rebuilt(cr.sr, prof)
         except DbrError as exc:               # no region left: the sampled one, uncounted
             info["rebuild_error"] = str(exc)
             opt = cr.sr
         opt.info["exact_counts"] = True
-        try:
-            inst.uninstall(reg.region_id, "counting phase over", evict=True)
-        except AgentError as exc:
-            self.errors.append(f"region {rid}: counting region not removed: {exc}")
-            return False
-        self._region_removed(rec, "counting phase over")
         n = self.install_selected([opt], [rid])
         new = inst.regions.get(rec.info.get("install_id", -1)) if n else None
         with self.lock:
