@@ -5,12 +5,14 @@ the counting phase's cost apart.
 bench/workloads/mislaid_steps.c (examples/mislaid.c's loop, whose good layout depends
 on which side of its branch is hot, run in S timed steps of C iterations) runs under
 `dbr run --embedded --aggressive` with ``profile=count`` (A) and ``profile=sample``
-(B), alternated, each run's output checked against the native run's.  Printed:
+(B), alternated, then natively, each run's output checked against the native run's.
+Printed:
 
 * **steady state**: per run, the median thread CPU time of a step over the steps
   after the region's last replacement (the second half of the steps; a run whose
   counting phase ended later is reported); the ratio A/B per pair, its geometric
-  mean, min and max.  This is the final code's speed alone.
+  mean, min and max, and each side against the native run of its pair.  This is the
+  final code's speed alone.
 * **counting phase** (A): how long it lasted (the region record's ``seconds``), how
   many polls the monitor made, the loop's entries counted, how much slower the
   counted loop ran than the final code (its entries per second against the steady
@@ -92,9 +94,15 @@ def _counted(rep: dict, exe: Path) -> list[dict]:
 
 
 def _run(exe: Path, args: list[str], profile: str, tmp: Path, want: bytes) -> Run:
+    """A run with ``profile``, or natively (``native``)."""
     report = tmp / f"report-{profile}.json"
     report.unlink(missing_ok=True)
-    run, wall, rep = _dbr([str(exe), *args], profile, report)
+    if profile == "native":
+        t0 = time.monotonic()
+        run = subprocess.run([str(exe), *args], capture_output=True, timeout=900)
+        wall, rep = time.monotonic() - t0, {"clients": []}
+    else:
+        run, wall, rep = _dbr([str(exe), *args], profile, report)
     if run.returncode != 0 or run.stdout != want:
         raise SystemExit(f"profile={profile}: exit {run.returncode}, output differs: "
                          f"{run.stderr.decode(errors='replace')[-500:]}")
@@ -143,11 +151,11 @@ def ab(pairs: int, steps: int, chunk: int, tmp: Path) -> dict:
     args = [str(steps), str(chunk)]
     want = subprocess.run([str(exe), *args], capture_output=True, check=True,
                           timeout=900).stdout
-    rows: dict[str, list[Run]] = {"count": [], "sample": []}
+    rows: dict[str, list[Run]] = {"count": [], "sample": [], "native": []}
     for i in range(pairs):
-        for p in (("count", "sample") if i % 2 == 0 else ("sample", "count")):
+        for p in (("count", "sample") if i % 2 == 0 else ("sample", "count")) + ("native",):
             rows[p].append(_run(exe, args, p, tmp, want))
-    a, b = rows["count"], rows["sample"]
+    a, b, n = rows["count"], rows["sample"], rows["native"]
     phases = [_phase(r, chunk) for r in a]
     for p, rs in rows.items():
         print(f"profile={p}: steady ms/step (CPU) {[round(r.steady() / 1e6, 3) for r in rs]}; "
@@ -157,6 +165,10 @@ def ab(pairs: int, steps: int, chunk: int, tmp: Path) -> dict:
                       [x.steady() / y.steady() for x, y in zip(a, b)]))
     print(_ratio_line("steady state, count/sample step wall time",
                       [x.steady("wall") / y.steady("wall") for x, y in zip(a, b)]))
+    print(_ratio_line("steady state, count/native step CPU time",
+                      [x.steady() / y.steady() for x, y in zip(a, n)]))
+    print(_ratio_line("steady state, sample/native step CPU time",
+                      [x.steady() / y.steady() for x, y in zip(b, n)]))
     print(_ratio_line("whole runs, count/sample wall time",
                       [x.wall_s / y.wall_s for x, y in zip(a, b)]))
     flat = [ph for run in phases for ph in run]
