@@ -31,13 +31,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import capstone
 
 ROOT = Path(__file__).resolve().parent.parent
 E2E = ROOT / "tests" / "e2e_progs"
@@ -60,11 +65,13 @@ class Run:
     step_cpu_ns: list[int]
     step_wall_ns: list[int]
     counting: list[dict] = field(default_factory=list)
+    #: Region name -> its last installed code, normalised (:func:`final_code`).
+    code: dict[str, tuple] = field(default_factory=dict)
 
-    def steady(self, key: str = "cpu") -> float:
-        """Median ns of a step over the second half of the steps."""
+    def steady(self, key: str = "cpu", how=statistics.median) -> float:
+        """Median (or ``how``) ns of a step over the second half of the steps."""
         xs = self.step_cpu_ns if key == "cpu" else self.step_wall_ns
-        return statistics.median(xs[len(xs) // 2:])
+        return how(xs[len(xs) // 2:])
 
     def steady_from_s(self) -> float:
         """Seconds from the first step's start to the second half's."""
@@ -76,15 +83,64 @@ def _build(src: Path, flags: list[str], out: Path) -> Path:
     return out
 
 
-def _dbr(prog: list[str], profile: str, report: Path) -> tuple[subprocess.CompletedProcess,
-                                                                float, dict]:
+def _dbr(prog: list[str], profile: str, report: Path, *extra: str
+         ) -> tuple[subprocess.CompletedProcess, float, dict]:
     t0 = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "run", "--embedded",
-                          "--aggressive", "--quiet", "-o", f"profile={profile}", "--report",
-                          str(report), "--", *prog], capture_output=True, timeout=900, cwd=ROOT)
+                          "--aggressive", "--quiet", *extra, "-o", f"profile={profile}",
+                          "--report", str(report), "--", *prog], capture_output=True,
+                         timeout=900, cwd=ROOT)
     wall = time.monotonic() - t0
     rep = json.loads(report.read_text()) if report.exists() else {}
     return run, wall, rep
+
+
+_JIT_HEADER = struct.Struct("<IIIIIIQQ")
+_JIT_LOAD = struct.Struct("<IIQIIQQQQ")
+_MD = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+
+
+_HEX = re.compile(r"0x[0-9a-f]+")
+
+
+def _rel(v: int, base: int, size: int) -> str:
+    """An address in code at ``base`` as its offset there, any other big one as X."""
+    return f"@{v - base}" if base <= v < base + size else "X" if v >= 1 << 16 else hex(v)
+
+
+def final_code(pid: int) -> dict[str, tuple]:
+    """The last code the service recorded for each region in ``pid``'s jitdump file
+    (dbr_service/installation/jitdump.py), as (mnemonic, operands) with addresses made
+    relative to the code's start; the file is removed."""
+    path = Path(f"/tmp/jit-{pid}.dump")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return {}
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(64 << 20)
+    path.unlink(missing_ok=True)
+    return jit_loads(data)
+
+
+def jit_loads(data: bytes) -> dict[str, tuple]:
+    """Region name -> its last code in a jitdump file's ``data``, normalised."""
+    out: dict[str, tuple] = {}
+    off = _JIT_HEADER.size
+    while off + _JIT_LOAD.size <= len(data):
+        rid, size = struct.unpack_from("<II", data, off)
+        if size < 8:
+            break
+        if rid == 0:
+            *_, addr, csize, _ = _JIT_LOAD.unpack_from(data, off)
+            body = data[off + _JIT_LOAD.size: off + size]
+            name, _, rest = body.partition(b"\0")
+            out[name.decode(errors="replace")] = tuple(
+                (i.mnemonic, _HEX.sub(lambda m, a=addr, n=csize: _rel(int(m[0], 16), a, n),
+                                      i.op_str), i.size)
+                for i in _MD.disasm(rest[:csize], addr))
+        off += size
+    return out
 
 
 def _counted(rep: dict, exe: Path) -> list[dict]:
@@ -102,7 +158,7 @@ def _run(exe: Path, args: list[str], profile: str, tmp: Path, want: bytes) -> Ru
         run = subprocess.run([str(exe), *args], capture_output=True, timeout=900)
         wall, rep = time.monotonic() - t0, {"clients": []}
     else:
-        run, wall, rep = _dbr([str(exe), *args], profile, report)
+        run, wall, rep = _dbr([str(exe), *args], profile, report, "--jitdump")
     if run.returncode != 0 or run.stdout != want:
         raise SystemExit(f"profile={profile}: exit {run.returncode}, output differs: "
                          f"{run.stderr.decode(errors='replace')[-500:]}")
@@ -114,8 +170,11 @@ def _run(exe: Path, args: list[str], profile: str, tmp: Path, want: bytes) -> Ru
             cpu.append(int(f[3]))
     if len(cpu) != int(args[0]):
         raise SystemExit(f"profile={profile}: {len(cpu)} step lines, not {args[0]}")
+    code = {}
+    for c in rep["clients"]:
+        code.update(final_code(c["pid"]))
     return Run(wall, sum(c.get("service_cpu_s", 0.0) for c in rep["clients"]), cpu, wns,
-               _counted(rep, exe))
+               _counted(rep, exe), code)
 
 
 def _gm(xs: list[float]) -> float:
@@ -129,21 +188,47 @@ def _ratio_line(name: str, ratios: list[float]) -> str:
 
 
 def _phase(r: Run, chunk: int) -> list[dict]:
-    """The counting phases of a count run, with their cost against its steady steps."""
+    """The counting phases of a count run that ended before the program did, with
+    their cost against its steady steps."""
     out = []
     per_ns = chunk / r.steady("wall")          # the final code's iterations per ns
     for c in r.counting:
+        if c.get("phase") != "over":
+            continue
         n = max(c.get("block_counts", {}).values(), default=0)
         secs = c.get("seconds", 0.0)
         final_s = n / per_ns / 1e9
         out.append({"region": c["region"], "why": c.get("why"), "polls": c.get("polls"),
-                    "seconds": secs, "entries": n,
+                    "seconds": secs, "ended_after_s": c.get("ended_after_s"), "entries": n,
                     "slowdown": round(secs / final_s, 1) if final_s > 0 else None,
                     "lost_s": round(secs - final_s, 4),
                     "over_at_s": c.get("over_at_s"), "replace_s": c.get("replace_s"),
                     "late": (c.get("over_at_s") or 0.0) + (c.get("replace_s") or 0.0)
                     > r.steady_from_s()})
     return out
+
+
+def _steady_lines(rows: dict[str, list[Run]]) -> None:
+    a, b, n = rows["count"], rows["sample"], rows["native"]
+    for p, rs in rows.items():
+        print(f"profile={p}: steady ms/step (CPU, median) "
+              f"{[round(r.steady() / 1e6, 3) for r in rs]}; fastest "
+              f"{[round(r.steady(how=min) / 1e6, 3) for r in rs]}; wall "
+              f"{[round(r.wall_s, 3) for r in rs]} s; service CPU "
+              f"{[round(r.service_cpu_s, 3) for r in rs]} s")
+    for name, x, y, key, how in (
+            ("count/sample, step CPU time (median)", a, b, "cpu", statistics.median),
+            ("count/sample, fastest step CPU time", a, b, "cpu", min),
+            ("count/sample, step wall time (median)", a, b, "wall", statistics.median),
+            ("count/native, step CPU time (median)", a, n, "cpu", statistics.median),
+            ("sample/native, step CPU time (median)", b, n, "cpu", statistics.median)):
+        print(_ratio_line(f"steady state, {name}",
+                          [u.steady(key, how) / v.steady(key, how) for u, v in zip(x, y)]))
+    same = sum(1 for u, v in zip(a, b) if u.code and set(u.code.values()) == set(v.code.values()))
+    print(f"final code: the same instructions from exact and from sampled counts in {same} "
+          f"of {len(a)} pairs (the regions' last code in the jitdump files)")
+    print(_ratio_line("whole runs, count/sample wall time",
+                      [u.wall_s / v.wall_s for u, v in zip(a, b)]))
 
 
 def ab(pairs: int, steps: int, chunk: int, tmp: Path) -> dict:
@@ -155,25 +240,12 @@ def ab(pairs: int, steps: int, chunk: int, tmp: Path) -> dict:
     for i in range(pairs):
         for p in (("count", "sample") if i % 2 == 0 else ("sample", "count")) + ("native",):
             rows[p].append(_run(exe, args, p, tmp, want))
-    a, b, n = rows["count"], rows["sample"], rows["native"]
-    phases = [_phase(r, chunk) for r in a]
-    for p, rs in rows.items():
-        print(f"profile={p}: steady ms/step (CPU) {[round(r.steady() / 1e6, 3) for r in rs]}; "
-              f"wall {[round(r.wall_s, 3) for r in rs]} s; service CPU "
-              f"{[round(r.service_cpu_s, 3) for r in rs]} s")
-    print(_ratio_line("steady state, count/sample step CPU time",
-                      [x.steady() / y.steady() for x, y in zip(a, b)]))
-    print(_ratio_line("steady state, count/sample step wall time",
-                      [x.steady("wall") / y.steady("wall") for x, y in zip(a, b)]))
-    print(_ratio_line("steady state, count/native step CPU time",
-                      [x.steady() / y.steady() for x, y in zip(a, n)]))
-    print(_ratio_line("steady state, sample/native step CPU time",
-                      [x.steady() / y.steady() for x, y in zip(b, n)]))
-    print(_ratio_line("whole runs, count/sample wall time",
-                      [x.wall_s / y.wall_s for x, y in zip(a, b)]))
-    flat = [ph for run in phases for ph in run]
+    a = rows["count"]
+    _steady_lines(rows)
+    flat = [ph for r in a for ph in _phase(r, chunk)]
     for ph in flat:
-        print(f"counting phase {ph['region']}: {ph['seconds']:.4f} s, {ph['polls']} polls, "
+        print(f"counting phase {ph['region']}: {ph['seconds']:.4f} s to its removal "
+              f"({ph['ended_after_s']} s to the poll that ended it), {ph['polls']} polls, "
               f"{ph['why']}, {ph['entries']} entries, x{ph['slowdown']} slower than the final "
               f"code, {ph['lost_s'] * 1e3:.1f} ms of work lost; replacement "
               f"{ph['replace_s']} s{' (after the steady steps began)' if ph['late'] else ''}")
@@ -181,7 +253,13 @@ def ab(pairs: int, steps: int, chunk: int, tmp: Path) -> dict:
         print(f"counting phase: median {statistics.median(p['seconds'] for p in flat):.4f} s, "
               f"median lost {1e3 * statistics.median(p['lost_s'] for p in flat):.1f} ms, "
               f"median replacement {statistics.median(p['replace_s'] or 0 for p in flat):.4f} s")
-    errs = [c["sample_error"] for r in a for c in r.counting if "sample_error" in c]
+    left = [(c["region"], c.get("entries"), max(c.get("block_counts", {}).values(), default=0))
+            for r in a for c in r.counting if c.get("phase") != "over"]
+    for rid, entries, hot in left:
+        print(f"counting region {rid} counted to the program's end: {entries} entries, "
+              f"hottest block {hot}")
+    errs = [c["sample_error"] for r in a for c in r.counting if "sample_error" in c
+            and c.get("phase") == "over"]
     return {"mislaid_steps -O2": errs}
 
 

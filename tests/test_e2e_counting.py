@@ -95,6 +95,7 @@ def test_counting_region_replaced_by_the_optimised_one(tmp_path) -> None:
         assert c["replaced"] and c["counters_after"] == 0, c
         assert c["seconds"] < LONG_POLL_MS / 2000, c
         assert c["over_at_s"] > 0 and c["replace_s"] >= 0, c
+        assert 0 <= c["ended_after_s"] <= c["seconds"], c
         assert r["state"] == "installed"
         err = c["sample_error"]
         assert err["hot_blocks"] > 0 and err["block_count_error"] >= 0
@@ -128,7 +129,7 @@ def test_monitor_promotes_at_the_thresholds() -> None:
     assert mon.poll(now=1.0) == [] and not cr.promoted
     values[plan.blocks[0x100]] = 30              # a direct block at its threshold
     assert mon.poll(now=1.1) == [cr] and cr.promoted == {0x100: 30}
-    assert cr.done == "promoted"
+    assert cr.done == "promoted" and cr.done_at == 1.1
     values[plan.blocks[0x200]] = 50              # the indirect target at its own
     assert mon.poll(now=1.2) == [] and cr.promoted == {0x100: 30, 0x200: 50}
     quiet = CountingRegion("r2", 2, sr, plan_counters(sr, lambda: 0x3000), {},

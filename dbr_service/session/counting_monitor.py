@@ -78,8 +78,9 @@ class CountingRegion:
     #: Block -> its count at the poll that promoted it.
     promoted: dict[NodeKey, int] = field(default_factory=dict)
     polls: int = 0
-    #: Why the phase ended (None: still counting).
+    #: Why the phase ended (None: still counting), and when (monotonic).
     done: str | None = None
+    done_at: float | None = None
     indirect: set[NodeKey] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -147,7 +148,9 @@ class CountMonitor:
         else:
             cr.wait = next_wait(elapsed, progress, cr.wait, self.poll_s)
             cr.next_at = min(now + cr.wait, cr.started + self.max_s)
-        return cr.done is not None
+            return False
+        cr.done_at = now
+        return True
 
     def poll(self, now: float | None = None) -> list[CountingRegion]:
         """Poll every region whose read is due at ``now``; those whose phase ended."""

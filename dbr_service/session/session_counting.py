@@ -8,8 +8,9 @@ the phase (``counting``, ``over``, ``ended with the client``), why it ended, the
 promoted blocks, the hottest blocks' exact counts and how far the sample-inferred
 counts were from them (exact_counts.sample_error); once the phase is over, when it
 ended (``over_at_s``, seconds since the process started), how long the counting code
-was live (``seconds``: to its removal) and how long removing it and installing the
-optimised region took (``replace_s``).
+was live (``seconds``: to its removal; ``ended_after_s``: to the poll that ended the
+phase) and how long removing it and installing the optimised region took
+(``replace_s``).
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ class SessionCounting:
         """The record of ``cr``'s counts so far, and its exact profile."""
         prof = derive(cr.sr, cr.plan, cr.sides, cr.value)
         return {"phase": phase, "why": cr.done, "polls": cr.polls,
-                "seconds": round(time.monotonic() - cr.started, 3),
+                "seconds": round(time.monotonic() - cr.started, 4),
+                "ended_after_s": None if cr.done_at is None else
+                round(cr.done_at - cr.started, 4),
                 "promoted": {fmt_node(k): n for k, n in cr.promoted.items()},
                 "block_counts": _counts_json(prof.blocks),
                 "entries": sum(prof.entries.values()),
