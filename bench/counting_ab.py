@@ -73,6 +73,11 @@ class Run:
         xs = self.step_cpu_ns if key == "cpu" else self.step_wall_ns
         return how(xs[len(xs) // 2:])
 
+    def excess_s(self) -> float:
+        """CPU seconds the run's steps took beyond as many steady steps (median): the
+        time before the final code went live, counting phase included."""
+        return (sum(self.step_cpu_ns) - len(self.step_cpu_ns) * self.steady()) / 1e9
+
     def steady_from_s(self) -> float:
         """Seconds from the first step's start to the second half's."""
         return sum(self.step_wall_ns[:len(self.step_wall_ns) // 2]) / 1e9
@@ -224,9 +229,20 @@ def _steady_lines(rows: dict[str, list[Run]]) -> None:
             ("sample/native, step CPU time (median)", b, n, "cpu", statistics.median)):
         print(_ratio_line(f"steady state, {name}",
                           [u.steady(key, how) / v.steady(key, how) for u, v in zip(x, y)]))
-    same = sum(1 for u, v in zip(a, b) if u.code and set(u.code.values()) == set(v.code.values()))
-    print(f"final code: the same instructions from exact and from sampled counts in {same} "
-          f"of {len(a)} pairs (the regions' last code in the jitdump files)")
+    differ = [i for i, (u, v) in enumerate(zip(a, b))
+              if not u.code or set(u.code.values()) != set(v.code.values())]
+    print(f"final code: the same instructions from exact and from sampled counts in "
+          f"{len(a) - len(differ)} of {len(a)} pairs (the regions' last code in the jitdump "
+          f"files)")
+    for i in differ:
+        for side, r in (("count", a[i]), ("sample", b[i])):
+            for name, code in r.code.items():
+                print(f"  pair {i} {side} {name}: {len(code)} instructions: "
+                      f"{'; '.join(f'{m} {o}' for m, o, _ in code)}")
+    print(f"CPU time beyond the steady state, count - sample: median "
+          f"{1e3 * statistics.median(u.excess_s() - v.excess_s() for u, v in zip(a, b)):.1f} "
+          f"ms; per pair "
+          f"{[round(1e3 * (u.excess_s() - v.excess_s()), 1) for u, v in zip(a, b)]}")
     print(_ratio_line("whole runs, count/sample wall time",
                       [u.wall_s / v.wall_s for u, v in zip(a, b)]))
 
