@@ -230,15 +230,21 @@ def _steady_lines(rows: dict[str, list[Run]]) -> None:
         print(_ratio_line(f"steady state, {name}",
                           [u.steady(key, how) / v.steady(key, how) for u, v in zip(x, y)]))
     differ = [i for i, (u, v) in enumerate(zip(a, b))
-              if not u.code or set(u.code.values()) != set(v.code.values())]
+              if not set(u.code) & set(v.code)
+              or any(u.code[k] != v.code[k] for k in set(u.code) & set(v.code))]
     print(f"final code: the same instructions from exact and from sampled counts in "
-          f"{len(a) - len(differ)} of {len(a)} pairs (the regions' last code in the jitdump "
-          f"files)")
+          f"{len(a) - len(differ)} of {len(a)} pairs (the last code of the regions both "
+          f"sides made, from the jitdump files)")
     for i in differ:
         for side, r in (("count", a[i]), ("sample", b[i])):
             for name, code in r.code.items():
                 print(f"  pair {i} {side} {name}: {len(code)} instructions: "
                       f"{'; '.join(f'{m} {o}' for m, o, _ in code)}")
+    for i, (u, v) in enumerate(zip(a, b)):
+        if set(u.code) ^ set(v.code):
+            print(f"  pair {i}: regions made by one side only: count "
+                  f"{sorted(set(u.code) - set(v.code))}, sample "
+                  f"{sorted(set(v.code) - set(u.code))}")
     print(f"CPU time beyond the steady state, count - sample: median "
           f"{1e3 * statistics.median(u.excess_s() - v.excess_s() for u, v in zip(a, b)):.1f} "
           f"ms; per pair "
