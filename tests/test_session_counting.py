@@ -2,8 +2,9 @@
 docs/decisions/0041-exact-counts.md): the counting region is removed before anything
 else is done (its code runs tens of times slower than the original), the counts are
 read after its removal, and only then is the region rebuilt and installed; a region
-that could not be removed is not replaced.  A session stand-in with a fake installer
-records the order of the steps."""
+that could not be removed is not replaced; a region whose phase ends during a speed
+check waits for the check's end instead of being lost (selected and counted again).
+A session stand-in with a fake installer records the order of the steps."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class FakeSession(session_counting.SessionCounting):
         self.lock = threading.RLock()
         self.errors: list[str] = []
         self.pid = 1
+        self.speed_check = None
         self.started_mono = time.monotonic()
         self.rec = SimpleNamespace(info={}, recheck_mono=math.inf)
         self.region_book = SimpleNamespace(regions={"r1": self.rec})
@@ -64,6 +66,8 @@ class FakeSession(session_counting.SessionCounting):
 
     def install_selected(self, srs, ids) -> int:
         assert ids == ["r1"] and srs[0].info.get("exact_counts")
+        if self.speed_check is not None:
+            return 0
         self.steps.append("install")
         return 1
 
@@ -97,3 +101,19 @@ def test_a_counting_region_not_removed_is_not_replaced(monkeypatch) -> None:
     assert s.steps == ["uninstall"]
     assert s.errors and "not removed" in s.errors[0]
     assert s.rec.info["counting"]["phase"] == "over"
+
+
+def test_a_region_counted_during_a_speed_check_waits_for_its_end(monkeypatch) -> None:
+    s = FakeSession()
+    _rebuilt_recorded(monkeypatch, s)
+    s.speed_check = object()             # another region's check is measuring
+    assert not s.counting_over("r1")
+    assert s.steps == ["uninstall", "removed", "rebuilt"]
+    info = s.rec.info["counting"]
+    assert not info["replaced"] and info["waits_for"]
+    assert s.counted_install_waiting() == 0 and s.steps[-1] == "rebuilt"
+    s.speed_check = None                 # the check ended
+    assert s.counted_install_waiting() == 1
+    assert s.steps == ["uninstall", "removed", "rebuilt", "install"]
+    assert info["replaced"] and "waits_for" not in info
+    assert s.counted_install_waiting() == 0

@@ -173,16 +173,47 @@ class SessionCounting:
             info["rebuild_error"] = str(exc)
             opt = cr.sr
         opt.info["exact_counts"] = True
+        info["blocks_after"] = len(opt)
+        if getattr(self, "speed_check", None) is not None:
+            # no install while a check measures: the region waits for its end rather
+            # than being selected and counted again
+            self._counted_waiting[rid] = (opt, t0)
+            info["replaced"] = False
+            info["waits_for"] = "the speed check in progress"
+            return False
+        return self._install_counted(rid, opt, t0)
+
+    @property
+    def _counted_waiting(self) -> dict[str, tuple[SuperRegion, float]]:
+        """Regions built from their counts that wait for a speed check to end."""
+        if not hasattr(self, "_counted_waiting_d"):
+            self._counted_waiting_d: dict[str, tuple[SuperRegion, float]] = {}
+        return self._counted_waiting_d
+
+    def counted_install_waiting(self) -> int:
+        """Session thread, once no speed check runs: install the regions built from
+        their counts that waited for one to end; how many went live."""
+        waiting, n = self._counted_waiting, 0
+        while waiting and getattr(self, "speed_check", None) is None:
+            rid, (opt, t0) = waiting.popitem()
+            n += self._install_counted(rid, opt, t0)
+        return n
+
+    def _install_counted(self, rid: str, opt: SuperRegion, t0: float) -> bool:
+        rec = self.region_book.regions.get(rid)
+        if rec is None:
+            return False
+        info = rec.info.get("counting", {})
         n = self.install_selected([opt], [rid])
-        new = inst.regions.get(rec.info.get("install_id", -1)) if n else None
+        new = self.installer.regions.get(rec.info.get("install_id", -1)) if n else None
         with self.lock:
+            info.pop("waits_for", None)
             info["replaced"] = bool(n)
             info["replace_s"] = round(time.monotonic() - t0, 4)
-            info["blocks_after"] = len(opt)
             if new is not None:
                 info["counters_after"] = counter_increments(new.gen)
-        log.info("pid %d: region %s counted (%s); optimised region %s", self.pid, rid,
-                 cr.done, "installed" if n else "not installed")
+        log.info("pid %d: region %s counted; optimised region %s", self.pid, rid,
+                 "installed" if n else "not installed")
         return bool(n)
 
     def counting_final(self) -> None:
