@@ -11,8 +11,12 @@ Printed:
 * **steady state**: per run, the median thread CPU time of a step over the steps
   after the region's last replacement (the second half of the steps; a run whose
   counting phase ended later is reported); the ratio A/B per pair, its geometric
-  mean, min and max, and each side against the native run of its pair.  This is the
-  final code's speed alone.
+  mean, min and max (also of the fastest step's CPU time and the median step's wall
+  time), and each side against the native run of its pair.  This is the final
+  code's speed alone.  Whether both sides' final code is the same instructions (the
+  last code of each region both made, from their ``--jitdump`` files), and each
+  side's CPU time beyond as many steady steps (before its final code), count less
+  sample.
 * **counting phase** (A): how long it lasted (the region record's ``seconds``), how
   many polls the monitor made, the loop's entries counted, how much slower the
   counted loop ran than the final code (its entries per second against the steady
