@@ -168,18 +168,22 @@ class SessionCounting:
             return False
         self._region_removed(rec, "counting phase over")
         try:
-            opt = rebuilt(cr.sr, prof)
+            opt, error = rebuilt(cr.sr, prof), None
         except DbrError as exc:               # no region left: the sampled one, uncounted
-            info["rebuild_error"] = str(exc)
-            opt = cr.sr
+            opt, error = cr.sr, str(exc)
         opt.info["exact_counts"] = True
-        info["blocks_after"] = len(opt)
-        if getattr(self, "speed_check", None) is not None:
+        waits = getattr(self, "speed_check", None) is not None
+        with self.lock:                       # the record is read by other threads
+            info["blocks_after"] = len(opt)
+            if error is not None:
+                info["rebuild_error"] = error
+            if waits:
+                info["replaced"] = False
+                info["waits_for"] = "the speed check in progress"
+        if waits:
             # no install while a check measures: the region waits for its end rather
             # than being selected and counted again
             self._counted_waiting[rid] = (opt, t0)
-            info["replaced"] = False
-            info["waits_for"] = "the speed check in progress"
             return False
         return self._install_counted(rid, opt, t0)
 
