@@ -226,7 +226,9 @@ class Config:
         "longest counting phase of a region: then it is replaced from the counts it has",
         min=0.05, max=3600.0))
     count_poll_ms: int = field(default=50, metadata=_doc(
-        "how often the monitor thread reads the counting regions' counters",
+        "longest interval between two reads of a counting region's counters: the "
+        "monitor reads a region 1 ms after its install, then when its counts so far "
+        "say a block reaches its threshold (at least 1 ms apart)",
         min=1, max=10_000))
     count_thin_samples: float = field(default=4.0, metadata=_doc(
         "profile=auto: a region whose blocks hold fewer samples than this on average "

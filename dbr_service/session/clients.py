@@ -406,13 +406,15 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks, Session
 
     def _finish(self) -> None:
         self.probes_closed(self.close_reason or "the session ended")
-        self.state = SessionState.CLOSED
-        self.ended_at = time.time()
         try:
-            self.counting_final()          # while the counters' buffers are mapped
+            # while the counters' buffers are mapped, and before the session shows as
+            # closed (a report taken then has the last counts)
+            self.counting_final()
         except Exception:   # the records miss their last counts; the session still ends
             log.exception("session %d (pid %d): last counts not read", self.session_id,
                           self.pid)
+        self.state = SessionState.CLOSED
+        self.ended_at = time.time()
         try:
             self._close_source()
         except Exception:   # every descriptor below is closed all the same

@@ -1,10 +1,17 @@
 """The monitor of counting regions (docs/decisions/0041-exact-counts.md): a thread
-that reads the counters of a session's counting regions every ``count_poll_ms``,
-keeps each block's exact entry count, promotes a block once its count reaches its
-threshold (``count_threshold_direct`` entries, ``count_threshold_indirect`` for a
-block an indirect jump or call of the region reaches), and hands a region whose
-counting phase is over (a block promoted, or ``count_phase_max_s`` passed) to its
-session, which replaces it by the region built from the counts.
+that reads the counters of a session's counting regions, keeps each block's exact
+entry count, promotes a block once its count reaches its threshold
+(``count_threshold_direct`` entries, ``count_threshold_indirect`` for a block an
+indirect jump or call of the region reaches), and hands a region whose counting
+phase is over (a block promoted, or ``count_phase_max_s`` passed) to its session,
+which replaces it by the region built from the counts.
+
+Counted code runs tens of times slower than the final code, and a hot loop reaches
+its threshold well within a millisecond, so the phase should end as soon as that
+happens: a region's first read comes ``FIRST_POLL_S`` after its install, and each
+next one when the counts so far, at the rate they grew, bring a block to its
+threshold (:func:`next_wait`), never sooner than ``FIRST_POLL_S`` nor later than
+``count_poll_ms``.
 
 The counters are words of a data buffer that the service reads through its own
 mapping: reading them needs no message to the agent, so the monitor runs beside the
@@ -24,6 +31,22 @@ from dbr_service.codegen.blocks import CountPlan
 from dbr_service.region.model import EdgeKind, NodeKey, SuperRegion, TermKind
 
 log = logging.getLogger("dbr.counting")
+
+#: Seconds from a counting region's install to its first read, and the shortest
+#: interval between two reads.
+FIRST_POLL_S = 0.001
+
+
+def next_wait(elapsed: float, progress: float, last_wait: float, longest: float) -> float:
+    """Seconds to the next read of a counting region whose phase has run ``elapsed``
+    seconds, its most advanced block ``progress`` (0 <= progress < 1) of the way to
+    its threshold: the time the rest takes at the rate so far; twice ``last_wait``
+    while nothing ran; within [FIRST_POLL_S, ``longest``]."""
+    if progress <= 0.0 or elapsed <= 0.0:
+        want = 2.0 * last_wait
+    else:
+        want = elapsed * (1.0 - progress) / progress
+    return min(longest, max(FIRST_POLL_S, want))
 
 
 def indirect_targets(sr: SuperRegion) -> set[NodeKey]:
@@ -48,16 +71,21 @@ class CountingRegion:
     sides: dict[NodeKey, int]     # the emitted code's counted sides
     read: Callable[[int], int | None]   # a counter's value; None: its buffer is gone
     started: float = field(default_factory=time.monotonic)
+    #: When the monitor reads the counters next, and the interval that led there.
+    next_at: float = 0.0
+    wait: float = FIRST_POLL_S
     counts: dict[NodeKey, int] = field(default_factory=dict)
     #: Block -> its count at the poll that promoted it.
     promoted: dict[NodeKey, int] = field(default_factory=dict)
     polls: int = 0
-    #: Why the phase ended (None: still counting).
+    #: Why the phase ended (None: still counting), and when (monotonic).
     done: str | None = None
+    done_at: float | None = None
     indirect: set[NodeKey] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.indirect = indirect_targets(self.sr)
+        self.next_at = self.started + self.wait
 
     def value(self, addr: int) -> int:
         """A counter's value, 0 if its buffer is gone."""
@@ -77,6 +105,7 @@ class CountMonitor:
         self.regions: dict[str, CountingRegion] = {}
         self.lock = threading.Lock()
         self._stop = threading.Event()
+        self._kick = threading.Event()       # a region added, or stop()
         self._thread: threading.Thread | None = None
 
     def threshold(self, cr: CountingRegion, k: NodeKey) -> int:
@@ -85,6 +114,7 @@ class CountMonitor:
     def add(self, cr: CountingRegion) -> None:
         with self.lock:
             self.regions[cr.rid] = cr
+        self._kick.set()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="dbr-count-monitor",
                                             daemon=True)
@@ -95,30 +125,53 @@ class CountMonitor:
             return self.regions.pop(rid, None)
 
     def poll_one(self, cr: CountingRegion, now: float) -> bool:
-        """Read ``cr``'s block counters, promote blocks at their thresholds; whether its
-        phase has just ended."""
+        """Read ``cr``'s block counters, promote blocks at their thresholds, set its
+        next read (``next_at``); whether its phase has just ended."""
         cr.polls += 1
+        progress = 0.0
         for k, addr in cr.plan.blocks.items():
             n = cr.counts[k] = cr.value(addr)
-            if k not in cr.promoted and n >= self.threshold(cr, k):
+            thr = self.threshold(cr, k)
+            if k not in cr.promoted and n >= thr:
                 cr.promoted[k] = n
+            progress = max(progress, n / thr)
+        # a region whose phase is over is read at the longest interval until its
+        # session takes it away
+        cr.next_at = now + self.poll_s
         if cr.done is not None:
             return False
+        elapsed = now - cr.started
         if cr.promoted:
             cr.done = "promoted"
-        elif now - cr.started >= self.max_s:
+        elif elapsed >= self.max_s:
             cr.done = "phase time bound"
-        return cr.done is not None
+        else:
+            cr.wait = next_wait(elapsed, progress, cr.wait, self.poll_s)
+            cr.next_at = min(now + cr.wait, cr.started + self.max_s)
+            return False
+        cr.done_at = now
+        return True
 
     def poll(self, now: float | None = None) -> list[CountingRegion]:
-        """Poll every region; those whose phase ended now."""
+        """Poll every region whose read is due at ``now``; those whose phase ended."""
         now = time.monotonic() if now is None else now
         with self.lock:
-            regions = list(self.regions.values())
+            regions = [cr for cr in self.regions.values() if cr.next_at <= now]
         return [cr for cr in regions if self.poll_one(cr, now)]
 
+    def due_in(self, now: float) -> float:
+        """Seconds until a region's read is due (``poll_s`` with no region)."""
+        with self.lock:
+            first = min((cr.next_at for cr in self.regions.values()), default=now + self.poll_s)
+        return max(0.0, first - now)
+
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        while not self._stop.is_set():
+            wait = self.due_in(time.monotonic())
+            if wait > 0:
+                self._kick.wait(wait)
+                self._kick.clear()
+                continue                  # a region came or went: due times again
             for cr in self.poll():
                 try:
                     self.on_done(cr)
@@ -128,6 +181,7 @@ class CountMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+        self._kick.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=max(1.0, 5 * self.poll_s))

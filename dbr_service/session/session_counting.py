@@ -6,7 +6,11 @@ them, and their replacement by the region built from the exact counts.
 The region's record (``dbr ctl regions``, the run report) carries ``info["counting"]``:
 the phase (``counting``, ``over``, ``ended with the client``), why it ended, the
 promoted blocks, the hottest blocks' exact counts and how far the sample-inferred
-counts were from them (exact_counts.sample_error).
+counts were from them (exact_counts.sample_error); once the phase is over, when it
+ended (``over_at_s``, seconds since the process started), how long the counting code
+was live (``seconds``: to its removal; ``ended_after_s``: to the poll that ended the
+phase) and how long removing it and installing the optimised region took
+(``replace_s``).
 """
 
 from __future__ import annotations
@@ -112,7 +116,9 @@ class SessionCounting:
         """The record of ``cr``'s counts so far, and its exact profile."""
         prof = derive(cr.sr, cr.plan, cr.sides, cr.value)
         return {"phase": phase, "why": cr.done, "polls": cr.polls,
-                "seconds": round(time.monotonic() - cr.started, 3),
+                "seconds": round(time.monotonic() - cr.started, 4),
+                "ended_after_s": None if cr.done_at is None else
+                round(cr.done_at - cr.started, 4),
                 "promoted": {fmt_node(k): n for k, n in cr.promoted.items()},
                 "block_counts": _counts_json(prof.blocks),
                 "entries": sum(prof.entries.values()),
@@ -133,7 +139,9 @@ class SessionCounting:
 
     def counting_over(self, rid: str) -> bool:
         """Session thread: replace counting region ``rid`` by the region built from its
-        exact counts; whether the new region went live."""
+        exact counts; whether the new region went live.  The counting region goes first
+        (its code runs tens of times slower than the original), then its counts are
+        read, the region rebuilt from them and installed."""
         mon = self.count_monitor
         cr = mon.remove(rid) if mon is not None else None
         rec = self.region_book.regions.get(rid)
@@ -141,33 +149,75 @@ class SessionCounting:
         if cr is None or rec is None or inst is None:
             return False
         reg = inst.regions.get(cr.install_id)
+        t0 = time.monotonic()
+        live = reg is not None and reg.state in HELD   # else gone (a map change, the operator)
+        failed = None
+        if live:
+            try:
+                inst.uninstall(reg.region_id, "counting phase over", evict=True)
+            except AgentError as exc:
+                failed = f"region {rid}: counting region not removed: {exc}"
         info, prof = self._counting_record(cr, "over")
+        info["over_at_s"] = round(t0 - self.started_mono, 4)
         with self.lock:
             rec.info["counting"] = info
             rec.recheck_mono = 0.0
-        if reg is None or reg.state not in HELD:
-            return False                      # gone meanwhile (a map change, the operator)
-        try:
-            opt = rebuilt(cr.sr, prof)
-        except DbrError as exc:               # no region left: the sampled one, uncounted
-            info["rebuild_error"] = str(exc)
-            opt = cr.sr
-        opt.info["exact_counts"] = True
-        try:
-            inst.uninstall(reg.region_id, "counting phase over", evict=True)
-        except AgentError as exc:
-            self.errors.append(f"region {rid}: counting region not removed: {exc}")
+        if failed is not None:
+            self.errors.append(failed)
+        if not live or failed is not None:
             return False
         self._region_removed(rec, "counting phase over")
-        n = self.install_selected([opt], [rid])
-        new = inst.regions.get(rec.info.get("install_id", -1)) if n else None
-        with self.lock:
-            info["replaced"] = bool(n)
+        try:
+            opt, error = rebuilt(cr.sr, prof), None
+        except DbrError as exc:               # no region left: the sampled one, uncounted
+            opt, error = cr.sr, str(exc)
+        opt.info["exact_counts"] = True
+        waits = getattr(self, "speed_check", None) is not None
+        with self.lock:                       # the record is read by other threads
             info["blocks_after"] = len(opt)
+            if error is not None:
+                info["rebuild_error"] = error
+            if waits:
+                info["replaced"] = False
+                info["waits_for"] = "the speed check in progress"
+        if waits:
+            # no install while a check measures: the region waits for its end rather
+            # than being selected and counted again
+            self._counted_waiting[rid] = (opt, t0)
+            return False
+        return self._install_counted(rid, opt, t0)
+
+    @property
+    def _counted_waiting(self) -> dict[str, tuple[SuperRegion, float]]:
+        """Regions built from their counts that wait for a speed check to end."""
+        if not hasattr(self, "_counted_waiting_d"):
+            self._counted_waiting_d: dict[str, tuple[SuperRegion, float]] = {}
+        return self._counted_waiting_d
+
+    def counted_install_waiting(self) -> int:
+        """Session thread, once no speed check runs: install the regions built from
+        their counts that waited for one to end; how many went live."""
+        waiting, n = self._counted_waiting, 0
+        while waiting and getattr(self, "speed_check", None) is None:
+            rid, (opt, t0) = waiting.popitem()
+            n += self._install_counted(rid, opt, t0)
+        return n
+
+    def _install_counted(self, rid: str, opt: SuperRegion, t0: float) -> bool:
+        rec = self.region_book.regions.get(rid)
+        if rec is None:
+            return False
+        info = rec.info.get("counting", {})
+        n = self.install_selected([opt], [rid])
+        new = self.installer.regions.get(rec.info.get("install_id", -1)) if n else None
+        with self.lock:
+            info.pop("waits_for", None)
+            info["replaced"] = bool(n)
+            info["replace_s"] = round(time.monotonic() - t0, 4)
             if new is not None:
                 info["counters_after"] = counter_increments(new.gen)
-        log.info("pid %d: region %s counted (%s); optimised region %s", self.pid, rid,
-                 cr.done, "installed" if n else "not installed")
+        log.info("pid %d: region %s counted; optimised region %s", self.pid, rid,
+                 "installed" if n else "not installed")
         return bool(n)
 
     def counting_final(self) -> None:

@@ -248,6 +248,7 @@ class SessionSpeedChecks:
                 self.speed_checks.append(summary)
             self.service.events.publish("speed-check", pid=self.pid, **summary)
             self._write_perf_map()
+        self.counted_install_waiting()   # regions whose counting ended during the check
 
     @staticmethod
     def _abandoned_again(rec: RegionRecord) -> int:
