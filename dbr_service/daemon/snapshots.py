@@ -263,30 +263,34 @@ class SnapshotCycle:
             # left unqueued (every worker busy) is not judged this time
         self.notifier.status(self._status_line())
 
-    def start_warm_job(self, s: ClientSession, selection: dict[int, int]) -> None:
+    def start_warm_job(self, s: ClientSession, selection: dict[int, int],
+                       settings: dict[str, Any]) -> None:
         """Control thread: a warm client's first region job, from its stored profile
-        (``selection``, samples by address: warmstart.WarmStart.job_input), queued at
-        once rather than after its first sampling windows."""
+        (``selection``, samples by address, under ``settings``, a configuration:
+        warmstart.WarmStart.job_input), queued at once rather than after its first
+        sampling windows."""
         if not s.alive or s.paused or self.paused or s.jobs_done or \
                 s.session_id in self.scheduler.running:
             return
         job = ClientJob(s.session_id, s.pid, s.exe, dict(selection), dict(selection),
-                        list(s.maps), self.config.to_dict(), patched=s.patched_ranges(),
+                        list(s.maps), settings, patched=s.patched_ranges(),
                         quick=True)
         if self.scheduler.schedule([job], self.config.max_workers):
             s.mark("warm_job_queued")
             if self.warm is not None:      # its result is kept with these (_apply_result)
-                self.warm.job_queued(s, job.maps)
+                self.warm.job_queued(s, job.maps, settings)
             if self.warm is not None:
                 self.warm.warm_jobs += 1
 
-    def apply_reused_selection(self, s: ClientSession, res: Any) -> None:
+    def apply_reused_selection(self, s: ClientSession, res: Any, how: str) -> None:
         """Control thread: a warm client's first regions, the kept selection of an
-        earlier process of its program moved to this one (warmstart.reused_result):
+        earlier process of its program (``how``: "warm_selection_reused",
+        warmstart.reused_result) or the selections made ahead of its files
+        ("warm_selection_prepared", warmstart.prepared_result), moved to this one:
         installed as a job's result is, with no job."""
         if not s.alive or s.paused or self.paused or s.jobs_done:
             return
-        s.mark("warm_selection_reused")
+        s.mark(how)
         self._apply_result(res, s.session_id)
 
     def _job_due(self, s: ClientSession, selection: dict[int, int], now: float) -> bool:

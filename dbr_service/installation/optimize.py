@@ -107,7 +107,9 @@ def placement(installer: Installer, sr: SuperRegion,
 def check_original(installer: Installer, sr: SuperRegion) -> None:
     """Raise CodegenError unless the client's code still holds the bytes the region
     was built from (the agent checks only the patch sites' bytes; threads moved in by
-    TRANSFER rely on every copied instruction, and a transfer-only region has no site).
+    TRANSFER rely on every copied instruction, a transfer-only region has no site, and
+    a selection made on another process or a file, ``info["verify_original"]``, was
+    never read from this one).
     Bytes under our own installed patches are not compared (another region's patch
     may have gone in since; the region copies the original instruction there)."""
     ours = installer.patched_ranges()
@@ -141,7 +143,7 @@ def install_region(installer: Installer, sr: SuperRegion,
     """Emit ``sr`` into space reachable from everything it must reach and patch its
     entries (and move threads in, see :meth:`Installer.transfer`); with ``counting``,
     as a counting region (codegen/blocks.py)."""
-    if installer.transfer_enabled or sr.transfer_only:
+    if installer.transfer_enabled or sr.transfer_only or sr.info.get("verify_original"):
         check_original(installer, sr)
     ranges, _ = region_extent(sr)
     size, reach = placement(installer, sr, counting)   # a call to a copy: as long as any
