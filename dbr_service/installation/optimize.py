@@ -187,11 +187,13 @@ class InstallOutcome:
 
 def install_regions(installer: Installer, regions: Iterable[SuperRegion],
                     already: Iterable[InstalledRegion] = (),
-                    counting_for: Callable[[SuperRegion], CountPlan | None] | None = None
+                    counting_for: Callable[[SuperRegion], CountPlan | None] | None = None,
+                    went_live: Callable[[InstalledRegion], None] | None = None
                     ) -> InstallOutcome:
     """Install every region whose entry sites are not already patched; a failure in
     one region is recorded and the others go on.  ``counting_for(sr)``: the counters
-    of a region to install as a counting region, or None."""
+    of a region to install as a counting region, or None; ``went_live(reg)``: called as
+    each region is installed, before the next one is emitted."""
     out = InstallOutcome()
     taken = {s.site for r in already if r.state is InstallState.INSTALLED
              for s in r.patched_sites}
@@ -209,6 +211,8 @@ def install_regions(installer: Installer, regions: Iterable[SuperRegion],
         if reg.state is InstallState.INSTALLED:
             out.installed.append(reg)
             taken |= {s.site for s in reg.patched_sites}
+            if went_live is not None:
+                went_live(reg)
         else:
             out.failed.append((sr.id, reg.why_removed))
     return out
