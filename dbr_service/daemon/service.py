@@ -207,11 +207,7 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
             for path in remove_stale_perf_maps(self.runtime_dir):
                 log.info("removed the stale perf map %s", path)
         self.write_quiet_hint()
-        self.warm = WarmStart.open(self.config, self.embedded)
-        if self.warm is not None:
-            n, ahead = self.warm.write_start_hints(self.dir_fd), self.warm.prepare_stored()
-            log.info("profile store %s: %d warm program(s), %d module(s) selected ahead",
-                     self.warm.store.path, n, ahead)
+        self.warm = self.open_warm_start()
         self._ctx = zmq.Context()
         self._control = self._control_server(self, self._ctx, self.path(CONTROL_SOCKET))
         self.events = EventBus(self._ctx, self.path(EVENTS_SOCKET))

@@ -18,6 +18,7 @@ from dbr_service.session.budget import budget_limit, client_cpu_s
 from dbr_service.session.sources import is_perf_kind, make_agent_timer_source, make_perf_source
 from dbr_service.installation.speedcheck import SETTLE_PHASES
 from dbr_service.region.worker import QUICK_JOBS, ClientJob, quick_job
+from dbr_service.profiles.warmstart import WarmStart
 
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.session.clients import ClientSession
@@ -262,6 +263,32 @@ class SnapshotCycle:
             # a queued job's client is judged when its job is done (_apply_result); one
             # left unqueued (every worker busy) is not judged this time
         self.notifier.status(self._status_line())
+
+    def open_warm_start(self) -> WarmStart | None:
+        """At the start: the profile store (None: warm start off or not available), its
+        programs' birth hints written and its modules queued for selection ahead, in
+        the worker pool; each selection made ahead is offered to the warm clients
+        that wait for theirs (offer_prepared)."""
+        warm = WarmStart.open(self.config, self.embedded, runner=lambda fn, *a:
+                              self.scheduler.submit_side(self.config.max_workers, fn, *a))
+        if warm is not None:
+            warm.on_prepared = lambda: self.post(self.offer_prepared)
+            n, ahead = warm.write_start_hints(self.dir_fd), warm.prepare_stored()
+            log.info("profile store %s: %d warm program(s), %d module(s) to select ahead",
+                     warm.store.path, n, ahead)
+        return warm
+
+    def offer_prepared(self) -> None:
+        """Control thread: a selection was made ahead: the warm clients without a job
+        result yet (their warm job waits in the pool, or they connected just before)
+        get it now, as a client that connects later would."""
+        if self.warm is None or self.paused:
+            return
+        with self.lock:
+            waiting = [s for s in self.sessions.values() if s.alive and not s.jobs_done]
+        for s in waiting:
+            if self.warm.is_warm(s) and (res := self.warm.prepared_result(s)) is not None:
+                self.apply_reused_selection(s, res, "warm_selection_prepared")
 
     def start_warm_job(self, s: ClientSession, selection: dict[int, int],
                        settings: dict[str, Any]) -> None:

@@ -64,15 +64,23 @@ MAX_KEPT_SELECTIONS = 64
 #: Stored modules selected ahead from their files at the service's start, at most
 #: (the most recently seen first).
 MAX_PREPARED_AT_START = 16
+#: Seconds a selection made ahead may take in a worker before it is given up.
+PREPARE_TIMEOUT_S = 120.0
 
 
 class WarmStart:
     """The store as the service uses it; called from session threads and the control
     thread (one lock around the store)."""
 
-    def __init__(self, store: ProfileStore, config: Any) -> None:
+    def __init__(self, store: ProfileStore, config: Any,
+                 runner: Callable[..., Any] | None = None) -> None:
         self.store = store
         self.config = config
+        #: runner(fn, *args) -> a Future of fn(*args) in a worker process (the
+        #: service's pool, at the workers' niceness); None: nothing is selected ahead.
+        self.runner = runner
+        #: Called (on the thread that selects ahead) when a selection made ahead is kept.
+        self.on_prepared: Callable[[], None] | None = None
         self._lock = threading.Lock()
         #: (path, dev, ino, mtime_ns) -> its ModuleKey (None: not an ELF file we read).
         self._keys: dict[tuple, ModuleKey | None] = {}
@@ -102,10 +110,11 @@ class WarmStart:
         self._selected_under: dict[int, dict[str, Any]] = {}
 
     @classmethod
-    def open(cls, config: Any, embedded: bool = False) -> WarmStart | None:
+    def open(cls, config: Any, embedded: bool = False,
+             runner: Callable[..., Any] | None = None) -> WarmStart | None:
         """The store of ``config``, or None.  An embedded service (`dbr run`) whose
         store a host service or another run holds goes without, quietly: that is
-        routine for it."""
+        routine for it.  ``runner``: see the attribute."""
         if not config.warm_start:
             return None
         try:
@@ -116,7 +125,8 @@ class WarmStart:
         except (StoreError, OSError) as exc:
             log.warning("no warm start: the profile store cannot be opened: %s", exc)
             return None
-        return cls(store, config)
+        # an embedded service serves one program: nothing is selected ahead there
+        return cls(store, config, None if embedded else runner)
 
     def close(self) -> None:
         with self._lock:
@@ -204,9 +214,6 @@ class WarmStart:
 
         recorded = self._call(f"record the run of pid {s.pid}", write) or 0
         if recorded:
-            for path, mk in keys:
-                if hot.get(path):
-                    self.prepare_ahead(mk.key, path)
             self.runs_recorded += 1
             log.info("pid %d (%s): profile of %d module(s) stored", s.pid, s.exe, recorded)
             if mark:
@@ -329,8 +336,10 @@ class WarmStart:
     # ---------------------------------------------------------------- made ahead
     def prepare_stored(self) -> int:
         """At the service's start: queue the selection ahead of the stored modules with
-        hot text whose file is still the one profiled (MAX_PREPARED_AT_START, the most
-        recently seen first); how many were queued."""
+        hot text (MAX_PREPARED_AT_START, the most recently seen first; one whose file
+        is no longer the one profiled is left out by prepare); how many were queued."""
+        if self.runner is None:
+            return 0
         summaries = self._call("list it", self.store.summaries) or []
         n = 0
         for sm in sorted(summaries, key=lambda x: -x.last_seen):
@@ -343,8 +352,9 @@ class WarmStart:
 
     def prepare_ahead(self, key: str, path: str) -> None:
         """Select the module with store key ``key`` (its file at ``path``) ahead of its
-        clients, on a thread of the service, one module at a time."""
-        if self._closed:
+        clients, one module at a time, in a worker (``runner``): a thread of the
+        service waits for each."""
+        if self._closed or self.runner is None:
             return
         self._prep_queue.put((key, path))
         if self._prep_thread is None:
@@ -360,9 +370,10 @@ class WarmStart:
                 continue
             t0 = time.monotonic()
             try:
-                got = prepare(prof, path, self.config.to_dict())
+                got = self.runner(prepare, prof, path, self.config.to_dict()).result(
+                    timeout=PREPARE_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - one module's file: logged, go on
-                log.info("no selection ahead for %s: %s", path, exc)
+                log.info("no selection ahead for %s: %s", path, exc or type(exc).__name__)
                 got = None
             if got is None or not got[1].regions:
                 # nothing to reuse: its clients get a warm job (job_input)
@@ -373,6 +384,8 @@ class WarmStart:
                 self._prepared.pop(next(iter(self._prepared)))
             log.info("%s: %d region(s) selected ahead in %.0f ms", path,
                      len(got[1].regions), (time.monotonic() - t0) * 1e3)
+            if self.on_prepared is not None:
+                self.on_prepared()
 
     def prepared_result(self, s: Any) -> Any:
         """Session thread, when a warm client connects (its map read): the selections
