@@ -375,8 +375,9 @@ class WarmStart:
             except Exception as exc:  # noqa: BLE001 - one module's file: logged, go on
                 log.info("no selection ahead for %s: %s", path, exc or type(exc).__name__)
                 got = None
-            if got is None or not got[1].regions:
-                # nothing to reuse: its clients get a warm job (job_input)
+            if got is None or all(d["transfer_only"] for d in got[1].regions):
+                # nothing a client could be patched with (no region, or none with a
+                # patch site): its clients get a warm job (job_input)
                 self._prepared.pop(key, None)
                 continue
             self._prepared[key] = got
