@@ -299,9 +299,10 @@ class SnapshotCycle:
         if not s.alive or s.paused or self.paused or s.jobs_done or \
                 s.session_id in self.scheduler.running:
             return
+        own = self.config.to_dict()
         job = ClientJob(s.session_id, s.pid, s.exe, dict(selection), dict(selection),
-                        list(s.maps), settings, patched=s.patched_ranges(),
-                        quick=True)
+                        list(s.maps), settings, patched=s.patched_ranges(), quick=True,
+                        fallback_config=None if settings == own else own)
         if self.scheduler.schedule([job], self.config.max_workers):
             s.mark("warm_job_queued")
             if self.warm is not None:      # its result is kept with these (_apply_result)

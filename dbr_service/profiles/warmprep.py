@@ -5,9 +5,11 @@ client from a module's file (docs/decisions/0042-warm-selection.md).
   hot text the regions those runs installed and kept.  A warm job selects from those
   counts under the thresholds the hot text was made with (WARM_KEYS of its regions'
   ``params``, each checked against the configuration's bounds; the service's own
-  where none is recorded): thresholds that are fractions of the samples mean the
-  same on the whole runs' counts as on the windows the hot text was selected from,
-  while the service's defaults, made for a live window, can select nothing there.
+  where none is recorded); where those select no region with a patch site, it
+  selects again under the service's own (``ClientJob.fallback_config``).  The
+  service's defaults, made for a live window, select nothing in some whole-run
+  profiles (zstd's loops run fewer than 16 times an entry; sqlite3's profile is flat),
+  and the hot text's, in some others, nothing a client can be patched with.
 * **Made ahead.**  :func:`prepare` runs that job on the module's file instead of a
   live process: the ELF mapped at PREP_BASE as the loader would map it
   (region/memview.ElfMemoryView), the file's store key checked before and its
@@ -144,9 +146,10 @@ def prepare(profile: ModuleProfile, path: str, config: Mapping[str, Any]
               if (c := int(round(n))) > 0 and any(a <= lo + off < b for a, b in ends)}
     if not counts:
         return None
-    job = FileJob(0, 0, path, counts, dict(counts), maps,
-                  warm_settings(config, profile.hot_text), quick=True, path=path,
-                  view_base=base)
+    settings = warm_settings(config, profile.hot_text)
+    job = FileJob(0, 0, path, counts, dict(counts), maps, settings, quick=True,
+                  fallback_config=None if settings == dict(config) else dict(config),
+                  path=path, view_base=base)
     res = optimize_client(job)
     if res.regions is None:
         raise DbrError(f"{path}: {res.region_status}")
