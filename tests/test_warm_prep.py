@@ -162,6 +162,41 @@ def test_a_moved_selection_whose_code_differs_is_not_installed(prog):
         install_region(Client(), res.srs[0])
 
 
+def test_a_region_emitted_ahead_is_placed_as_at_the_clients_place(prog, monkeypatch):
+    """What a selection made ahead keeps of its regions' emission near their patch
+    sites, moved to another place of the module, is what emitting them there gives;
+    placement takes it without emitting."""
+    from dbr_service.installation import optimize
+    from dbr_service.profiles.rebase import rebase
+    from dbr_service.profiles.warmprep import _FileTarget
+
+    maps, res = prepare(_profile(prog, _flat(prog), selection_params(Config(**AGGRESSIVE))),
+                        prog, Config().to_dict())
+    assert res.srs and all(isinstance(sr.info.get("provisional"), optimize.Provisional)
+                           for sr in res.srs)
+    there = [m._replace(lo=m.lo - 0x3F000000000, hi=m.hi - 0x3F000000000) for m in maps]
+    moved = rebase(res, maps, there)
+    for sr in moved.srs:
+        fresh, why = optimize.provisional(_FileTarget(there), sr)
+        assert why is None and sr.info["provisional"] == fresh
+
+    class Space:
+        def span_fits(self, size, reach):
+            return True
+
+    class Client(_FileTarget):
+        space = Space()
+
+    def no_emission(*a, **k):
+        raise AssertionError("emitted again")
+
+    monkeypatch.setattr(optimize, "emit_with_frames", no_emission)
+    sr = moved.srs[0]
+    size, reach = optimize.placement(Client(there), sr)
+    pre = sr.info["provisional"]
+    assert size == pre.size + pre.frames and set(pre.data_refs) <= set(reach)
+
+
 needs_agent = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from dbr_service.codegen.blocks import CountPlan
 from dbr_service.codegen.cfi import CfiBlob, CfiError
@@ -74,6 +74,32 @@ def emit_with_frames(installer: Installer, sr: SuperRegion, base: int,
         return emit_region(sr, base, real_calls=False, counting=counting), [], str(exc)
 
 
+@dataclass(frozen=True)
+class Provisional:
+    """What a region's emission near its patch sites tells :func:`placement`: bytes of
+    code and of unwind information, the data operands' addresses, the number of exit
+    targets.  A selection made ahead keeps it (``sr.info["provisional"]``,
+    profiles/warmprep.py): emitted at the same place relative to its module, the code
+    is the same wherever the module is (its copied bytes are checked first)."""
+
+    size: int
+    frames: int
+    data_refs: list[int]
+    targets: int
+
+
+def provisional(installer: Any, sr: SuperRegion, counting: CountPlan | None = None
+                ) -> tuple[Provisional, str | None]:
+    """``sr`` emitted near its patch sites: (what placement needs, why real calls
+    were given up or None)."""
+    base = provisional_base(sr)
+    gen, blobs, why = emit_with_frames(installer, sr, base, counting=counting)
+    # the blobs' sizes do not depend on where the code goes; 8 bytes for their alignment
+    frames = blobs_size(blobs, base + gen.size) + 8 if blobs else 0
+    return Provisional(gen.size, frames, list(gen.data_refs),
+                       len({t for _, t in gen.exits})), why
+
+
 def placement(installer: Installer, sr: SuperRegion,
               counting: CountPlan | None = None) -> tuple[int, list[int]]:
     """Bytes to reserve for ``sr`` and the addresses its code buffer must reach.
@@ -91,17 +117,16 @@ def placement(installer: Installer, sr: SuperRegion,
     if not entries and not sr.transfer_only:
         raise CodegenError(f"{sr.id}: no entry points")
     # Emitted near the patch sites (which must be in reach in any case) to learn the size,
-    # the data operands and the exit targets.
-    base = provisional_base(sr)
-    provisional, blobs, _ = emit_with_frames(installer, sr, base, counting=counting)
-    # the blobs' sizes do not depend on where the code goes; 8 bytes for their alignment
-    frames = blobs_size(blobs, base + provisional.size) + 8 if blobs else 0
-    full = reach + provisional.data_refs
-    if installer.space.span_fits(provisional.size, full):
-        return provisional.size + frames, full
-    targets = {t for _, t in provisional.exits}
-    return (provisional.size + far_exit_bound(len(targets)) + frames,
-            entries + provisional.data_refs)
+    # the data operands and the exit targets; or as a selection made ahead was, with
+    # unwind information as this client takes it
+    pre = sr.info.get("provisional")
+    if not isinstance(pre, Provisional) or counting is not None or \
+            not installer.frames_enabled or installer.cfi is None:
+        pre, _ = provisional(installer, sr, counting)
+    full = reach + pre.data_refs
+    if installer.space.span_fits(pre.size, full):
+        return pre.size + pre.frames, full
+    return pre.size + far_exit_bound(pre.targets) + pre.frames, entries + pre.data_refs
 
 
 def check_original(installer: Installer, sr: SuperRegion) -> None:

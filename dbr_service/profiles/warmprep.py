@@ -153,7 +153,38 @@ def prepare(profile: ModuleProfile, path: str, config: Mapping[str, Any]
     res = optimize_client(job)
     if res.regions is None:
         raise DbrError(f"{path}: {res.region_status}")
+    emitted_ahead(res.srs or [], maps)
     return maps, res
+
+
+class _FileTarget:
+    """What a region's emission needs of an installer, for a module's file: its unwind
+    information (real calls need it), as a client that takes it has."""
+
+    frames_enabled = True
+
+    def __init__(self, maps: list[MapEntry]) -> None:
+        from dbr_service.codegen.frames import CfiSource
+
+        ranges = [(m.lo, m.hi, m.path, m.dev, m.ino) for m in maps]
+        self.cfi = CfiSource(lambda: ranges)
+
+
+def emitted_ahead(srs: list[Any], maps: list[MapEntry]) -> None:
+    """Keep with each region what its emission near its patch sites gives placement
+    (installation/optimize.py Provisional), so that a client emits it once, at its
+    place; not for a region whose unwind information cannot be made here (its size
+    would be that of a copy without real calls)."""
+    from dbr_service.installation.optimize import provisional
+
+    target = _FileTarget(maps)
+    for sr in srs:
+        try:
+            pre, why = provisional(target, sr)
+        except DbrError:
+            continue
+        if why is None:
+            sr.info["provisional"] = pre
 
 
 def merge_results(parts: list[JobResult], session_id: int, pid: int) -> JobResult:
