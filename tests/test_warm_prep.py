@@ -138,6 +138,32 @@ def test_a_file_that_is_not_the_one_profiled_is_not_selected(prog, tmp_path):
         prepare(prof, str(tmp_path / "missing"), Config().to_dict())
 
 
+def test_only_files_nobody_else_can_write_are_read(prog, tmp_path):
+    """The file (and its directory) must be writable by its owner alone, root or the
+    service's user, and no symlink."""
+    import os
+    import shutil
+
+    prof = _profile(prog, _flat(prog), selection_params(Config(**AGGRESSIVE)))
+    here = tmp_path / "lib"
+    here.mkdir(mode=0o755)
+    copy = here / "prog"
+    shutil.copy(prog, copy)
+    os.chmod(copy, 0o755)
+    got = prepare(prof, str(copy), Config().to_dict())
+    assert got is not None and got[1].regions, got
+    os.chmod(copy, 0o775)
+    assert prepare(prof, str(copy), Config().to_dict()) is None
+    os.chmod(copy, 0o755)
+    os.chmod(here, 0o777)
+    assert prepare(prof, str(copy), Config().to_dict()) is None
+    os.chmod(here, 0o755)
+    link = here / "link"
+    link.symlink_to(copy)
+    with pytest.raises(OSError):
+        prepare(prof, str(link), Config().to_dict())
+
+
 def test_a_moved_selection_whose_code_differs_is_not_installed(prog):
     """Installation compares every byte a moved selection copies with the client's
     code (here: every byte reads as int3) before it emits anything."""

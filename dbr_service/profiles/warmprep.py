@@ -123,14 +123,33 @@ def file_view(path: str) -> tuple[Any, int | None, list[MapEntry]]:
     return mem, base, maps
 
 
+def _trusted(path: str) -> os.stat_result | None:
+    """The stat of the file at ``path`` when the service may read it as a module: a
+    regular file, no symlink, that it and its directory are owned by root or the
+    service's user and writable by no one else (nobody else can put other bytes
+    there while it is read); None otherwise."""
+    own = (0, os.geteuid())
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    parent = os.stat(os.path.dirname(path) or "/")
+    if not stat.S_ISREG(st.st_mode) or any(
+            x.st_uid not in own or x.st_mode & 0o022 for x in (st, parent)):
+        return None
+    return st
+
+
 def prepare(profile: ModuleProfile, path: str, config: Mapping[str, Any]
             ) -> tuple[list[MapEntry], JobResult] | None:
     """The warm job of a module's stored profile, run on its file at ``path``: (the
-    mappings it was selected on, its result), or None when the file is not the one
-    profiled (store key), changed meanwhile, or the job found nothing to select from.
-    DbrError or OSError when the file cannot be read as a module."""
-    st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode) or not profile.hot_text:
+    mappings it was selected on, its result), or None when the file is not one the
+    service may read (:func:`_trusted`), not the one profiled (store key), changed
+    while it was read, or the job found nothing to select from.  DbrError or OSError
+    when the file cannot be read as a module."""
+    st = _trusted(path)
+    if st is None or not profile.hot_text:
         return None
     try:
         if module_key(path).key != profile.key:
@@ -138,7 +157,8 @@ def prepare(profile: ModuleProfile, path: str, config: Mapping[str, Any]
     except ModuleKeyError:
         return None
     _, base, maps = file_view(path)
-    if _identity(os.stat(path)) != _identity(st):
+    after = _trusted(path)
+    if after is None or _identity(after) != _identity(st):
         return None                       # replaced while it was read
     lo = maps[0].lo - maps[0].offset
     ends = [(m.lo, m.hi) for m in maps if m.executable]
