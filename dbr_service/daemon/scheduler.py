@@ -162,6 +162,11 @@ class Scheduler:
             self._queue.put((job, self._pool_limit(max_workers)))
         return [j.session_id for j in chosen]
 
+    def submit_side(self, max_workers: int, fn: Callable[..., Any], *args: Any) -> Future:
+        """``fn(*args)`` in a pool worker, outside the client jobs and their accounting
+        (a warm selection made ahead of its clients: profiles/warmstart.py)."""
+        return self._ensure_pool(self._pool_limit(max_workers)).submit(fn, *args)
+
     def _submitter(self) -> None:
         while True:
             job, limit = self._queue.get()

@@ -207,10 +207,7 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
             for path in remove_stale_perf_maps(self.runtime_dir):
                 log.info("removed the stale perf map %s", path)
         self.write_quiet_hint()
-        self.warm = WarmStart.open(self.config, self.embedded)
-        if self.warm is not None:
-            n = self.warm.write_start_hints(self.dir_fd)
-            log.info("profile store %s: %d warm program(s)", self.warm.store.path, n)
+        self.warm = self.open_warm_start()
         self._ctx = zmq.Context()
         self._control = self._control_server(self, self._ctx, self.path(CONTROL_SOCKET))
         self.events = EventBus(self._ctx, self.path(EVENTS_SOCKET))
@@ -401,13 +398,13 @@ class Service(RuntimeDir, SnapshotCycle, JobResults):
         warm = self.warm
         if warm is not None and not self.paused and warm.is_warm(s):
             s.refresh_maps_now()
-            res = warm.reused_result(s)
+            res, how = warm.kept_selection(s)
             if res is not None:
-                self.post(lambda: self.apply_reused_selection(s, res))
+                self.post(lambda: self.apply_reused_selection(s, res, how))
                 return
-            selection = warm.job_input(s)
+            selection, settings = warm.job_input(s)
             if selection:
-                self.post(lambda: self.start_warm_job(s, selection))
+                self.post(lambda: self.start_warm_job(s, selection, settings))
 
     def session_refused(self, s: ClientSession, why: str, peer_gone: bool = False) -> None:
         with self.lock:

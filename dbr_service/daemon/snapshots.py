@@ -18,6 +18,7 @@ from dbr_service.session.budget import budget_limit, client_cpu_s
 from dbr_service.session.sources import is_perf_kind, make_agent_timer_source, make_perf_source
 from dbr_service.installation.speedcheck import SETTLE_PHASES
 from dbr_service.region.worker import QUICK_JOBS, ClientJob, quick_job
+from dbr_service.profiles.warmstart import WarmStart
 
 if TYPE_CHECKING:  # pragma: no cover
     from dbr_service.session.clients import ClientSession
@@ -263,30 +264,61 @@ class SnapshotCycle:
             # left unqueued (every worker busy) is not judged this time
         self.notifier.status(self._status_line())
 
-    def start_warm_job(self, s: ClientSession, selection: dict[int, int]) -> None:
+    def open_warm_start(self) -> WarmStart | None:
+        """At the start: the profile store (None: warm start off or not available), its
+        programs' birth hints written and its modules queued for selection ahead, in
+        the worker pool; each selection made ahead is offered to the warm clients
+        that wait for theirs (offer_prepared)."""
+        warm = WarmStart.open(self.config, self.embedded, runner=lambda fn, *a:
+                              self.scheduler.submit_side(self.config.max_workers, fn, *a))
+        if warm is not None:
+            warm.on_prepared = lambda: self.post(self.offer_prepared)
+            n, ahead = warm.write_start_hints(self.dir_fd), warm.prepare_stored()
+            log.info("profile store %s: %d warm program(s), %d module(s) to select ahead",
+                     warm.store.path, n, ahead)
+        return warm
+
+    def offer_prepared(self) -> None:
+        """Control thread: a selection was made ahead: the warm clients without a job
+        result yet (their warm job waits in the pool, or they connected just before)
+        get it now, as a client that connects later would."""
+        if self.warm is None or self.paused:
+            return
+        with self.lock:
+            waiting = [s for s in self.sessions.values() if s.alive and not s.jobs_done]
+        for s in waiting:
+            if self.warm.is_warm(s) and (res := self.warm.prepared_result(s)) is not None:
+                self.apply_reused_selection(s, res, "warm_selection_prepared")
+
+    def start_warm_job(self, s: ClientSession, selection: dict[int, int],
+                       settings: dict[str, Any]) -> None:
         """Control thread: a warm client's first region job, from its stored profile
-        (``selection``, samples by address: warmstart.WarmStart.job_input), queued at
-        once rather than after its first sampling windows."""
+        (``selection``, samples by address, under ``settings``, a configuration:
+        warmstart.WarmStart.job_input), queued at once rather than after its first
+        sampling windows."""
         if not s.alive or s.paused or self.paused or s.jobs_done or \
                 s.session_id in self.scheduler.running:
             return
+        own = self.config.to_dict()
         job = ClientJob(s.session_id, s.pid, s.exe, dict(selection), dict(selection),
-                        list(s.maps), self.config.to_dict(), patched=s.patched_ranges(),
-                        quick=True)
+                        list(s.maps), settings, patched=s.patched_ranges(), quick=True,
+                        fallback_config=None if settings == own else own)
         if self.scheduler.schedule([job], self.config.max_workers):
             s.mark("warm_job_queued")
             if self.warm is not None:      # its result is kept with these (_apply_result)
-                self.warm.job_queued(s, job.maps)
+                self.warm.job_queued(s, job.maps, settings)
             if self.warm is not None:
                 self.warm.warm_jobs += 1
 
-    def apply_reused_selection(self, s: ClientSession, res: Any) -> None:
+    def apply_reused_selection(self, s: ClientSession, res: Any, how: str) -> None:
         """Control thread: a warm client's first regions, the kept selection of an
-        earlier process of its program moved to this one (warmstart.reused_result):
+        earlier process of its program (``how``: "warm_selection_reused",
+        warmstart.reused_result) or the selections made ahead of its files
+        ("warm_selection_prepared", warmstart.prepared_result), moved to this one:
         installed as a job's result is, with no job."""
         if not s.alive or s.paused or self.paused or s.jobs_done:
             return
-        s.mark("warm_selection_reused")
+        s.mark(how)
         self._apply_result(res, s.session_id)
 
     def _job_due(self, s: ClientSession, selection: dict[int, int], now: float) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from dbr_service.codegen.blocks import CountPlan
 from dbr_service.codegen.cfi import CfiBlob, CfiError
@@ -74,6 +74,32 @@ def emit_with_frames(installer: Installer, sr: SuperRegion, base: int,
         return emit_region(sr, base, real_calls=False, counting=counting), [], str(exc)
 
 
+@dataclass(frozen=True)
+class Provisional:
+    """What a region's emission near its patch sites tells :func:`placement`: bytes of
+    code and of unwind information, the data operands' addresses, the number of exit
+    targets.  A selection made ahead keeps it (``sr.info["provisional"]``,
+    profiles/warmprep.py): emitted at the same place relative to its module, the code
+    is the same wherever the module is (its copied bytes are checked first)."""
+
+    size: int
+    frames: int
+    data_refs: list[int]
+    targets: int
+
+
+def provisional(installer: Any, sr: SuperRegion, counting: CountPlan | None = None
+                ) -> tuple[Provisional, str | None]:
+    """``sr`` emitted near its patch sites: (what placement needs, why real calls
+    were given up or None)."""
+    base = provisional_base(sr)
+    gen, blobs, why = emit_with_frames(installer, sr, base, counting=counting)
+    # the blobs' sizes do not depend on where the code goes; 8 bytes for their alignment
+    frames = blobs_size(blobs, base + gen.size) + 8 if blobs else 0
+    return Provisional(gen.size, frames, list(gen.data_refs),
+                       len({t for _, t in gen.exits})), why
+
+
 def placement(installer: Installer, sr: SuperRegion,
               counting: CountPlan | None = None) -> tuple[int, list[int]]:
     """Bytes to reserve for ``sr`` and the addresses its code buffer must reach.
@@ -91,23 +117,24 @@ def placement(installer: Installer, sr: SuperRegion,
     if not entries and not sr.transfer_only:
         raise CodegenError(f"{sr.id}: no entry points")
     # Emitted near the patch sites (which must be in reach in any case) to learn the size,
-    # the data operands and the exit targets.
-    base = provisional_base(sr)
-    provisional, blobs, _ = emit_with_frames(installer, sr, base, counting=counting)
-    # the blobs' sizes do not depend on where the code goes; 8 bytes for their alignment
-    frames = blobs_size(blobs, base + provisional.size) + 8 if blobs else 0
-    full = reach + provisional.data_refs
-    if installer.space.span_fits(provisional.size, full):
-        return provisional.size + frames, full
-    targets = {t for _, t in provisional.exits}
-    return (provisional.size + far_exit_bound(len(targets)) + frames,
-            entries + provisional.data_refs)
+    # the data operands and the exit targets; or as a selection made ahead was, with
+    # unwind information as this client takes it
+    pre = sr.info.get("provisional")
+    if not isinstance(pre, Provisional) or counting is not None or \
+            not installer.frames_enabled or installer.cfi is None:
+        pre, _ = provisional(installer, sr, counting)
+    full = reach + pre.data_refs
+    if installer.space.span_fits(pre.size, full):
+        return pre.size + pre.frames, full
+    return pre.size + far_exit_bound(pre.targets) + pre.frames, entries + pre.data_refs
 
 
 def check_original(installer: Installer, sr: SuperRegion) -> None:
     """Raise CodegenError unless the client's code still holds the bytes the region
     was built from (the agent checks only the patch sites' bytes; threads moved in by
-    TRANSFER rely on every copied instruction, and a transfer-only region has no site).
+    TRANSFER rely on every copied instruction, a transfer-only region has no site, and
+    a selection made on another process or a file, ``info["verify_original"]``, was
+    never read from this one).
     Bytes under our own installed patches are not compared (another region's patch
     may have gone in since; the region copies the original instruction there)."""
     ours = installer.patched_ranges()
@@ -141,7 +168,7 @@ def install_region(installer: Installer, sr: SuperRegion,
     """Emit ``sr`` into space reachable from everything it must reach and patch its
     entries (and move threads in, see :meth:`Installer.transfer`); with ``counting``,
     as a counting region (codegen/blocks.py)."""
-    if installer.transfer_enabled or sr.transfer_only:
+    if installer.transfer_enabled or sr.transfer_only or sr.info.get("verify_original"):
         check_original(installer, sr)
     ranges, _ = region_extent(sr)
     size, reach = placement(installer, sr, counting)   # a call to a copy: as long as any
@@ -185,11 +212,13 @@ class InstallOutcome:
 
 def install_regions(installer: Installer, regions: Iterable[SuperRegion],
                     already: Iterable[InstalledRegion] = (),
-                    counting_for: Callable[[SuperRegion], CountPlan | None] | None = None
+                    counting_for: Callable[[SuperRegion], CountPlan | None] | None = None,
+                    went_live: Callable[[InstalledRegion], None] | None = None
                     ) -> InstallOutcome:
     """Install every region whose entry sites are not already patched; a failure in
     one region is recorded and the others go on.  ``counting_for(sr)``: the counters
-    of a region to install as a counting region, or None."""
+    of a region to install as a counting region, or None; ``went_live(reg)``: called as
+    each region is installed, before the next one is emitted."""
     out = InstallOutcome()
     taken = {s.site for r in already if r.state is InstallState.INSTALLED
              for s in r.patched_sites}
@@ -207,6 +236,8 @@ def install_regions(installer: Installer, regions: Iterable[SuperRegion],
         if reg.state is InstallState.INSTALLED:
             out.installed.append(reg)
             taken |= {s.site for s in reg.patched_sites}
+            if went_live is not None:
+                went_live(reg)
         else:
             out.failed.append((sr.id, reg.why_removed))
     return out

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import queue
 import sqlite3
 import threading
 import time
@@ -40,10 +41,11 @@ from dbr_service.common.errors import DbrError
 from dbr_service.profiles.modkey import ModuleKey, ModuleKeyError, key_for_build_id, module_key
 from dbr_service.common.paths import program_key, program_quiet_file, write_ms_file
 from dbr_service.common.procmaps import MapEntry, mapped_file, module_base
-from dbr_service.profiles.profiledata import (ModuleProfile,
+from dbr_service.profiles.profiledata import (HotRegion, ModuleProfile,
                                               ProfileDataError, module_counts,
                                               module_hot_text, selection_params)
 from dbr_service.profiles.rebase import NoRebase, rebase
+from dbr_service.profiles.warmprep import WARM_KEYS, merge_results, prepare, warm_settings
 from dbr_service.profiles.profilestore import ProfileStore, StoreBusyError, StoreError
 
 log = logging.getLogger("dbr.warm")
@@ -59,15 +61,26 @@ MAX_START_HINTS = 256
 REUSE_MAX_TIMES = 20
 REUSE_MAX_S = 600.0
 MAX_KEPT_SELECTIONS = 64
+#: Stored modules selected ahead from their files at the service's start, at most
+#: (the most recently seen first).
+MAX_PREPARED_AT_START = 16
+#: Seconds a selection made ahead may take in a worker before it is given up.
+PREPARE_TIMEOUT_S = 120.0
 
 
 class WarmStart:
     """The store as the service uses it; called from session threads and the control
     thread (one lock around the store)."""
 
-    def __init__(self, store: ProfileStore, config: Any) -> None:
+    def __init__(self, store: ProfileStore, config: Any,
+                 runner: Callable[..., Any] | None = None) -> None:
         self.store = store
         self.config = config
+        #: runner(fn, *args) -> a Future of fn(*args) in a worker process (the
+        #: service's pool, at the workers' niceness); None: nothing is selected ahead.
+        self.runner = runner
+        #: Called (on the thread that selects ahead) when a selection made ahead is kept.
+        self.on_prepared: Callable[[], None] | None = None
         self._lock = threading.Lock()
         #: (path, dev, ino, mtime_ns) -> its ModuleKey (None: not an ELF file we read).
         self._keys: dict[tuple, ModuleKey | None] = {}
@@ -78,19 +91,30 @@ class WarmStart:
         #: exe store key -> the first warm job's result for a process of it, the maps
         #: it was selected on, when, and how often it was reused.
         self._results: dict[str, list] = {}
-        #: session id -> (exe store key, maps) of a warm job queued and not done.
-        self._pending: dict[int, tuple[str, list[MapEntry]]] = {}
+        #: session id -> (exe store key, maps, settings) of a warm job queued and not
+        #: done.
+        self._pending: dict[int, tuple[str, list[MapEntry], dict[str, Any]]] = {}
         #: Store keys of executables a recorded run of which left hot text in some
         #: module (warm even when it is not the executable's: libpython for python3);
         #: the store's programs table, mirrored.
         self._programs: set[str] = set(self._call("list programs", store.programs) or ())
         self.reuses = 0
+        #: module store key -> (the mappings it was selected on, the result) of a
+        #: selection made ahead from the module's file (profiles/warmprep.py).
+        self._prepared: dict[str, tuple[list[MapEntry], Any]] = {}
+        self._prep_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._prep_thread: threading.Thread | None = None
+        self.prepared_used = 0
+        #: session id -> the settings its warm selection was made under, which its
+        #: run's hot text records (the next warm selections take them again).
+        self._selected_under: dict[int, dict[str, Any]] = {}
 
     @classmethod
-    def open(cls, config: Any, embedded: bool = False) -> WarmStart | None:
+    def open(cls, config: Any, embedded: bool = False,
+             runner: Callable[..., Any] | None = None) -> WarmStart | None:
         """The store of ``config``, or None.  An embedded service (`dbr run`) whose
         store a host service or another run holds goes without, quietly: that is
-        routine for it."""
+        routine for it.  ``runner``: see the attribute."""
         if not config.warm_start:
             return None
         try:
@@ -101,12 +125,14 @@ class WarmStart:
         except (StoreError, OSError) as exc:
             log.warning("no warm start: the profile store cannot be opened: %s", exc)
             return None
-        return cls(store, config)
+        # an embedded service serves one program: nothing is selected ahead there
+        return cls(store, config, None if embedded else runner)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self.store.close()
+        self._prep_queue.put(None)
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()`` on the store under the lock; None (logged, counted) if it fails or
@@ -122,7 +148,8 @@ class WarmStart:
     def status(self) -> dict[str, Any]:
         return {"store": str(self.store.path), "runs_recorded": self.runs_recorded,
                 "warm_jobs": self.warm_jobs, "reused_selections": self.reuses,
-                "errors": self.errors}
+                "prepared_selections": len(self._prepared),
+                "prepared_used": self.prepared_used, "errors": self.errors}
 
     # ---------------------------------------------------------------- module keys
     def _key(self, path: str, maps: list[MapEntry]) -> ModuleKey | None:
@@ -167,7 +194,9 @@ class WarmStart:
         kept = [] if book.operator_hold_all else [
             r for r in list(book.regions.values())
             if r.id not in book.blocked_regions and r.id not in book.operator_held]
-        hot = module_hot_text(kept, maps, selection_params(self.config))
+        params = selection_params(self.config)
+        params.update(self._selected_under.pop(s.session_id, {}))
+        hot = module_hot_text(kept, maps, params)
         ranked = sorted(per_module, key=lambda p: -sum(per_module[p].values()))
         keys = [(path, mk) for path in ranked[:MAX_RUN_MODULES]
                 if (mk := self._key(path, maps)) is not None]
@@ -210,35 +239,45 @@ class WarmStart:
         prof = self._lookup(key)
         return prof is not None and bool(prof.hot_text)
 
-    def job_input(self, s: Any) -> dict[int, int]:
+    def job_input(self, s: Any) -> tuple[dict[int, int], dict[str, Any]]:
         """Session thread, when a warm client connects (its map read): the samples by
         address its first job selects from, the stored counts of the modules it maps
         that have hot text (those of the hot text's code alone are too few to select
-        from: one or two blocks a region).  The job selects under the service's own
-        settings: those a hot text was made with (``HotRegion.params``) are shown, not
-        applied (a hot text made under --aggressive selects many more regions, and
-        their code takes hundreds of ms to emit)."""
+        from: one or two blocks a region), and the configuration it selects under:
+        the service's, with the thresholds the hot text was selected under
+        (profiles/warmprep.py, warm_settings)."""
         maps = list(s.maps)
         out: dict[int, int] = {}
+        hot: list[HotRegion] = []
         for path in sorted({m.path for m in maps if m.executable and m.path.startswith("/")}):
             mk = self._key(path, maps)
             prof = self._lookup(mk.key) if mk is not None else None
             if prof is None or not prof.hot_text:
                 continue
+            hot.extend(prof.hot_text)
             base = module_base(maps, path)
             ends = [m for m in maps if m.path == path and m.executable]
             for off, n in prof.counts.items():
                 addr, c = base + off, int(round(n))
                 if c > 0 and any(m.lo <= addr < m.hi for m in ends):
                     out[addr] = out.get(addr, 0) + c
-        return out
+        return out, warm_settings(self.config.to_dict(), hot)
 
     # ---------------------------------------------------------------- selections kept
-    def job_queued(self, s: Any, maps: list[MapEntry]) -> None:
-        """Control thread: a warm job of session ``s`` selects on ``maps``."""
+    def selected_under(self, s: Any, settings: dict[str, Any]) -> None:
+        """Session ``s``'s warm selection was made under the configuration ``settings``."""
+        if settings:
+            self._selected_under[s.session_id] = {k: settings[k] for k in WARM_KEYS}
+        while len(self._selected_under) > 4096:          # sessions that never ended
+            self._selected_under.pop(next(iter(self._selected_under)))
+
+    def job_queued(self, s: Any, maps: list[MapEntry], settings: dict[str, Any]) -> None:
+        """Control thread: a warm job of session ``s`` selects on ``maps`` under the
+        configuration ``settings``."""
+        self.selected_under(s, settings)
         key = self._exe_key(s)
         if key:
-            self._pending[s.session_id] = (key, list(maps))
+            self._pending[s.session_id] = (key, list(maps), dict(settings))
             while len(self._pending) > MAX_KEPT_SELECTIONS:   # jobs lost on the way
                 self._pending.pop(next(iter(self._pending)))
 
@@ -246,13 +285,24 @@ class WarmStart:
         """Control thread, before the result is installed: keep a warm job's result (a
         copy: installation annotates the regions it emits) to reuse for the next
         processes of the program."""
-        key, maps = self._pending.pop(session_id, (None, None))
+        key, maps, settings = self._pending.pop(session_id, (None, None, None))
         # kept also when it selected nothing: the next processes get that at once
         # instead of a job each that selects nothing again
         if key and res is not None and res.regions is not None:
-            self._results[key] = [maps, copy.deepcopy(res), time.monotonic(), 0]
+            self._results[key] = [maps, copy.deepcopy(res), time.monotonic(), 0, settings]
             while len(self._results) > MAX_KEPT_SELECTIONS:
                 self._results.pop(next(iter(self._results)))
+
+    def kept_selection(self, s: Any) -> tuple[Any, str]:
+        """Session thread, when a warm client connects (its map read): a selection to
+        install at once, and the timeline mark that names it: the kept one of its
+        program (reused_result), else those made ahead of its files
+        (prepared_result); (None, "") when there is none."""
+        res = self.reused_result(s)
+        if res is not None:
+            return res, "warm_selection_reused"
+        res = self.prepared_result(s)
+        return (res, "warm_selection_prepared") if res is not None else (None, "")
 
     def reused_result(self, s: Any) -> Any:
         """Session thread, when a warm client connects (its map read): the kept
@@ -264,7 +314,7 @@ class WarmStart:
         kept = self._results.get(key) if key else None
         if kept is None:
             return None
-        maps, res, since, uses = kept
+        maps, res, since, uses, settings = kept
         if uses >= REUSE_MAX_TIMES or time.monotonic() - since > REUSE_MAX_S:
             self._results.pop(key, None)
             return None
@@ -279,8 +329,92 @@ class WarmStart:
         moved.session_id, moved.pid = s.session_id, s.pid
         moved.cpu_s = moved.elapsed_s = 0.0
         moved.decode_cached = moved.decode_new = 0
-        for d in moved.regions or []:
-            d["dot"] = None          # its labels name the other process's addresses
+        _moved_here(moved)
+        self.selected_under(s, settings)
+        return moved
+
+    # ---------------------------------------------------------------- made ahead
+    def prepare_stored(self) -> int:
+        """At the service's start: queue the selection ahead of the stored modules with
+        hot text (MAX_PREPARED_AT_START, the most recently seen first; one whose file
+        is no longer the one profiled is left out by prepare); how many were queued."""
+        if self.runner is None:
+            return 0
+        summaries = self._call("list it", self.store.summaries) or []
+        n = 0
+        for sm in sorted(summaries, key=lambda x: -x.last_seen):
+            if n >= MAX_PREPARED_AT_START:
+                break
+            if sm.regions and sm.path.startswith("/"):
+                self.prepare_ahead(sm.key, sm.path)
+                n += 1
+        return n
+
+    def prepare_ahead(self, key: str, path: str) -> None:
+        """Select the module with store key ``key`` (its file at ``path``) ahead of its
+        clients, one module at a time, in a worker (``runner``): a thread of the
+        service waits for each."""
+        if self._closed or self.runner is None:
+            return
+        self._prep_queue.put((key, path))
+        if self._prep_thread is None:
+            self._prep_thread = threading.Thread(target=self._prepare_loop, daemon=True,
+                                                 name="dbr-warm-prepare")
+            self._prep_thread.start()
+
+    def _prepare_loop(self) -> None:
+        while (item := self._prep_queue.get()) is not None and not self._closed:
+            key, path = item
+            prof = self._lookup(key)
+            if prof is None or not prof.hot_text:
+                continue
+            t0 = time.monotonic()
+            try:
+                got = self.runner(prepare, prof, path, self.config.to_dict()).result(
+                    timeout=PREPARE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - one module's file: logged, go on
+                log.info("no selection ahead for %s: %s", path, exc or type(exc).__name__)
+                got = None
+            if got is None or all(d["transfer_only"] for d in got[1].regions):
+                # nothing a client could be patched with (no region, or none with a
+                # patch site): its clients get a warm job (job_input)
+                self._prepared.pop(key, None)
+                continue
+            self._prepared[key] = got
+            while len(self._prepared) > MAX_KEPT_SELECTIONS:
+                self._prepared.pop(next(iter(self._prepared)))
+            log.info("%s: %d region(s) selected ahead in %.0f ms", path,
+                     len(got[1].regions), (time.monotonic() - t0) * 1e3)
+            if self.on_prepared is not None:
+                self.on_prepared()
+
+    def prepared_result(self, s: Any) -> Any:
+        """Session thread, when a warm client connects (its map read): the selections
+        made ahead of the files it maps (each the very file selected: its store key),
+        moved to where it maps them and merged; None when there is none."""
+        maps = list(s.maps)
+        parts, settings = [], None
+        for path in sorted({m.path for m in maps if m.executable and m.path.startswith("/")}):
+            mk = self._key(path, maps)
+            got = self._prepared.get(mk.key) if mk is not None else None
+            if got is None:
+                continue
+            try:
+                parts.append(rebase(got[1], got[0], maps))
+            except NoRebase as exc:
+                log.info("pid %d: the selection ahead of %s cannot be moved: %s",
+                         s.pid, path, exc)
+                continue
+            prof = self._lookup(mk.key)
+            if settings is None and prof is not None:
+                settings = warm_settings(self.config.to_dict(), prof.hot_text)
+        if not parts:
+            return None
+        moved = merge_results(parts, s.session_id, s.pid)
+        _moved_here(moved)
+        self.prepared_used += 1
+        if settings is not None:
+            self.selected_under(s, settings)
         return moved
 
     # ---------------------------------------------------------------- birth hints
@@ -321,3 +455,14 @@ class WarmStart:
             self.write_hint(program_key(st), dir_fd)
             n += 1
         return n
+
+
+def _moved_here(res: Any) -> None:
+    """A selection moved from where it was made to a client: its regions' every copied
+    byte is compared with the client's code before they are installed
+    (installation/optimize.py), and its DOT labels, which name the other addresses,
+    are dropped."""
+    for d in res.regions or []:
+        d["dot"] = None
+    for sr in res.srs or []:
+        sr.info["verify_original"] = True

@@ -88,6 +88,9 @@ class ClientJob:
     #: QUICK_ALL_SEEDS_MAX) and makes at most QUICK_MAX_BLOCKS blocks, so that the
     #: client's first region comes early.
     quick: bool = False
+    #: A warm job's second choice: the configuration it selects under again when
+    #: ``config`` selects no region with a patch site (profiles/warmprep.py).
+    fallback_config: dict[str, Any] | None = None
     submitted: float = field(default_factory=time.time)
 
     def function_entries(self):
@@ -158,13 +161,20 @@ def optimize_client(job: ClientJob) -> JobResult:
     start = _CPU_MARK if _IN_WORKER and _CPU_MARK is not None else c0
     cached0, new0 = DECODE_CACHE.counts()
     blocks0 = DECODE_CACHE.blocks
-    cfg = Config(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in job.config.items()})
+    def config(d: dict[str, Any]) -> Config:
+        return Config(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()})
+
+    cfg = config(job.config)
     if _IN_WORKER:
         set_thread_nice(cfg.worker_nice)
         set_autogroup_nice(cfg.worker_nice)
     hotspots = find_hotspots(job.samples, job.maps, threshold=cfg.hot_threshold,
                              top=cfg.hotspots_kept)
     regions, status, srs = select_client_regions(job, cfg)
+    if job.fallback_config is not None and \
+            all(d["transfer_only"] for d in regions or []):
+        regions, status, srs = select_client_regions(job, config(job.fallback_config))
+        status += " (under the second configuration)"
     cached1, new1 = DECODE_CACHE.counts()
     c1 = clock()
     if _IN_WORKER:

@@ -177,7 +177,7 @@ class SessionRegions:
             return 0
         live = [r for r in inst.regions.values() if r.state is InstallState.INSTALLED]
         out = install_regions(inst, [sr for _, sr in todo], already=live,
-                              counting_for=self.counting_plan)
+                              counting_for=self.counting_plan, went_live=self._went_live)
         by_name = {r.name: r for r in out.installed}
         n = 0
         with self.lock:
@@ -213,9 +213,6 @@ class SessionRegions:
                 self.cadence.activity += 1
                 self.regions_went_live += 1
                 self.patches_installed += len(reg.patched_sites)
-                if self.first_patch_mono is None:
-                    self.first_patch_mono = time.monotonic()
-                    self.mark("first_patch")
                 self.service.events.publish("patch-installed", pid=self.pid, region=rid,
                                             sites=len(reg.patched_sites),
                                             code_bytes=reg.gen.size)
@@ -226,6 +223,13 @@ class SessionRegions:
             self.errors.append(f"region {rid}: {why}")
         self._write_perf_map()
         return n
+
+    def _went_live(self, reg: Any) -> None:
+        """Session thread: a region of a batch is installed: the client's first patch
+        is timed when it is in place, not when the whole batch is."""
+        if self.first_patch_mono is None:
+            self.first_patch_mono = time.monotonic()
+            self.mark("first_patch")
 
     def uninstall_region(self, rid: str, why: str) -> bool:
         """Session thread: restore the patch sites of one installed region (the

@@ -1,0 +1,264 @@
+"""Warm selections (dbr_service/profiles/warmprep.py): a warm job selects under the
+thresholds its hot text was selected under; stored modules are selected ahead from
+their files, so a fresh service's first warm client is patched with no job; a
+selection moved to a client is checked against the client's code."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+
+import pytest
+from harness import compile_c, symbols
+from service_helpers import ServiceProc, agent_path, spawn_client
+
+from dbr_service.common.config import AGGRESSIVE, Config
+from dbr_service.common.errors import DbrError
+from dbr_service.profiles.modkey import module_key
+from dbr_service.profiles.profiledata import EntrySite, HotRegion, ModuleProfile, selection_params
+from dbr_service.profiles.profilestore import ProfileStore
+from dbr_service.profiles.warmprep import WARM_KEYS, prepare, warm_settings
+
+# A fixed amount of work (its checksum shows a wrong rewrite), hot in one loop.
+WORK_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((noinline)) unsigned long mix(unsigned long x, long n) {
+    for (long i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x = x * 1103515245UL + 12345;
+        x += (unsigned long)i;
+    }
+    return x;
+}
+int main(int argc, char **argv) {
+    long rounds = argc > 1 ? atol(argv[1]) : 10;
+    unsigned long x = 1;
+    for (long r = 0; r < rounds; r++)
+        x = mix(x, 2000000);
+    printf("%lu\n", x);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def prog(tmp_path_factory) -> str:
+    src = tmp_path_factory.mktemp("warmprep") / "work.c"
+    src.write_text(WORK_C)
+    return str(compile_c([src], flags=["-O1", "-fPIE", "-pie"], out_name="warmprep"))
+
+
+def _profile(prog: str, counts: dict[int, float], params: dict) -> ModuleProfile:
+    lo, hi = symbols(prog)["mix"]
+    hot = [HotRegion([EntrySite(lo, b"\x90")], [(lo, hi)], dict(params))]
+    return ModuleProfile(module_key(prog).key, prog, "", 1, 0.0, 0.0, counts, {}, hot)
+
+
+def _loop_insns(prog: str) -> list[int]:
+    """File offsets of the instructions of mix's loop (its backward branch's target
+    to that branch; in a PIE, offsets are addresses at base 0)."""
+    import capstone
+
+    lo, hi = symbols(prog)["mix"]
+    with open(prog, "rb") as f:
+        f.seek(lo)                      # the text segment's offsets are its addresses
+        code = f.read(hi - lo)
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    insns = [(i.address, i.mnemonic, i.op_str) for i in md.disasm(code, lo)]
+    back = [(a, int(op, 16)) for a, m, op in insns
+            if m.startswith("j") and m != "jmp" and op.startswith("0x") and int(op, 16) < a]
+    assert back, insns
+    src, dst = back[-1]
+    return [a for a, _, _ in insns if dst <= a <= src]
+
+
+def _flat(prog: str) -> dict[int, float]:
+    """A whole run's counts where each instruction of mix's loop holds 0.4 % of the
+    samples (under the default hot_threshold, 1 %, over --aggressive's 0.2 %): the
+    rest on one instruction with no loop around it (_start's first)."""
+    counts = {o: 4.0 for o in _loop_insns(prog)}
+    counts[symbols(prog)["_start"][0]] = 1000.0 - 4.0 * len(counts)
+    return counts
+
+
+def test_warm_settings_take_the_hot_texts_thresholds_and_ignore_bad_values():
+    svc = Config().to_dict()
+    aggr = selection_params(Config(**AGGRESSIVE))
+    got = warm_settings(svc, [HotRegion([], [], aggr)])
+    assert {k: got[k] for k in WARM_KEYS} == {k: aggr[k] for k in WARM_KEYS}
+    assert got["real_calls"] == svc["real_calls"] and got["entry_sites"] == svc["entry_sites"]
+    bad = {"hot_threshold": math.nan, "min_loop_trip_count": -1, "jumps_from_hot_limit": 1e9,
+           "min_region_size": True, "hot_function_threshold": "0.1"}
+    assert warm_settings(svc, [HotRegion([], [], bad)]) == svc
+    assert warm_settings(svc, []) == svc
+    # the first region that records a valid value gives it
+    two = [HotRegion([], [], {"hot_threshold": 7.0}), HotRegion([], [], {"hot_threshold": 0.003})]
+    assert warm_settings(svc, two)["hot_threshold"] == 0.003
+
+
+def test_a_profile_from_aggressive_training_selects_under_the_default_settings(prog):
+    """The service's defaults find no hot block in a flat whole-run profile; the
+    thresholds its hot text was made with do, as they did in the training run."""
+    counts = _flat(prog)
+    svc = Config().to_dict()
+    got = prepare(_profile(prog, counts, selection_params(Config(**AGGRESSIVE))), prog, svc)
+    assert got is not None and got[1].regions, got and got[1].region_status
+    lo, hi = symbols(prog)["mix"]
+    maps, res = got
+    base = maps[0].lo - maps[0].offset
+    assert all(lo <= e - base < hi for d in res.regions for e in d["entries"])
+    # the same counts under the service's own thresholds: nothing (what a warm job
+    # selected before it took the hot text's)
+    none = prepare(_profile(prog, counts, selection_params(Config())), prog, svc)
+    assert none is not None and none[1].regions == [], none[1].region_status
+
+
+def test_hot_text_thresholds_that_select_nothing_give_way_to_the_services(prog):
+    """A hot text whose thresholds find nothing patchable in the stored counts (here
+    no block holds 90 % of them): the warm selection is the one the service's own
+    settings make."""
+    counts = {o: 50.0 for o in _loop_insns(prog)}
+    strict = dict(selection_params(Config()), hot_threshold=0.9)
+    got = prepare(_profile(prog, counts, strict), prog, Config().to_dict())
+    assert got is not None and got[1].regions, got and got[1].region_status
+    assert not all(d["transfer_only"] for d in got[1].regions)
+    assert "second configuration" in got[1].region_status
+
+
+def test_a_file_that_is_not_the_one_profiled_is_not_selected(prog, tmp_path):
+    prof = _profile(prog, _flat(prog), selection_params(Config(**AGGRESSIVE)))
+    src = tmp_path / "work.c"
+    src.write_text(WORK_C)
+    other = compile_c([src], flags=["-O2", "-fPIE", "-pie"], out_name="warmprep2")
+    assert module_key(str(other)).key != prof.key
+    assert prepare(prof, str(other), Config().to_dict()) is None
+    with pytest.raises((DbrError, OSError)):
+        prepare(prof, str(tmp_path / "missing"), Config().to_dict())
+
+
+def test_only_files_nobody_else_can_write_are_read(prog, tmp_path):
+    """The file (and its directory) must be writable by its owner alone, root or the
+    service's user, and no symlink."""
+    import os
+    import shutil
+
+    prof = _profile(prog, _flat(prog), selection_params(Config(**AGGRESSIVE)))
+    here = tmp_path / "lib"
+    here.mkdir(mode=0o755)
+    copy = here / "prog"
+    shutil.copy(prog, copy)
+    os.chmod(copy, 0o755)
+    got = prepare(prof, str(copy), Config().to_dict())
+    assert got is not None and got[1].regions, got
+    os.chmod(copy, 0o775)
+    assert prepare(prof, str(copy), Config().to_dict()) is None
+    os.chmod(copy, 0o755)
+    os.chmod(here, 0o777)
+    assert prepare(prof, str(copy), Config().to_dict()) is None
+    os.chmod(here, 0o755)
+    link = here / "link"
+    link.symlink_to(copy)
+    with pytest.raises(OSError):
+        prepare(prof, str(link), Config().to_dict())
+
+
+def test_a_moved_selection_whose_code_differs_is_not_installed(prog):
+    """Installation compares every byte a moved selection copies with the client's
+    code (here: every byte reads as int3) before it emits anything."""
+    from dbr_service.common.errors import CodegenError
+    from dbr_service.installation.optimize import install_region
+    from dbr_service.profiles.warmstart import _moved_here
+
+    _, res = prepare(_profile(prog, _flat(prog), selection_params(Config(**AGGRESSIVE))),
+                     prog, Config().to_dict())
+    _moved_here(res)
+
+    class Client:
+        transfer_enabled = False
+
+        def patched_ranges(self):
+            return []
+
+        def read_original(self, addr, n):
+            return b"\xcc" * n
+
+    with pytest.raises(CodegenError, match="changed since"):
+        install_region(Client(), res.srs[0])
+
+
+def test_a_region_emitted_ahead_is_placed_as_at_the_clients_place(prog, monkeypatch):
+    """What a selection made ahead keeps of its regions' emission near their patch
+    sites, moved to another place of the module, is what emitting them there gives;
+    placement takes it without emitting."""
+    from dbr_service.installation import optimize
+    from dbr_service.profiles.rebase import rebase
+    from dbr_service.profiles.warmprep import _FileTarget
+
+    maps, res = prepare(_profile(prog, _flat(prog), selection_params(Config(**AGGRESSIVE))),
+                        prog, Config().to_dict())
+    assert res.srs and all(isinstance(sr.info.get("provisional"), optimize.Provisional)
+                           for sr in res.srs)
+    there = [m._replace(lo=m.lo - 0x3F000000000, hi=m.hi - 0x3F000000000) for m in maps]
+    moved = rebase(res, maps, there)
+    for sr in moved.srs:
+        fresh, why = optimize.provisional(_FileTarget(there), sr)
+        assert why is None and sr.info["provisional"] == fresh
+
+    class Space:
+        def span_fits(self, size, reach):
+            return True
+
+    class Client(_FileTarget):
+        space = Space()
+
+    def no_emission(*a, **k):
+        raise AssertionError("emitted again")
+
+    monkeypatch.setattr(optimize, "emit_with_frames", no_emission)
+    sr = moved.srs[0]
+    size, reach = optimize.placement(Client(there), sr)
+    pre = sr.info["provisional"]
+    assert size == pre.size + pre.frames and set(pre.data_refs) <= set(reach)
+
+
+needs_agent = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
+
+
+@needs_agent
+def test_a_fresh_services_first_warm_client_is_patched_with_no_job(prog, tmp_path):
+    """A store with the program's profile and hot text, a service started on it: the
+    program selected ahead at the start; its first process, too short and young for
+    sampling, is patched from its start, with no region job, and computes the same."""
+    native = subprocess.run([prog, "40"], capture_output=True, text=True, timeout=60).stdout
+    lo, hi = symbols(prog)["mix"]
+    mk = module_key(prog)
+    store = ProfileStore(tmp_path / "state")
+    store.record_run(mk, {o: 50.0 for o in _loop_insns(prog)}, None,
+                     [HotRegion([EntrySite(lo, b"\x90")], [(lo, hi)],
+                                selection_params(Config()))])
+    store.mark_program(mk.key, prog)
+    store.close()
+    svc = ServiceProc(env={"DBR_STATE_DIR": str(tmp_path / "state")}).wait_ready()
+    try:
+        # in a pool worker at niceness 19: on a busy host it waits for idle CPU
+        svc.wait_for(lambda: svc.call("status")["warm_start"]["prepared_selections"] >= 1,
+                     timeout=180, what="the selection made ahead")
+        p = spawn_client(svc.dir, [prog, "40"])
+        try:
+            out, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+        assert p.returncode == 0, err
+        assert out == native
+        rep = svc.call("report", {"pids": [p.pid]})[0]
+        assert "warm_selection_prepared" in rep["timeline"], rep["timeline"]
+        assert "warm_job_queued" not in rep["timeline"], rep["timeline"]
+        assert rep["time_to_first_patch_s"] is not None, rep
+        st = svc.call("status")["warm_start"]
+        assert st["prepared_used"] == 1 and st["warm_jobs"] == 0, st
+    finally:
+        svc.stop()
