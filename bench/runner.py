@@ -156,6 +156,21 @@ def dbr_exe() -> str:
     return str(venv) if venv.exists() else (shutil.which("dbr") or str(venv))
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _exit_on_sigterm() -> None:
+    """A benchmark that started a host service and is stopped with SIGTERM (timeout(1),
+    CI, kill) unwinds as on SIGINT, so atexit stops the service instead of leaving it
+    running; a handler the benchmark set itself is kept."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
+
+
 class HostService:
     """A ``dbr service [FLAGS] [-o KEY=VALUE ...]`` with a private DBR_RUNTIME_DIR, started
     once and left running for the whole benchmark, as on a host that runs it all the time.
@@ -199,6 +214,7 @@ class HostService:
             if self.log is not None:
                 out.close()
         atexit.register(self.stop)
+        _exit_on_sigterm()
         deadline = time.monotonic() + 30
         while not os.path.exists(os.path.join(self.rt, "control.sock")):
             if self.proc.poll() is not None or time.monotonic() > deadline:
