@@ -232,8 +232,8 @@ def test_sleeping_threads_are_not_signalled(svc, spin_exe):
     assert results(client) == [1]
 
 
-@pytest.mark.parametrize("rounds", [300, pytest.param(5000, marks=pytest.mark.long)],
-                         ids=["300", "soak-5000"])
+@pytest.mark.parametrize("rounds", [200, pytest.param(5000, marks=pytest.mark.long)],
+                         ids=["200", "soak-5000"])
 def test_hurried_transfers_with_late_handlers(svc, spin_exe, rounds):
     """Stress of the late-handler path: 64 spinners on 2 cores and a 1 ms bound, so
     most threads answer after the agent closed each transfer and their handlers run
@@ -402,7 +402,7 @@ def test_installer_without_evict_leaves_threads_inside(svc, spin_exe):
 
 
 def test_hurried_evictions_with_late_handlers(svc, spin_exe):
-    """The late-handler stress of TRANSFER, for EVICT: 64 spinners in the copy, 300
+    """The late-handler stress of TRANSFER, for EVICT: 64 spinners in the copy, 200
     evictions with a 1 ms bound naming only the copy's return path (nobody sits
     there), so most handlers run after their eviction closed.  Nobody may be moved by
     them, the agent must neither deadlock nor drop the session, and an eviction by the
@@ -410,6 +410,6 @@ def test_hurried_evictions_with_late_handlers(svc, spin_exe):
     client, conn, spin, buf = start(svc, spin_exe, 64)
     announce(conn, 8, buf.base, buf.base + 64)
     _all_in(conn, 8, {spin + o: buf.base + o for o in OFFSETS}, 64)
-    _hurried(conn.evict, 300, lambda _k: {buf.base + 8: spin + 8},
+    _hurried(conn.evict, 200, lambda _k: {buf.base + 8: spin + 8},
              {buf.base + o: spin + o for o in OFFSETS}, 64)
     assert results(client) == [1] * 64

@@ -32,7 +32,7 @@ class DescriptorLeak(AssertionError):
     """The service kept descriptors of ended connections."""
 
 
-EXAMPLES = int(os.environ.get("DBR_FUZZ_EXAMPLES", "2000"))
+EXAMPLES = int(os.environ.get("DBR_FUZZ_EXAMPLES", "1000"))
 EXAMPLES_LONG = 30000
 
 MY_PID = os.getpid()

@@ -481,7 +481,7 @@ def _fuzz(svc, examples: int, derandomize: bool) -> None:
 
 
 def test_fuzz_control_socket(svc):
-    _fuzz(svc, 2000, derandomize=True)
+    _fuzz(svc, 1000, derandomize=True)
 
 
 @pytest.mark.long

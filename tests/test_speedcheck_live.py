@@ -370,7 +370,8 @@ def test_a_region_removed_during_a_check_abandons_it_and_the_rest_stay(stream):
         assert regions[rid]["info"]["speed_check"]["verdict"] == "abandoned"
 
 
-@pytest.mark.parametrize("policy", ["keep", "revert"])
+# keep: under `make test-long` only (the suite's time budget); revert has more to undo
+@pytest.mark.parametrize("policy", [pytest.param("keep", marks=pytest.mark.long), "revert"])
 def test_service_killed_during_a_check_leaves_the_client_correct(stream, policy):
     """SIGKILL of the service in the middle of a check (the regions suspended or
     patched, whichever phase it is): the agent applies its disconnect policy to what
