@@ -19,7 +19,7 @@ Reported per program: runs patched, time from the agent's connection to the firs
 patch (median and range), wall time over native (median of the paired ratios, with
 their range), and the services' CPU per run.
 
-usage: python -m bench.warm [--pairs N] [--train N] [--only NAME,...]
+usage: python -m bench.warm [--pairs N] [--train N] [--only NAME,...] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -85,10 +85,12 @@ def _train(prog: Any, train: int, work: Path, agent: str, base: dict[str, str],
 
 
 def _bench_one(name: str, prog: Any, pairs: int, train: int, work: Path,
-               agent: str, base: dict[str, str], timeout: float) -> dict[str, Any]:
+               agent: str, base: dict[str, str], timeout: float,
+               logs: Path | None = None) -> dict[str, Any]:
     state = Path(tempfile.mkdtemp(prefix="dbr-warm-state-"))
     base = dict(base, DBR_STATE_DIR=str(state))
-    warm = HostService(prefix="dbr-bench-warm-")
+    warm = HostService(prefix="dbr-bench-warm-",
+                       log=logs / f"warm-{name}.log" if logs is not None else None)
     cold = HostService(["warm_start=false"], prefix="dbr-bench-cold-")
     row: dict[str, Any] = {"program": name}
     try:
@@ -161,9 +163,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="training runs at most, until one is patched (3)")
     ap.add_argument("--only", default="", help="comma-separated program names")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take")
+    ap.add_argument("--logs", type=Path, help="directory for the warm services' logs "
+                    "(warm-PROGRAM.log): what each run was given, and when")
     args = ap.parse_args(argv)
     if args.pairs < 1 or args.train < 1:
         ap.error("--pairs and --train must be at least 1")
+    if args.logs is not None:
+        try:
+            args.logs.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            ap.error(f"--logs {args.logs}: {exc.strerror}")
     agent = dbr_agent.agent_path()
     if agent is None:
         print("bench.warm: libdbr_agent.so cannot be built", file=sys.stderr)
@@ -183,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{w.name}: skipped: {exc}")
                 continue
             row = _bench_one(w.name, prog, args.pairs, args.train, work, agent, base,
-                             args.timeout)
+                             args.timeout, args.logs)
             rows.append(row)
             if "error" in row:
                 print(f"{w.name}: {row['error']}")

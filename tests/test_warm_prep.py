@@ -262,3 +262,27 @@ def test_a_fresh_services_first_warm_client_is_patched_with_no_job(prog, tmp_pat
         assert st["prepared_used"] == 1 and st["warm_jobs"] == 0, st
     finally:
         svc.stop()
+
+
+def test_a_kept_selection_of_nothing_gives_way_to_one_made_ahead(tmp_path, monkeypatch):
+    """A warm job that ran before the selections ahead were ready selected nothing and
+    was kept; the program's next process gets the selection made ahead instead, and the
+    empty one is not offered again."""
+    from types import SimpleNamespace
+
+    from dbr_service.profiles.warmstart import WarmStart
+
+    store = ProfileStore(tmp_path / "state")
+    try:
+        ws = WarmStart(store, Config())
+        client = SimpleNamespace(build_id="ab" * 20, session_id=7, pid=4242, exe="/bin/x",
+                                 maps=[])
+        ws._pending[client.session_id] = (ws._exe_key(client), [], {})
+        ws.job_done(client.session_id, SimpleNamespace(regions=[]))
+        ahead = SimpleNamespace(regions=[{"transfer_only": False}])
+        monkeypatch.setattr(ws, "prepared_result", lambda s: ahead)
+        assert ws.kept_selection(client) == (ahead, "warm_selection_prepared")
+        monkeypatch.setattr(ws, "prepared_result", lambda s: None)
+        assert ws.kept_selection(client) == (None, "")
+    finally:
+        store.close()

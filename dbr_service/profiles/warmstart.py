@@ -298,6 +298,15 @@ class WarmStart:
         install at once, and the timeline mark that names it: the kept one of its
         program (reused_result), else those made ahead of its files
         (prepared_result); (None, "") when there is none."""
+        key = self._exe_key(s)
+        kept = self._results.get(key) if key else None
+        if kept is not None and _patchless(kept[1]):
+            # a kept selection of nothing gives way to those made ahead once they are
+            # ready (the job that made it may have run before they were)
+            prepared = self.prepared_result(s)
+            if prepared is not None:
+                self._results.pop(key, None)
+                return prepared, "warm_selection_prepared"
         res = self.reused_result(s)
         if res is not None:
             return res, "warm_selection_reused"
@@ -375,7 +384,7 @@ class WarmStart:
             except Exception as exc:  # noqa: BLE001 - one module's file: logged, go on
                 log.info("no selection ahead for %s: %s", path, exc or type(exc).__name__)
                 got = None
-            if got is None or all(d["transfer_only"] for d in got[1].regions):
+            if got is None or _patchless(got[1]):
                 # nothing a client could be patched with (no region, or none with a
                 # patch site): its clients get a warm job (job_input)
                 self._prepared.pop(key, None)
@@ -455,6 +464,11 @@ class WarmStart:
             self.write_hint(program_key(st), dir_fd)
             n += 1
         return n
+
+
+def _patchless(res: Any) -> bool:
+    """A selection nothing can be patched with: no region, or none with a patch site."""
+    return all(d["transfer_only"] for d in (res.regions or []))
 
 
 def _moved_here(res: Any) -> None:
