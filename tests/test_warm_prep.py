@@ -19,35 +19,12 @@ from dbr_service.profiles.profiledata import EntrySite, HotRegion, ModuleProfile
 from dbr_service.profiles.profilestore import ProfileStore
 from dbr_service.profiles.warmprep import WARM_KEYS, prepare, warm_settings
 
-# A fixed amount of work (its checksum shows a wrong rewrite), hot in one loop.
-WORK_C = r"""
-#include <stdio.h>
-#include <stdlib.h>
-__attribute__((noinline)) unsigned long mix(unsigned long x, long n) {
-    for (long i = 0; i < n; i++) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x = x * 1103515245UL + 12345;
-        x += (unsigned long)i;
-    }
-    return x;
-}
-int main(int argc, char **argv) {
-    long rounds = argc > 1 ? atol(argv[1]) : 10;
-    unsigned long x = 1;
-    for (long r = 0; r < rounds; r++)
-        x = mix(x, 2000000);
-    printf("%lu\n", x);
-    return 0;
-}
-"""
 
 
 @pytest.fixture(scope="module")
-def prog(tmp_path_factory) -> str:
-    src = tmp_path_factory.mktemp("warmprep") / "work.c"
-    src.write_text(WORK_C)
-    return str(compile_c([src], flags=["-O1", "-fPIE", "-pie"], out_name="warmprep"))
+def prog() -> str:
+    """tests/agent_progs/warmwork.c: hot in one loop, mix()."""
+    return str(compile_c(["warmwork.c"], flags=["-O1", "-fPIE", "-pie"], out_name="warmprep"))
 
 
 def _profile(prog: str, counts: dict[int, float], params: dict) -> ModuleProfile:
@@ -129,9 +106,7 @@ def test_hot_text_thresholds_that_select_nothing_give_way_to_the_services(prog):
 
 def test_a_file_that_is_not_the_one_profiled_is_not_selected(prog, tmp_path):
     prof = _profile(prog, _flat(prog), selection_params(Config(**AGGRESSIVE)))
-    src = tmp_path / "work.c"
-    src.write_text(WORK_C)
-    other = compile_c([src], flags=["-O2", "-fPIE", "-pie"], out_name="warmprep2")
+    other = compile_c(["warmwork.c"], flags=["-O2", "-fPIE", "-pie"], out_name="warmprep2")
     assert module_key(str(other)).key != prof.key
     assert prepare(prof, str(other), Config().to_dict()) is None
     with pytest.raises((DbrError, OSError)):

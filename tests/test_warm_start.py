@@ -17,28 +17,6 @@ from dbr_service.common.paths import program_key, program_quiet_file
 
 needs_agent = pytest.mark.skipif(agent_path() is None, reason="libdbr_agent.so cannot be built")
 
-# A fixed amount of work (its checksum shows a wrong rewrite), hot in one loop.
-WORK_C = r"""
-#include <stdio.h>
-#include <stdlib.h>
-__attribute__((noinline)) unsigned long mix(unsigned long x, long n) {
-    for (long i = 0; i < n; i++) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x = x * 1103515245UL + 12345;
-        x += (unsigned long)i;
-    }
-    return x;
-}
-int main(int argc, char **argv) {
-    long rounds = argc > 1 ? atol(argv[1]) : 10;
-    unsigned long x = 1;
-    for (long r = 0; r < rounds; r++)
-        x = mix(x, 2000000);
-    printf("%lu\n", x);
-    return 0;
-}
-"""
 
 LONG, SHORT = "600", "40"      # about 3 s and 0.2 s here
 
@@ -61,9 +39,7 @@ def _run(svc: ServiceProc, prog: str, rounds: str) -> tuple[str, int]:
 
 @needs_agent
 def test_a_second_run_is_patched_from_the_stored_profile(tmp_path):
-    src = tmp_path / "work.c"
-    src.write_text(WORK_C)
-    prog = str(compile_c([src], flags=["-O1"], out_name="warmwork"))
+    prog = str(compile_c(["warmwork.c"], flags=["-O1"], out_name="warmwork"))
     native = {n: subprocess.run([prog, n], capture_output=True, text=True, timeout=60).stdout
               for n in (LONG, SHORT)}
     state = {"DBR_STATE_DIR": str(tmp_path / "state")}
