@@ -138,6 +138,20 @@ def spawn_client(runtime_dir: str, argv: list[str], *, nice: int = 0,
                             text=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
 
+def run_client(runtime_dir: str, argv: list[str], timeout: float = 60.0) -> tuple[str, int]:
+    """Run a program under the agent to its end (killed by pid after ``timeout``): its
+    stdout and pid; a non-zero exit fails the test."""
+    p = spawn_client(runtime_dir, argv)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(5)
+    assert p.returncode == 0, err
+    return out, p.pid
+
+
 class FakeAgent:
     """A Python stand-in for the agent: connects and says HELLO (with any pid)."""
 

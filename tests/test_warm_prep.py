@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 from harness import compile_c, symbols
-from service_helpers import ServiceProc, agent_path, spawn_client
+from service_helpers import ServiceProc, agent_path, run_client
 
 from dbr_service.common.config import AGGRESSIVE, Config
 from dbr_service.common.errors import DbrError
@@ -220,16 +220,9 @@ def test_a_fresh_services_first_warm_client_is_patched_with_no_job(prog, tmp_pat
         # in a pool worker at niceness 19: on a busy host it waits for idle CPU
         svc.wait_for(lambda: svc.call("status")["warm_start"]["prepared_selections"] >= 1,
                      timeout=180, what="the selection made ahead")
-        p = spawn_client(svc.dir, [prog, "40"])
-        try:
-            out, err = p.communicate(timeout=60)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
-        assert p.returncode == 0, err
+        out, pid = run_client(svc.dir, [prog, "40"])
         assert out == native
-        rep = svc.call("report", {"pids": [p.pid]})[0]
+        rep = svc.call("report", {"pids": [pid]})[0]
         assert "warm_selection_prepared" in rep["timeline"], rep["timeline"]
         assert "warm_job_queued" not in rep["timeline"], rep["timeline"]
         assert rep["time_to_first_patch_s"] is not None, rep

@@ -11,7 +11,7 @@ import time
 
 import pytest
 from harness import compile_c
-from service_helpers import ServiceProc, agent_path, spawn_client
+from service_helpers import ServiceProc, agent_path, run_client
 
 from dbr_service.common.paths import program_key, program_quiet_file
 
@@ -26,15 +26,7 @@ def _report(svc: ServiceProc, pid: int) -> dict:
 
 
 def _run(svc: ServiceProc, prog: str, rounds: str) -> tuple[str, int]:
-    p = spawn_client(svc.dir, [prog, rounds])
-    try:
-        out, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(5)
-    assert p.returncode == 0, err
-    return out, p.pid
+    return run_client(svc.dir, [prog, rounds])
 
 
 @needs_agent
