@@ -111,7 +111,6 @@ int dbr_maps_read(struct dbr_maps *m);       /* DBR_OK or DBR_E_NOMEM */
 void dbr_maps_free(struct dbr_maps *m);
 const struct dbr_map_ent *dbr_maps_find(const struct dbr_maps *m, uint64_t addr);
 int dbr_count_threads(void);
-int dbr_status_threads(void);
 int dbr_list_threads(pid_t *tids, int max);  /* number found (may exceed max: only max stored); -1 unknown */
 char dbr_thread_state(pid_t tid);            /* /proc state letter ('R' running), '?' unknown */
 int dbr_thread_sigblk(pid_t tid, uint64_t *mask); /* blocked signals (bit n-1: signal n); -1 gone */

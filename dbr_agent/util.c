@@ -519,15 +519,31 @@ struct dbr_dirent64 {
     char d_name[];
 };
 
+/* The process's thread count as the kernel keeps it ("Threads:" of the calling
+ * thread's status: one number, read at once, counting an ended leader that
+ * lingers as a zombie).  Unlike a listing of /proc/self/task, which can skip a
+ * live thread while others end during the walk, it never misses one.  -1 unknown. */
+static int status_threads(void)
+{
+    char buf[4096];
+    const char *p = status_field("/proc/thread-self/status", "\nThreads:", buf, sizeof buf);
+    long n = 0;
+
+    if (!p || *p < '0' || *p > '9')
+        return -1;
+    for (; *p >= '0' && *p <= '9' && n < (1L << 30); p++)
+        n = n * 10 + (*p - '0');
+    return (int)n;
+}
+
 /* One walk of /proc/self/task: tids found (the first max stored), *calls the
- * getdents calls that returned entries, *last the last tid listed. */
-static int list_walk(char *buf, size_t cap, pid_t *tids, int max, int *calls, pid_t *last)
+ * getdents calls that returned entries. */
+static int list_walk(char *buf, size_t cap, pid_t *tids, int max, int *calls)
 {
     int fd = open("/proc/self/task", O_RDONLY | O_DIRECTORY | O_CLOEXEC), n = 0;
     long k, off;
 
     *calls = 0;
-    *last = 0;
     if (fd < 0)
         return -1;
     while ((k = syscall(SYS_getdents64, fd, buf, cap)) > 0) {
@@ -544,7 +560,6 @@ static int list_walk(char *buf, size_t cap, pid_t *tids, int max, int *calls, pi
                 continue;
             if (tids && n < max)
                 tids[n] = (pid_t)t;
-            *last = (pid_t)t;
             n++;
         }
     }
@@ -571,11 +586,10 @@ int dbr_list_threads(pid_t *tids, int max)
     char *buf = small, *big = NULL;
     size_t cap = sizeof small;
     int try, n = -1, calls, before;
-    pid_t last;
 
     for (try = 0; try < LIST_TRIES; try++) {
-        before = dbr_status_threads();
-        n = list_walk(buf, cap, tids, max, &calls, &last);
+        before = status_threads();
+        n = list_walk(buf, cap, tids, max, &calls);
         if (n < 0 || before < 0)
             break;
         if (calls <= 1 && n >= before)
@@ -631,25 +645,9 @@ int dbr_count_threads(void)
 {
     int n = dbr_list_threads(NULL, 0);
 
-    return n < 0 ? dbr_status_threads() : n;
+    return n < 0 ? status_threads() : n;
 }
 
-/* The process's thread count as the kernel keeps it ("Threads:" of the calling
- * thread's status: one number, read at once, counting an ended leader that
- * lingers as a zombie).  Unlike a listing of /proc/self/task, which can skip a
- * live thread while others end during the walk, it never misses one.  -1 unknown. */
-int dbr_status_threads(void)
-{
-    char buf[4096];
-    const char *p = status_field("/proc/thread-self/status", "\nThreads:", buf, sizeof buf);
-    long n = 0;
-
-    if (!p || *p < '0' || *p > '9')
-        return -1;
-    for (; *p >= '0' && *p <= '9' && n < (1L << 30); p++)
-        n = n * 10 + (*p - '0');
-    return (int)n;
-}
 
 int dbr_sys_mprotect(void *addr, size_t len, int prot)
 {
