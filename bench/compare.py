@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from typing import Any, Callable
 from bench import suite
 from bench.common import Results
 from bench.configs import Config, Native, default_configs, select_configs
-from bench.runner import Run, describe_exit, last_line, run_once
+from bench.runner import Run, describe_exit, exit_on_sigterm, last_line, run_once
 from bench.stats import by_patch, ratio_ci, spread
 
 REPO = Path(__file__).resolve().parents[1]
@@ -421,10 +420,6 @@ def one_line(row: dict) -> str:
     return "  ".join(parts)
 
 
-def _terminated(signum, frame):
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -434,9 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                     + ", ".join(c.name for c in default_configs()))
     ap.add_argument("workloads", nargs="*", help="subset of the workloads")
     args = ap.parse_args(argv)
-    # SIGTERM as SIGINT: unwind, so the current run is killed, the partial results are
-    # written and the host services stop (atexit), instead of dying with them orphaned
-    signal.signal(signal.SIGTERM, _terminated)
+    exit_on_sigterm()
     ws = suite.registry()
     if args.workloads:
         unknown = set(args.workloads) - {w.name for w in ws}

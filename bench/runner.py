@@ -160,10 +160,10 @@ def _terminated(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def _exit_on_sigterm() -> None:
-    """A benchmark that started a host service and is stopped with SIGTERM (timeout(1),
-    CI, kill) unwinds as on SIGINT, so atexit stops the service instead of leaving it
-    running; a handler the benchmark set itself is kept."""
+def exit_on_sigterm() -> None:
+    """SIGTERM (timeout(1), CI, kill) unwinds a benchmark as SIGINT does: the current
+    run is killed, partial results are written and atexit stops the host services
+    instead of leaving them running.  A handler the benchmark set itself is kept."""
     import threading
 
     if threading.current_thread() is threading.main_thread() and \
@@ -214,7 +214,7 @@ class HostService:
             if self.log is not None:
                 out.close()
         atexit.register(self.stop)
-        _exit_on_sigterm()
+        exit_on_sigterm()
         deadline = time.monotonic() + 30
         while not os.path.exists(os.path.join(self.rt, "control.sock")):
             if self.proc.poll() is not None or time.monotonic() > deadline:
