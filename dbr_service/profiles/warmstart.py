@@ -300,26 +300,26 @@ class WarmStart:
         (prepared_result); (None, "") when there is none."""
         key = self._exe_key(s)
         kept = self._results.get(key) if key else None
-        if kept is not None and _patchless(kept[1]):
-            # a kept selection of nothing gives way to those made ahead once they are
-            # ready (the job that made it may have run before they were)
-            prepared = self.prepared_result(s)
-            if prepared is not None:
+        # a kept selection of nothing gives way to those made ahead once they are
+        # ready (the job that made it may have run before they were)
+        ahead_first = kept is not None and _patchless(kept[1])
+        if ahead_first:
+            res = self.prepared_result(s)
+            if res is not None:
                 self._results.pop(key, None)
-                return prepared, "warm_selection_prepared"
-        res = self.reused_result(s)
+                return res, "warm_selection_prepared"
+        res = self.reused_result(s, key)
         if res is not None:
             return res, "warm_selection_reused"
-        res = self.prepared_result(s)
+        res = None if ahead_first else self.prepared_result(s)
         return (res, "warm_selection_prepared") if res is not None else (None, "")
 
-    def reused_result(self, s: Any) -> Any:
+    def reused_result(self, s: Any, key: str | None) -> Any:
         """Session thread, when a warm client connects (its map read): the kept
         selection of its program moved to where this process maps its files
         (profiles/rebase.py), ready to install; None when there is none, it is stale
         (REUSE_MAX_S, REUSE_MAX_TIMES) or names memory this process has no
-        counterpart of."""
-        key = self._exe_key(s)
+        counterpart of.  ``key``: its executable's store key (_exe_key)."""
         kept = self._results.get(key) if key else None
         if kept is None:
             return None
