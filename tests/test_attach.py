@@ -45,8 +45,20 @@ def start(argv: list[str], **kw) -> subprocess.Popen:
     """A target without the agent: LD_PRELOAD and DBR_* cleared."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("DBR_") and k != "LD_PRELOAD"}
-    return subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, **kw)
+    p = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, **kw)
+    # Popen returns before the child's exec: until then the pid is a copy of this
+    # interpreter, and an attach would look at the wrong program.
+    want = os.path.realpath(shutil.which(argv[0]) or argv[0])
+    wait_until(lambda: _exe(p.pid) == want or p.poll() is not None, 10, f"exec of {want}")
+    return p
+
+
+def _exe(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
 
 
 def wait_until(pred, timeout: float, what: str):
