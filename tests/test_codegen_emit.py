@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import pytest
 from codegen_util import CS, Machine, asm, build_blocks, linear, random_state
+from unicorn import UC_HOOK_CODE
+from unicorn import x86_const as U
 
 from dbr_service.codegen.emit import (
     GeneratedCode,
@@ -986,3 +988,41 @@ def test_a_loop_head_split_off_before_the_entry_is_laid_out_first() -> None:
             outs.append((stop, mc.snapshot([]).regs))
         (so, ro), (sc, rc) = outs
         assert so == sc == latch + bl[latch].size and ro == rc, (n, hex(so), hex(sc))
+
+
+def test_sp_offset_matches_execution() -> None:
+    """codegen/spoffset.py against the CPU: at every replacement instruction run, rsp
+    less rsp at the start of its translation (where it is the original's) is what
+    the replay says.  Dispatches save scratch registers below the red zone, so some
+    instructions must have rsp moved for the check to mean anything."""
+    from dbr_service.codegen.spoffset import sp_offset
+
+    moved = checked = 0
+    for p in PROGRAMS:
+        orig, delta = PLACES[0]
+        b = build(p, orig, _profile(p, orig))
+        gen = emit_region(b.sr, orig + delta)
+        w = World(b, orig + delta, gen.size)
+        pieces = sorted(gen.addr_map)
+        start_rsp: dict[tuple[int, int], int] = {}
+        seen: list[tuple[int, int]] = []
+        hook = w.m.uc.hook_add(UC_HOOK_CODE, lambda uc, a, _n, _u: seen.append(
+            (a, uc.reg_read(U.UC_X86_REG_RSP))))
+        rng = random.Random(zlib.crc32(p.name.encode()))
+        for _ in range(8):
+            seen.clear()
+            w.load(gen)
+            w.run(w.state(rng), gen.entries[b.entry])
+            for a, rsp in seen:
+                piece = next(((lo, hi) for lo, hi, _o in pieces if lo <= a < hi), None)
+                if piece is None:
+                    continue
+                if a == piece[0]:
+                    start_rsp[piece] = rsp
+                    continue
+                want = rsp - start_rsp[piece]
+                assert sp_offset(gen.code, gen.base, *piece, a) == want, (p.name, hex(a))
+                checked += 1
+                moved += want != 0
+        w.m.uc.hook_del(hook)
+    assert checked > 100 and moved > 10, (checked, moved)

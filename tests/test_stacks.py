@@ -177,6 +177,55 @@ def test_replacement_code_folds_to_original(callpath):
     assert checked >= 5
 
 
+@needs_perf
+def test_a_sample_inside_a_dispatch_unwinds_with_rsp_set_back(callpath):
+    """A sampled IP inside a translation that stepped over the red zone and saved two
+    registers (rsp 0x90 below the original's): with ``sp_offset`` it unwinds to the
+    original sample's frames; applying the original row to the moved rsp would read
+    the saved registers as the return address."""
+    flags, pid = callpath
+    maps = read_maps(pid)
+    cfi = CfiSource(lambda: [(m.lo, m.hi, m.path, m.dev, m.ino) for m in maps])
+    plain = Unwinder(cfi.module_at)
+    sampler = StackSampler(pid)
+    samples: list[StackSample] = []
+    try:
+        sampler.add([pid])
+        for _ in range(50):
+            subprocess.run(["sleep", "0.02"])
+            samples += sampler.read()
+            if len(samples) > 20:
+                break
+    finally:
+        sampler.close()
+    exe = next(m for m in maps if "callpath" in m.path)
+    lo, hi = exe.lo, max(m.hi for m in maps if m.path == exe.path)
+    delta = 1 << 40
+
+    def attribute(a: int) -> int:
+        return a - delta if lo + delta <= a < hi + delta else a
+
+    def sp_offset(a: int) -> int | None:
+        return -0x90 if lo + delta <= a < hi + delta else 0
+
+    moved = Unwinder(cfi.module_at, attribute, sp_offset=sp_offset)
+    blind = Unwinder(cfi.module_at, attribute)
+    checked = wrong = 0
+    for s in samples:
+        want = plain.unwind(s)
+        if want.truncated or not lo <= s.ip < hi:
+            continue
+        saved = struct.pack("<2Q", 0x1c00000040, hi - 1) + bytes(0x80)   # rax, rcx, red zone
+        fake = dataclasses.replace(s, ip=s.ip + delta, sp=s.sp - 0x90, stack=saved + s.stack,
+                                   chain=())
+        assert moved.unwind(fake).frames == want.frames
+        wrong += blind.unwind(fake).frames != want.frames
+        checked += 1
+    assert checked >= 5
+    if flags != "-fno-omit-frame-pointer":     # with them the CFA is rbp's: rsp is not read
+        assert wrong == checked
+
+
 def test_call_graph_counts_and_order():
     f = {n: Func("/bin/x", i * 0x100, 0x40, n)
          for i, n in enumerate(["main", "a", "b", "leaf", "cold"])}

@@ -101,28 +101,39 @@ class _Attributer:
         self._seen: dict[int, tuple[int, int, Any]] = {}
 
     def __call__(self, addr: int) -> int:
+        reg = self._region(addr)
+        got = None if reg is None else reg.original_of(addr)
+        return addr if got is None else got
+
+    def sp_offset(self, addr: int) -> int | None:
+        """rsp at ``addr`` less the original's (0 in original code; None: unknown)."""
+        reg = self._region(addr)
+        return 0 if reg is None else reg.sp_offset_of(addr)
+
+    def _region(self, addr: int) -> Any:
+        """The region (live now or seen live earlier) whose code holds ``addr``."""
         inst = getattr(self.session, "installer", None)
         if inst is None:
-            return addr
+            return None
         live = inst.live
         if live is not self._live:
             self._live = live
             for lo, hi, reg in live:
                 self._seen.setdefault(id(reg), (lo, hi, reg))
-        orig, reg = inst.attribute(addr)
+        _orig, reg = inst.attribute(addr)
         if reg is not None:
-            return orig
+            return reg
         for lo, hi, old in self._seen.values():
             if lo <= addr < hi:
-                got = old.original_of(addr)
-                return addr if got is None else got
-        return addr
+                return old
+        return None
 
 
 def _run(job: Job, session: Any) -> None:
     try:
-        prof, stats = collect(session.proc, job.pid, job.seconds,
-                              attribute=_Attributer(session))
+        att = _Attributer(session)
+        prof, stats = collect(session.proc, job.pid, job.seconds, attribute=att,
+                              sp_offset=att.sp_offset)
         if "error" in stats:
             job.error = stats["error"]
         else:

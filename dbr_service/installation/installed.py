@@ -11,6 +11,7 @@ from typing import Protocol
 
 from dbr_service.wire import protocol as P
 from dbr_service.installation.codespace import Chunk
+from dbr_service.codegen.spoffset import sp_offset
 from dbr_service.common.states import HELD, InstallState  # noqa: F401  (importers take them here too)
 
 
@@ -89,4 +90,12 @@ class InstalledRegion:
         for lo, hi, orig in self.gen.addr_map:
             if lo <= addr < hi:
                 return orig
+        return None
+
+    def sp_offset_of(self, addr: int) -> int | None:
+        """rsp at replacement address ``addr`` less the original's rsp at the
+        instruction it stands for (codegen/spoffset.py); None: unknown."""
+        for lo, hi, _orig in self.gen.addr_map:
+            if lo <= addr < hi:
+                return sp_offset(self.gen.code, self.gen.base, lo, hi, addr)
         return None

@@ -182,17 +182,19 @@ class StackProfile:
 
 def collect(proc: Process, pid: int, seconds: float, *,
             attribute: Callable[[int], int] = lambda a: a,
+            sp_offset: Callable[[int], int | None] = lambda a: 0,
             sample_period_us: int = 2000, stack_bytes: int = 16 << 10,
             poll_s: float = 0.02, stop: Callable[[], bool] = lambda: False
             ) -> tuple[StackProfile, dict[str, Any]]:
     """Sample every thread of ``proc`` (threads born meanwhile included) for
     ``seconds`` (at most :data:`MAX_SECONDS`) and build its profile; also some
-    statistics.  SamplingError when the events cannot be opened."""
+    statistics.  ``attribute`` and ``sp_offset``: see unwind.Unwinder.  SamplingError
+    when the events cannot be opened."""
     seconds = min(max(seconds, 0.0), MAX_SECONDS)
     maps_of = _maps_reader(proc)
     maps = maps_of()
     cfi = CfiSource(lambda: [(m.lo, m.hi, m.path, m.dev, m.ino) for m in maps])
-    unwinder = Unwinder(cfi.module_at, attribute)
+    unwinder = Unwinder(cfi.module_at, attribute, sp_offset=sp_offset)
     sampler = StackSampler(pid, sample_period_us=sample_period_us, stack_bytes=stack_bytes)
     stacks: list[tuple[tuple[int, ...], bool, str]] = []
     t0 = time.monotonic()

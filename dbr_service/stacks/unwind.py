@@ -7,7 +7,10 @@ caller the address of its call (return address - 1), replacement code mapped bac
 the original instruction it stands for (``attribute``), so a patched and an unpatched
 program give the same stacks.  Region code carries the unwind rows of the original
 instructions it translates (codegen/frames.py), so a replacement-code frame unwinds
-with the original module's row at the original address.
+with the original module's row at the original address.  A sampled IP inside a
+translation that moved rsp on its way (a dispatch's red-zone step and saved scratch
+registers) first has rsp set back to the original's (``sp_offset``,
+codegen/spoffset.py); where that offset is unknown the stack ends there, truncated.
 
 Per frame, the module's CFI row at that address gives the canonical frame address
 (CFA = rsp or rbp + offset), the return address (saved at CFA + n) and the caller's
@@ -120,13 +123,17 @@ class _Step:
 class Unwinder:
     """Unwinds samples of one client.  ``module_at(addr)`` gives the module holding an
     address with its ``.eh_frame`` (frames.CfiSource.module_at; CfiError when there is
-    none); ``attribute(addr)`` maps a replacement-code address to its original one."""
+    none); ``attribute(addr)`` maps a replacement-code address to its original one;
+    ``sp_offset(ip)`` is rsp at a sampled IP less the original's rsp at the instruction
+    it stands for (0 in original code, None when unknown)."""
 
     def __init__(self, module_at: Callable[[int], Module],
                  attribute: Callable[[int], int] = lambda a: a,
-                 max_depth: int = MAX_DEPTH) -> None:
+                 max_depth: int = MAX_DEPTH, *,
+                 sp_offset: Callable[[int], int | None] = lambda a: 0) -> None:
         self.module_at = module_at
         self.attribute = attribute
+        self.sp_offset = sp_offset
         self.max_depth = max_depth
         self._tables: dict[tuple[str, int], object] = {}
         self._fp: dict[str, bool] = {}
@@ -194,6 +201,10 @@ class Unwinder:
         raws: list[int] = []          # the raw return addresses found, for the chain
         pc, sp, bp = s.ip, s.sp, s.bp
         used_fp = False
+        moved = self.sp_offset(s.ip)
+        if moved is None:             # inside a translation whose rsp is not known
+            return Unwound((self.attribute(s.ip),), True, "cfi")
+        sp -= moved
         while len(frames) < self.max_depth:
             look = pc if not frames else pc - 1
             orig = self.attribute(look)
@@ -201,7 +212,9 @@ class Unwinder:
             mod = self._module(orig)
             row = self._row(mod, orig) if mod is not None else None
             if row is not None:
-                step = self._cfi_step(row, pc, sp, bp, read)
+                # a rip-relative CFA (the PLT's) reads the original's rip
+                rip = pc if orig == look else orig
+                step = self._cfi_step(row, rip, sp, bp, read)
                 if step is _Step.END:
                     return Unwound(tuple(frames), False, "mixed" if used_fp else "cfi")
                 self.stats["cfi_frames"] += step is not None
