@@ -91,6 +91,16 @@ def test_thread_inside_quarantined_code_blocks_reuse(client_conn):
     assert space.census_done(clean) == 1
 
 
+def test_chunks_start_on_64_byte_lines(client_conn):
+    """Same code, same place within cache lines: every chunk starts a 64-byte line,
+    whatever the sizes asked before it (and after space is freed and reused)."""
+    _, client, conn, sites = client_conn
+    space = CodeSpace(conn, quarantine_s=0.0, clock=Clock())
+    chunks = [space.allocate(n, [sites[0]]) for n in (17, 100, 1, 64, 65)]
+    assert all(c.addr % 64 == 0 and c.size % 64 == 0 for c in chunks), chunks
+    assert len({c.addr for c in chunks}) == len(chunks)
+
+
 def test_map_change_invalidates_affected_regions_only(client_conn):
     _, client, conn, sites = client_conn
     inst = Installer(conn, lambda a, n: read_mem(client.pid, a, n))
@@ -123,9 +133,11 @@ def test_refused_sites_leave_region_failed_and_space_released(client_conn):
 def test_code_that_does_not_fit_its_chunk_is_refused(client_conn):
     _, client, conn, sites = client_conn
     inst = Installer(conn, lambda a, n: read_mem(client.pid, a, n))
-    chunk = inst.reserve(16, reach=[sites[0]])
+    chunk = inst.reserve(16, reach=[sites[0]])       # rounded up to a 64-byte line
+    n = chunk.size // 16 + 1                          # stub_gen: 16 bytes a site
+    assert len(sites) >= n
     with pytest.raises(CodegenError):
-        inst.install(chunk, stub_gen(chunk.addr, sites[:3]))
+        inst.install(chunk, stub_gen(chunk.addr, sites[:n]))
     with pytest.raises(CodegenError):
         inst.reserve(64, reach=[sites[0], sites[0] + (3 << 30)])
     assert read_mem(client.pid, sites[0], 6) == SITE_INSN

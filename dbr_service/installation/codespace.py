@@ -24,7 +24,10 @@ from dbr_service.wire.agentconn import AgentConnection, CodeBufferHandle
 from dbr_service.common.errors import AgentError, CodegenError
 
 REL32 = (1 << 31) - 1
-ALIGN = 16
+#: Chunks start on a 64-byte line: a region's code then sits at the same offsets within
+#: cache lines (and fetch blocks) wherever it is placed, so two copies of the same code
+#: run alike; the loop heads' alignment inside the code is codegen/layout.py's.
+ALIGN = 64
 
 
 @dataclass
