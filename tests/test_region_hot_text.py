@@ -73,7 +73,7 @@ def test_backward_and_forward_short_branches():
     assert not ix.may_branch_into(0x1040, 0x1044)
 
 
-def test_a_file_that_is_no_elf_or_a_symlink_is_refused(tmp_path, exe):
+def test_a_file_that_is_no_elf_a_symlink_or_a_fifo_is_refused(tmp_path, exe):
     junk = tmp_path / "junk"
     junk.write_bytes(b"not an ELF file" * 10)
     with pytest.raises(BranchIndexError, match="not an ELF64"):
@@ -82,6 +82,10 @@ def test_a_file_that_is_no_elf_or_a_symlink_is_refused(tmp_path, exe):
     os.symlink(exe, link)
     with pytest.raises(BranchIndexError):
         index_of(str(link))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(BranchIndexError, match="not a regular file"):
+        index_of(str(fifo))                 # neither blocks nor reads
     with pytest.raises(BranchIndexError):
         exec_segments(b"\x7fELF" + b"\x02\x01" + b"\x00" * 26 + (1 << 40).to_bytes(8, "little")
                       + b"\x00" * 14 + b"\x38\x00\x05\x00" + b"\x00" * 6)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import os
 import re
+import stat
 import struct
 import threading
 from array import array
@@ -102,12 +103,14 @@ _LOCK = threading.Lock()
 def index_of(path: str) -> BranchIndex:
     """The index of the module file ``path`` (cached per file identity, a few files);
     raises BranchIndexError when it cannot be made."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:      # a path a client maps: no symlink, no FIFO or device to block on
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise BranchIndexError(f"{path}: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BranchIndexError(f"{path}: not a regular file")
         key = (path, st.st_dev, st.st_ino, st.st_mtime_ns)
         with _LOCK:
             got = _CACHE.get(key)
