@@ -146,11 +146,12 @@ def _entry_sites(sr: SuperRegion, functions: Container[int] | None) -> dict[Node
 
 def choose_patch_blocks(sr: SuperRegion, counters: Counter | None = None, *,
                         patchable: Callable[[NodeKey], bool] | None = None,
-                        prefer: Callable[[NodeKey], bool] | None = None) -> list[NodeKey]:
+                        prefer: Callable[[NodeKey], bool] | None = None,
+                        doors: Callable[[NodeKey], bool] | None = None) -> list[NodeKey]:
     """The blocks to patch (before splitting), in selection order; ``patchable``
     (default :func:`is_patchable`) says which blocks may hold a patch; the fallback
     patch of an SR without a loop to cover is the first ``prefer`` block if any, and
-    every ``prefer`` block original code still reaches is patched too."""
+    every ``doors`` block original code still reaches is patched too."""
     counters = counters if counters is not None else Counter()
     if patchable is None:
         def patchable(b: NodeKey) -> bool:
@@ -190,9 +191,9 @@ def choose_patch_blocks(sr: SuperRegion, counters: Counter | None = None, *,
         if first is not None:
             P.append(first)
             counters["fallback-patches"] += 1
-    if prefer is not None:       # every other door original code still comes in by
+    if doors is not None:        # every other door original code still comes in by
         for b in order:
-            if prefer(b) and b not in P and patchable(b) and \
+            if doors(b) and b not in P and patchable(b) and \
                     b in cov.state(frozenset(P))[0]:
                 P.append(b)
                 counters["entry-patches"] += 1
@@ -264,9 +265,11 @@ def select_patch_points(sr: SuperRegion, counters: Counter | None = None, *,
 
     ``functions``: the known function entries (default ``sr.info["function_entries"]``,
     if any), for entry sites; without them (or with ``entry_sites`` False) there are
-    none.  ``prefer_entries`` (hot text): every known function entry of the SR that
-    original code still reaches is patched as well (an SR with no loop to cover at its
-    first such entry), so that each can be a hot function (region/prune.py)."""
+    none.  ``prefer_entries`` (hot text): every known function entry of the SR, and
+    every block it was entered at, that original code still reaches is patched as well
+    (an SR with no loop to cover at its first function entry), so that each function
+    can be a hot function (region/prune.py) and a call that leaves the copy (through a
+    pointer to an unknown callee) returns into it."""
     counters = counters if counters is not None else Counter()
     if functions is None:
         functions = sr.info.get("function_entries")        # type: ignore[assignment]
@@ -275,9 +278,14 @@ def select_patch_points(sr: SuperRegion, counters: Counter | None = None, *,
         return b in esites or (not isinstance(b, CloneKey) and functions is not None
                                and sr.block(b).start in functions)
 
+    # hot text's doors: function entries, and where original code comes back into the
+    # SR (after a call that leaves it: a pointer call of unknown target returns there)
+    entered = set(sr.g.successors(START)) if prefer_entries else set()
     P = choose_patch_blocks(sr, counters,
                             patchable=lambda b: b in esites or is_patchable(sr, b),
-                            prefer=at_entry if prefer_entries else None)
+                            prefer=at_entry if prefer_entries else None,
+                            doors=(lambda b: b in entered or at_entry(b))
+                            if prefer_entries else None)
     if not P:
         if transfer_only and sr.entry_edges():
             counters["transfer-only"] += 1
