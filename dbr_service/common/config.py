@@ -106,7 +106,8 @@ class Config:
         "the client's samples is a hot function, hottest first up to hot_text_max_bytes "
         "of copied code; discovery also starts at the entries of the functions holding "
         "samples, which are patched there, as entry sites where need be (a site into "
-        "whose bytes 1-4 a direct branch anywhere in its module may lead is refused); "
+        "whose bytes 1-4 a direct branch anywhere in its module may lead is refused), "
+        "and where a call that leaves a copy returns to; "
         "selection sees the last 24 snapshots instead of 4, first jobs have no block "
         "bound"))
     hot_text_min_share: float = field(default=0.0005, metadata=_doc(
