@@ -202,3 +202,27 @@ def _calls(exe: Path, lo: int, hi: int) -> list[tuple[int, str]]:
                          capture_output=True, text=True, check=True).stdout
     return [(int(ln.split(":")[0], 16), ln.split("\t")[2]) for ln in dis.splitlines()
             if ln.startswith("  ") and len(ln.split("\t")) >= 3 and "call" in ln.split("\t")[2]]
+
+
+def test_analyze_with_hot_text_patches_a_pointer_called_function_at_its_entry(exe, tmp_path):
+    """`dbr analyze -o hot_text=true` selects as the service does: samples on every
+    instruction of mixa but its first make one region entered at mixa's first byte
+    (an entry site: its first instruction is shorter than 5 bytes), though no direct
+    call names it and a sampled IP lies inside its first 5 bytes."""
+    import sys
+
+    lo, hi = symbols(exe)["mixa"]
+    insns = _insns(exe, lo, hi)
+    assert insns[1] - lo < 5, "mixa's first instruction is shorter than 5 bytes"
+    samples = tmp_path / "s.txt"
+    samples.write_text("".join(f"{a:#x} 40\n" for a in insns[1:]))
+    cmd = [sys.executable, "-m", "dbr_service.commands.cli", "analyze", str(exe),
+           "--samples", str(samples), "-o", "function_threshold=10", "-o",
+           "hot_threshold=1e9"]
+    on = subprocess.run(cmd + ["-o", "hot_text=true"], capture_output=True, text=True,
+                        timeout=120)
+    assert on.returncode == 0, on.stderr
+    assert f"entries [{lo:#x} (mixa)]" in on.stdout, on.stdout
+    off = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert off.returncode == 0, off.stderr
+    assert f"{lo:#x} (mixa)]" not in off.stdout, off.stdout

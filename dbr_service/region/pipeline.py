@@ -50,8 +50,9 @@ class RegionConfig:
     #: A region needs at least this many bytes of body code (clones included).
     min_region_size: int = 16
     #: Whole-program hot text: discovery also starts at the entry of every function
-    #: holding a sample (region/functions.py, FunctionEntries.function_start), and the
-    #: hot functions kept are the hottest up to ``hot_text_max_bytes`` of body code.
+    #: holding a sample (region/functions.py, FunctionEntries.count_samples), entry
+    #: sites are on, and the hot functions kept are the hottest up to
+    #: ``hot_text_max_bytes`` of body code.
     hot_text: bool = False
     hot_text_max_bytes: int = 262144
     #: Inlining: growth allowed per SR as a ratio of its body bytes (1.0 = double).
@@ -245,7 +246,8 @@ class PatchPointSelectionPass(RegionPass):
     def run_region(self, sr, ctx):
         return [sr] if patchpoints.select_patch_points(
             sr, self.counters, transfer_only=ctx.config.transfer_only,
-            entry_sites=ctx.config.entry_sites, prefer_entries=ctx.config.hot_text) else []
+            entry_sites=ctx.config.entry_sites or ctx.config.hot_text,
+            prefer_entries=ctx.config.hot_text) else []
 
 
 class PruneCodePass(RegionPass):
