@@ -154,6 +154,8 @@ def summarize_report(data: dict) -> dict:
                                         sum(c.get("patches_installed", 0) or 0 for c in clients)),
         "patches_removed": sum(c.get("patches_removed", 0) or 0 for c in clients),
         "regions_installed": totals.get("regions_installed"),
+        "functions_copied": totals.get("functions_copied"),
+        "function_entries_went_live": totals.get("function_entries_went_live"),
         "code_bytes": sum(r.get("code_bytes", 0) or 0 for r in regions),
         "code_bytes_installed": sum(r.get("code_bytes", 0) or 0 for r in regions
                                     if r.get("state") == "installed"),

@@ -8,7 +8,8 @@ Needs an interpreter with the `test` package (Debian's python3 has none without
 libpython3-testsuite); the first of this venv's base interpreter, `python3` on PATH
 and pyenv's versions that has one is used, else the test skips saying so.  The same
 tests are run natively first: a failure there is the machine's, and skips.  Long
-(`make test-long`): about 12 s natively, a few times that under dbr.
+(`make test-long`): about 12 s natively, a few times that under dbr.  Run again with
+`-o hot_text=true` (every function holding 0.05 % of the samples copied).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def _interpreter() -> str | None:
 
 
 @pytest.mark.long
-def test_cpython_regrtest_under_dbr_with_real_calls(tmp_path):
+@pytest.mark.parametrize("hot_text", [False, True], ids=["default", "hot_text"])
+def test_cpython_regrtest_under_dbr_with_real_calls(hot_text, tmp_path):
     py = _interpreter()
     if py is None:
         pytest.skip("no interpreter on this machine has CPython's `test` package with "
@@ -68,7 +70,8 @@ def test_cpython_regrtest_under_dbr_with_real_calls(tmp_path):
     report = tmp_path / "report.json"
     t0 = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "dbr_service.commands.cli", "run", "--embedded",
-                          "--aggressive", "-o", "real_calls=true", "--report", str(report),
+                          "--aggressive", "-o", "real_calls=true",
+                          *(["-o", "hot_text=true"] if hot_text else []), "--report", str(report),
                           "--", *argv], capture_output=True, timeout=3600, cwd=tmp_path)
     dbr_s = time.monotonic() - t0
     out = run.stdout.decode(errors="replace")
@@ -85,4 +88,5 @@ def test_cpython_regrtest_under_dbr_with_real_calls(tmp_path):
           f"{rep['totals']['patches_installed']} patches, {len(live)} regions went live, "
           f"{len(calling)} with real calls "
           f"({sum(r['info']['real_calls'] for r in calling)} calls), "
-          f"{len(refused)} gave them up")
+          f"{len(refused)} gave them up; {rep['totals']['function_entries_went_live']} hot "
+          f"functions' entries, {rep['totals']['functions_copied']} functions copied")

@@ -354,6 +354,13 @@ def test_samples_and_regions_of_a_session_become_module_offsets():
     hot = module_hot_text([rec, cold], maps, params)
     assert hot == {m.path: [HotRegion([EntrySite(off, b"\xb8\x27\x00\x00\x00")],
                                       [(off, off + 40)], params)]}
+    # a region that copies code of another module too is left out, not stored with
+    # an offset beyond the module (the whole run's record would be refused)
+    other = next(x for x in maps if x.path != m.path and x.path.startswith("/")
+                 and x.lo > m.hi)                  # above it: a positive offset
+    both = RegionRecord("r3", m.path, [addr], 3, 40, RegionState.INSTALLED, sites=[site],
+                        orig_ranges=[(addr, addr + 40), (other.lo, other.lo + 16)])
+    assert module_hot_text([rec, both], maps, params) == hot
 
 
 def test_a_recorded_session_round_trips_through_the_store(tmp_path):

@@ -279,7 +279,7 @@ def _session(monkeypatch):
     s = ClientSession.__new__(ClientSession)
     s.pid, s.lock, s.installer = 1, threading.RLock(), _Installer()
     s.speed_check, s.slow_ranges, s.region_book = None, [], RegionBook(s.lock)
-    s.speed_points = s.counter_space = None
+    s.speed_points = s.counter_space = s.install_after_check = None
     s.speed_checks, s.cadence, s.patches_removed = collections.deque(maxlen=16), SessionCadence(), 0
     s.service = types.SimpleNamespace(events=types.SimpleNamespace(publish=lambda *a, **k: None))
     monkeypatch.setattr(s, "_write_perf_map", lambda: None)
@@ -359,3 +359,25 @@ def test_a_map_change_over_a_counter_buffer_takes_the_counting_code_out(monkeypa
     assert s.counter_space.buffers == []
     assert s.speed_checks[-1]["verdict"] == "abandoned"
     assert "counter buffer" in s.speed_checks[-1]["why"]
+
+
+def test_a_selection_made_during_a_check_is_installed_when_it_ends(monkeypatch):
+    """A job's result that arrives while a check runs is not installed then (no region
+    goes live during a check), nor dropped: it is installed when the check ends."""
+    s = _session(monkeypatch)
+    s.region_book.operator_hold_all = True       # install_selected stops before any work
+    calls = []
+    real = ClientSession.install_selected
+
+    def spy(self, srs, ids):
+        calls.append((list(srs), list(ids), self.speed_check is None))
+        return real(self, srs, ids)
+
+    monkeypatch.setattr(ClientSession, "install_selected", spy)
+    s.speed_check = SpeedCheck([1, 2], ["r1", "r2"], pairs=2, phase_s=0.5, margin=0.03)
+    assert s.install_selected(["sr9"], ["r9"]) == 0
+    assert s.install_after_check == (["sr9"], ["r9"])
+    s.speed_check.stop("unmeasurable", "a 0.5 s phase saw 0 bytes of I/O")
+    s._speed_finish()
+    assert calls[-1] == (["sr9"], ["r9"], True)            # again, once the check ended
+    assert s.install_after_check is None

@@ -10,13 +10,14 @@ from typing import Any
 from bench import stats
 
 RATIO_CONFIGS = ["dbr-default", "dbr-aggressive", "dbr-nocalls", "dbr-aggressive-nocalls",
-                 "dbr-nofunctions", "bolt", "pgo"]
+                 "dbr-nofunctions", "dbr-aggressive-hottext", "bolt", "pgo"]
 DBR = ("dbr-default", "dbr-aggressive", "dbr-nocalls", "dbr-aggressive-nocalls",
-       "dbr-nofunctions")
+       "dbr-nofunctions", "dbr-aggressive-hottext")
 LABEL = {"dbr-default": "dbr default", "dbr-aggressive": "dbr --aggressive",
          "dbr-nocalls": "dbr default, no real calls",
          "dbr-aggressive-nocalls": "dbr --aggressive, no real calls",
-         "dbr-nofunctions": "dbr default, no hot functions", "bolt": "BOLT",
+         "dbr-nofunctions": "dbr default, no hot functions",
+         "dbr-aggressive-hottext": "dbr --aggressive, hot text", "bolt": "BOLT",
          "pgo": "gcc PGO"}
 #: Configurations older results files hold without naming them.
 _LEGACY = ["dbr-default", "dbr-aggressive", "bolt", "pgo"]
@@ -356,7 +357,8 @@ def plots(data: dict, outdir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(9, 4.5))
         colors = {"native": "black", "dbr-default": "tab:blue", "dbr-aggressive": "tab:orange",
                   "dbr-nocalls": "tab:cyan", "dbr-aggressive-nocalls": "tab:brown",
-                  "dbr-nofunctions": "tab:purple", "bolt": "tab:green", "pgo": "tab:red"}
+                  "dbr-nofunctions": "tab:purple", "dbr-aggressive-hottext": "tab:olive",
+                  "bolt": "tab:green", "pgo": "tab:red"}
         seen = set()
         for r in w["runs"]:
             sl = [s for s in r.get("slices") or [] if s.get("rps")]

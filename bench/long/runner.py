@@ -20,7 +20,7 @@ from bench.long import bolt, tools
 from bench.long.workloads import Ctx, Prepared
 
 CONFIGS = ["native", "dbr-default", "dbr-aggressive", "dbr-nocalls", "dbr-aggressive-nocalls",
-           "dbr-nofunctions", "bolt", "pgo"]
+           "dbr-nofunctions", "dbr-aggressive-hottext", "bolt", "pgo"]
 #: What runs unless --configs says otherwise; the -nocalls pair is for A/B of real calls,
 #: -nofunctions for A/B of hot functions.
 DEFAULT_CONFIGS = ["native", "dbr-default", "dbr-aggressive", "bolt", "pgo"]
@@ -33,6 +33,8 @@ CONFIG_WHAT = {
     "dbr-aggressive-nocalls": "dbr --aggressive with `-o real_calls=false`",
     "dbr-nofunctions": "dbr default with `-o hot_function_threshold=0` (regions need a hot "
                        "loop)",
+    "dbr-aggressive-hottext": "dbr --aggressive with `-o hot_text=true` (every function "
+                              "holding hot_text_min_share of the samples copied)",
     "bolt": "llvm-bolt-19 -reorder-blocks=ext-tsp -reorder-functions=cdsort -split-functions "
             "-split-all-cold, profile from perf record -e cpu-clock + perf2bolt -nl",
     "pgo": "gcc -fprofile-generate, training run, -fprofile-use (programs the bench builds)",
@@ -40,7 +42,8 @@ CONFIG_WHAT = {
 DBR_CONFIGS = {"dbr-default": [], "dbr-aggressive": ["--aggressive"],
                "dbr-nocalls": ["-o", "real_calls=false"],
                "dbr-aggressive-nocalls": ["--aggressive", "-o", "real_calls=false"],
-               "dbr-nofunctions": ["-o", "hot_function_threshold=0"]}
+               "dbr-nofunctions": ["-o", "hot_function_threshold=0"],
+               "dbr-aggressive-hottext": ["--aggressive", "-o", "hot_text=true"]}
 
 
 # ------------------------------------------------------------------ host services

@@ -31,6 +31,15 @@ def run_report(program: list[str], exit_code: int, wall_s: float,
         "threads_evicted": sum(c.get("threads_evicted", 0) for c in clients),
         "regions_installed": sum(1 for c in clients for r in c["regions"]
                                  if r["state"] == INSTALLED),
+        # hot functions' entries patched in regions that went live (region/prune.py,
+        # info["functions"]), and the distinct functions (by FDE start) whose code
+        # those regions copy, inlined callees included (info["function_starts"])
+        "function_entries_went_live": sum(
+            r.get("info", {}).get("functions", 0) for c in clients for r in c["regions"]
+            if "install_id" in r.get("info", {})),
+        "functions_copied": sum(len({
+            f for r in c["regions"] if "install_id" in r.get("info", {})
+            for f in r["info"].get("function_starts", ())}) for c in clients),
         "service_cpu_s": round(sum(c.get("service_cpu_s") or 0.0 for c in clients), 3),
         "client_cpu_s": round(sum(c.get("client_cpu_s") or 0.0 for c in clients), 3),
         "deferred_by_budget": sum(c.get("deferred_by_budget") or 0 for c in clients),

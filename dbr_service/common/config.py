@@ -101,6 +101,22 @@ class Config:
         "fraction of a client's samples a function patched at its entry needs to be "
         "kept as a region without a hot loop (its hot blocks copied, calling other "
         "copies for real); 0: regions need a hot loop", min=0.0, max=1.0))
+    hot_text: bool = field(default=False, metadata=_doc(
+        "whole-program hot text: every function whose blocks hold hot_text_min_share of "
+        "the client's samples is a hot function, hottest first up to hot_text_max_bytes "
+        "of copied code; discovery also starts at the entries of the functions holding "
+        "samples, which are patched there, as entry sites where need be (a site into "
+        "whose bytes 1-4 a direct branch anywhere in its module may lead is refused), "
+        "and where a call that leaves a copy returns to; "
+        "selection sees the last 24 snapshots instead of 4, first jobs have no block "
+        "bound"))
+    hot_text_min_share: float = field(default=0.0005, metadata=_doc(
+        "with hot_text: fraction of a client's samples a function needs to be copied "
+        "(the lower of it and hot_function_threshold applies)", min=0.0, max=1.0))
+    hot_text_max_bytes: int = field(default=262144, metadata=_doc(
+        "with hot_text: most bytes of original code copied as hot functions per job, "
+        "hottest functions first (regions with a hot loop do not count)",
+        min=0, max=1 << 26))
     min_region_size: int = field(default=16, metadata=_doc(
         "super-regions with fewer bytes of original code are dropped", min=0))
     inline: bool = field(default=True, metadata=_doc(

@@ -76,6 +76,12 @@ class JobResults:
                         keep[rid] = RegionRecord(rid, d["module"], d["entries"], d["blocks"],
                                                  d["code_bytes"], dot=d.get("dot"),
                                                  info={"pipeline_id": d["id"]})
+                        if d.get("hot_function"):
+                            keep[rid].info["hot_function"] = True
+                        if d.get("functions"):
+                            keep[rid].info["functions"] = d["functions"]
+                        if d.get("function_starts"):
+                            keep[rid].info["function_starts"] = d["function_starts"]
                 book.regions = keep
             if self.config.patching and res.srs and s.alive and not s.paused:
                 fut = s.post(lambda s=s, srs=res.srs, ids=ids: s.install_selected(srs, ids))

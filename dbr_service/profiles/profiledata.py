@@ -362,7 +362,12 @@ def module_hot_text(records: Iterable[RegionRecord], maps: list[MapEntry],
         if not rec.sites or not rec.module.startswith("/"):
             continue
         base = module_base(maps, rec.module)
-        if not any(m.path == rec.module for m in maps):
+        spans = [(m.lo, m.hi) for m in maps if m.path == rec.module]
+        if not spans:
+            continue
+        # a region that also copies another module's code (a tail jump into a
+        # library) is not the module's alone: left out, not stored as bad offsets
+        if not all(any(a <= lo and hi <= b for a, b in spans) for lo, hi in rec.orig_ranges):
             continue
         entries = [EntrySite(s.site - base, bytes(s.orig[:max(1, min(s.len, 8))]))
                    for s in rec.sites]

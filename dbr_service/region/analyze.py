@@ -381,10 +381,12 @@ def _run(args: argparse.Namespace) -> int:
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     cfg = _load_config(args.options, pipe, sum(samples.ips.values()))
+    functions = function_entries(mem)
+    hot_text = bool(getattr(cfg, "hot_text", False))
     first = hot_code_discovery(samples.ips, mem,
                                jumps_from_hot_limit=cfg.jumps_from_hot_limit,
-                               branch_samples=samples.branches or None)
-    functions = function_entries(mem)
+                               branch_samples=samples.branches or None,
+                               entries=functions.count_samples(samples.ips) if hot_text else ())
     functions.add(call_targets(first))
     first.info["function_entries"] = functions     # entry sites and hot functions
     name = functions.name
@@ -396,6 +398,9 @@ def _run(args: argparse.Namespace) -> int:
         regions = [first]
     else:
         result = pipe.run_pipeline(first, mem, cfg)
+        if hot_text:            # as select_regions: the hottest functions, up to the budget
+            result.regions = pipe.hot_text_budget(result.regions, cfg.hot_text_max_bytes,
+                                                  result.counters.setdefault("prune-code", {}))
         regions = list(result.regions)
         stages = [(stage, list(srs)) for stage, srs in result.stages] or stages
         notes += [f"{f.region_id} dropped by {f.pass_name}: {f.error}"

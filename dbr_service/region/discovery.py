@@ -65,8 +65,10 @@ class HotCodeDiscovery(TransferTargets):
                  jumps_from_hot_limit: int = 2,
                  branch_samples: Mapping[int, Mapping[int, float]] | None = None,
                  patched: Callable[[int], bool] | None = None,
-                 seed_min: float = 0.0, max_blocks: int | None = None) -> None:
+                 seed_min: float = 0.0, max_blocks: int | None = None,
+                 entries: Iterable[int] = ()) -> None:
         self.samples = samples
+        self.entries = sorted(set(entries))
         self.seed_min = seed_min
         self.max_blocks = max_blocks
         self.made = 0                      # blocks made by new_bb (for max_blocks)
@@ -83,6 +85,8 @@ class HotCodeDiscovery(TransferTargets):
     def run(self) -> SuperRegion:
         for addr in self.seeds():
             self.ensure_bb(addr, starts=False, jfh=0)
+        for addr in self.entries:
+            self.ensure_bb(addr, starts=True, jfh=0)
         while True:
             self.stats.rounds += 1
             self.process_work_list()
@@ -395,8 +399,12 @@ class HotCodeDiscovery(TransferTargets):
 
     def _known_to_execute(self) -> tuple[set[Block], set[Block]]:
         blocks = self.blocks()
-        executed = {b for b in blocks if b.samples > 0 and b.first_sampled == b.start}
-        partial = {b for b in blocks if b.samples > 0 and b.first_sampled != b.start}
+        # a function that holds a sample was entered at its entry (hot text's seeds)
+        entries = set(self.entries)
+        executed = {b for b in blocks if (b.samples > 0 and b.first_sampled == b.start)
+                    or b.start in entries}
+        partial = {b for b in blocks if b.samples > 0 and b.first_sampled != b.start
+                   and b.start not in entries}
         work = deque(executed | partial)
         seen = set(work)
         while work:
@@ -463,7 +471,8 @@ def hot_code_discovery(samples: Mapping[int, float], mem: MemoryView, *,
                        jumps_from_hot_limit: int = 2,
                        branch_samples: Mapping[int, Mapping[int, float]] | None = None,
                        patched: Callable[[int], bool] | None = None,
-                       seed_min: float = 0.0, max_blocks: int | None = None) -> SuperRegion:
+                       seed_min: float = 0.0, max_blocks: int | None = None,
+                       entries: Iterable[int] = ()) -> SuperRegion:
     """HOT-CODE-DISCOVERY (patent fig. 10): the first super-region from sample IPs.
 
     ``samples`` maps instruction addresses to sample counts; ``branch_samples``
@@ -475,8 +484,10 @@ def hot_code_discovery(samples: Mapping[int, float], mem: MemoryView, *,
     blocks discovery reaches from those (a cheaper first selection on a flat
     profile).  With ``max_blocks``, no jump is followed once discovery has made
     that many blocks (what is left unexplored leaves the region, as beyond the
-    jumps-from-hot limit).
+    jumps-from-hot limit).  ``entries``: function entries to start blocks at as well
+    (hot text: the entries of the functions holding samples), taken as executed.
     """
     return HotCodeDiscovery(samples, mem, jumps_from_hot_limit=jumps_from_hot_limit,
                             branch_samples=branch_samples, patched=patched,
-                            seed_min=seed_min, max_blocks=max_blocks).run()
+                            seed_min=seed_min, max_blocks=max_blocks,
+                            entries=entries).run()

@@ -11,6 +11,10 @@ answers ``addr in entries`` (run-time addresses) from
 * the same module's ELF symbol table (``.symtab``, else ``.dynsym``; dbr_service/
   common/symbols.py): a defined function symbol's value.
 
+It also gives the FDE start holding an address (hot text's discovery seeds) and
+whether a direct branch anywhere in a module may land in a range (region/
+branchindex.py), which entry sites must not have in their bytes 1..4.
+
 A look-up that fails (no module file, unreadable CFI) says no.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from dbr_service.codegen.cfi import CfiError
+from dbr_service.region.branchindex import BranchIndexError, index_of
 from dbr_service.region.model import SuperRegion, TermKind
 from dbr_service.common.symbols import symbols_of
 
@@ -36,6 +41,8 @@ class FunctionEntries:
                  module_at: Callable[[int], Any] | None = None) -> None:
         self._addrs = set(addrs)
         self._module_at = module_at
+        #: Samples per function entry (hot text: function_samples); empty otherwise.
+        self.samples: dict[int, float] = {}
 
     def add(self, addrs: Iterable[int]) -> None:
         self._addrs.update(addrs)
@@ -56,6 +63,42 @@ class FunctionEntries:
         if fde is not None and fde.start == link:
             return True
         return link in symbols_of(mod.path).starts()
+
+    def function_start(self, addr: int) -> int | None:
+        """The run-time start of the ``.eh_frame`` FDE holding ``addr``, or None."""
+        if self._module_at is None:
+            return None
+        try:
+            mod = self._module_at(addr)
+        except (CfiError, OSError):
+            return None
+        fde = mod.eh.find(addr - mod.bias)
+        return None if fde is None else fde.start + mod.bias
+
+    def count_samples(self, samples: Any, seed_min: float = 0.0) -> list[int]:
+        """Sum ``samples`` ({ip: count}) per function (``self.samples``, by FDE start);
+        return the entries of the functions holding an IP with at least ``seed_min``."""
+        self.samples = {}
+        seeds = set()
+        for ip, n in samples.items():
+            start = self.function_start(ip) if n > 0 else None
+            if start is not None:
+                self.samples[start] = self.samples.get(start, 0.0) + n
+                if n >= seed_min:
+                    seeds.add(start)
+        return sorted(seeds)
+
+    def may_branch_into(self, lo: int, hi: int) -> bool:
+        """Whether a direct branch anywhere in the module holding ``lo`` may land in
+        [lo, hi) (region/branchindex.py); True when that cannot be known.  Without a
+        module look-up only what discovery decoded is known: False."""
+        if self._module_at is None:
+            return False
+        try:
+            mod = self._module_at(lo)
+            return index_of(mod.path).may_branch_into(lo - mod.bias, hi - mod.bias)
+        except (CfiError, OSError, BranchIndexError):
+            return True
 
     def name(self, addr: int) -> str | None:
         """``func+0x12`` for a run-time address: the module's symbol holding it, else

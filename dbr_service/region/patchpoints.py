@@ -42,12 +42,14 @@ may be patched at its start when its first k instructions together span at least
 bytes and nothing known branches into bytes 1..4: no other block starts or
 overlaps there, and no block's branch target, fall-through or exit lies there
 (discovery splits a block at every target it knows, so such a target would also
-have cut the entry block short).  Never in a clone, never an unpatchable block.  The
-site is then the block start, unsplit; ``sr.info["entry_sites"]`` maps it to its
-inner instruction boundaries (addresses), which go to the agent with the patch
-(SITE_F_ENTRY): the agent installs it with the int3 protocol once its census finds
-no thread inside.  An entry site is preferred to splitting the block before a later
-5-byte instruction: it catches every call at the door.
+have cut the entry block short), nor may any direct branch of the whole module
+(``functions.may_branch_into``, region/branchindex.py, where ``functions`` has it).
+Never in a clone, never an unpatchable block.  The site is then the block start,
+unsplit; ``sr.info["entry_sites"]`` maps it to its inner instruction boundaries
+(addresses), which go to the agent with the patch (SITE_F_ENTRY): the agent
+installs it with the int3 protocol once its census finds no thread inside.  An entry
+site is preferred to splitting the block before a later 5-byte instruction: it catches
+every call at the door.
 """
 
 from __future__ import annotations
@@ -125,6 +127,9 @@ def entry_site_inner(sr: SuperRegion, k: NodeKey,
     for _, exits in sr.exit_edges():
         if any(lo <= t < hi for t in exits):
             return None
+    may_branch_into = getattr(functions, "may_branch_into", None)
+    if may_branch_into is not None and may_branch_into(lo, hi):
+        return None                  # code discovery never decoded may branch there
     return inner
 
 
@@ -140,9 +145,13 @@ def _entry_sites(sr: SuperRegion, functions: Container[int] | None) -> dict[Node
 
 
 def choose_patch_blocks(sr: SuperRegion, counters: Counter | None = None, *,
-                        patchable: Callable[[NodeKey], bool] | None = None) -> list[NodeKey]:
+                        patchable: Callable[[NodeKey], bool] | None = None,
+                        prefer: Callable[[NodeKey], bool] | None = None,
+                        doors: Callable[[NodeKey], bool] | None = None) -> list[NodeKey]:
     """The blocks to patch (before splitting), in selection order; ``patchable``
-    (default :func:`is_patchable`) says which blocks may hold a patch."""
+    (default :func:`is_patchable`) says which blocks may hold a patch; the fallback
+    patch of an SR without a loop to cover is the first ``prefer`` block if any, and
+    every ``doors`` block original code still reaches is patched too."""
     counters = counters if counters is not None else Counter()
     if patchable is None:
         def patchable(b: NodeKey) -> bool:
@@ -175,10 +184,19 @@ def choose_patch_blocks(sr: SuperRegion, counters: Counter | None = None, *,
             P.remove(p)
             counters["minimised-away"] += 1
     if not P:
-        first = next((b for b in order if patchable(b)), None)
+        first = next((b for b in order if prefer is not None and prefer(b) and patchable(b)),
+                     None)
+        if first is None:
+            first = next((b for b in order if patchable(b)), None)
         if first is not None:
             P.append(first)
             counters["fallback-patches"] += 1
+    if doors is not None:        # every other door original code still comes in by
+        for b in order:
+            if doors(b) and b not in P and patchable(b) and \
+                    b in cov.state(frozenset(P))[0]:
+                P.append(b)
+                counters["entry-patches"] += 1
     counters["uncovered-loop-blocks"] += len(base)
     return P
 
@@ -237,7 +255,7 @@ def _entry_inflow(sr: SuperRegion, P: list[NodeKey]) -> dict[NodeKey, float]:
 def select_patch_points(sr: SuperRegion, counters: Counter | None = None, *,
                         transfer_only: bool = False,
                         functions: Container[int] | None = None,
-                        entry_sites: bool = True) -> bool:
+                        entry_sites: bool = True, prefer_entries: bool = False) -> bool:
     """PATCH-POINT-SELECTION on one SR.  Returns False when the SR has no
     patchable block at all (the caller drops it) -- unless ``transfer_only``: then
     the SR is kept with its entry edges as they are, marked
@@ -247,13 +265,27 @@ def select_patch_points(sr: SuperRegion, counters: Counter | None = None, *,
 
     ``functions``: the known function entries (default ``sr.info["function_entries"]``,
     if any), for entry sites; without them (or with ``entry_sites`` False) there are
-    none."""
+    none.  ``prefer_entries`` (hot text): every known function entry of the SR, and
+    every block it was entered at, that original code still reaches is patched as well
+    (an SR with no loop to cover at its first function entry), so that each function
+    can be a hot function (region/prune.py) and a call that leaves the copy (through a
+    pointer to an unknown callee) returns into it."""
     counters = counters if counters is not None else Counter()
     if functions is None:
         functions = sr.info.get("function_entries")        # type: ignore[assignment]
     esites = _entry_sites(sr, functions) if entry_sites else {}
+    def at_entry(b: NodeKey) -> bool:
+        return b in esites or (not isinstance(b, CloneKey) and functions is not None
+                               and sr.block(b).start in functions)
+
+    # hot text's doors: function entries, and where original code comes back into the
+    # SR (after a call that leaves it: a pointer call of unknown target returns there)
+    entered = set(sr.g.successors(START)) if prefer_entries else set()
     P = choose_patch_blocks(sr, counters,
-                            patchable=lambda b: b in esites or is_patchable(sr, b))
+                            patchable=lambda b: b in esites or is_patchable(sr, b),
+                            prefer=at_entry if prefer_entries else None,
+                            doors=(lambda b: b in entered or at_entry(b))
+                            if prefer_entries else None)
     if not P:
         if transfer_only and sr.entry_edges():
             counters["transfer-only"] += 1

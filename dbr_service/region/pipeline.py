@@ -49,6 +49,12 @@ class RegionConfig:
     function_threshold: float | None = None
     #: A region needs at least this many bytes of body code (clones included).
     min_region_size: int = 16
+    #: Whole-program hot text: discovery also starts at the entry of every function
+    #: holding a sample (region/functions.py, FunctionEntries.count_samples), entry
+    #: sites are on, and the hot functions kept are the hottest up to
+    #: ``hot_text_max_bytes`` of body code.
+    hot_text: bool = False
+    hot_text_max_bytes: int = 262144
     #: Inlining: growth allowed per SR as a ratio of its body bytes (1.0 = double).
     inline_budget: float = 1.0
     #: Indirect jumps with more known targets than this exit (no compare cascade).
@@ -240,7 +246,8 @@ class PatchPointSelectionPass(RegionPass):
     def run_region(self, sr, ctx):
         return [sr] if patchpoints.select_patch_points(
             sr, self.counters, transfer_only=ctx.config.transfer_only,
-            entry_sites=ctx.config.entry_sites) else []
+            entry_sites=ctx.config.entry_sites or ctx.config.hot_text,
+            prefer_entries=ctx.config.hot_text) else []
 
 
 class PruneCodePass(RegionPass):
@@ -314,10 +321,13 @@ def select_regions(samples: Any, mem: Any, config: RegionConfig, *, branch_sampl
     from dbr_service.region.discovery import hot_code_discovery  # written alongside
 
     t0 = time.perf_counter()
+    extra = {}
+    if config.hot_text and functions is not None:
+        extra["entries"] = functions.count_samples(samples, config.seed_min_samples)
     first = hot_code_discovery(samples, mem, jumps_from_hot_limit=config.jumps_from_hot_limit,
                                branch_samples=branch_samples, patched=patched,
                                seed_min=config.seed_min_samples,
-                               max_blocks=config.max_discovery_blocks)
+                               max_blocks=config.max_discovery_blocks, **extra)
     if functions is not None:
         from dbr_service.region.functions import call_targets
 
@@ -325,10 +335,32 @@ def select_regions(samples: Any, mem: Any, config: RegionConfig, *, branch_sampl
         first.info["function_entries"] = functions
     took = time.perf_counter() - t0
     res = run_pipeline(first, mem, config, patched=patched)
+    if config.hot_text:
+        res.regions = hot_text_budget(res.regions, config.hot_text_max_bytes,
+                                      res.counters.setdefault("prune-code", {}))
     for sr in res.regions:
         sr.info.pop("function_entries", None)   # holds the worker's file look-ups
     res.timings = {"hot-code-discovery": took, **res.timings}
     return res
+
+
+def hot_text_budget(regions: list[SuperRegion], max_bytes: int,
+                    counters: dict[str, int]) -> list[SuperRegion]:
+    """Hot functions, hottest (most samples) first, while their body bytes stay within
+    ``max_bytes``; regions kept for a hot loop are not counted and always stay."""
+    hot = sorted((sr for sr in regions if sr.info.get("hot_function")),
+                 key=lambda sr: (-sum(bb.samples for _, bb in sr.blocks()), sr.id))
+    drop: set[str] = set()
+    used = 0
+    for sr in hot:
+        size = sum(bb.size for _, bb in sr.blocks())
+        if used + size > max_bytes:
+            drop.add(sr.id)
+        else:
+            used += size
+    counters["hot-text-bytes"] = used
+    counters["dropped-over-hot-text-budget"] = len(drop)
+    return [sr for sr in regions if sr.id not in drop]
 
 
 # ---- manager internals ---------------------------------------------------------------

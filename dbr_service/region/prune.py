@@ -20,12 +20,17 @@ hot text.  An SR patched at a known function entry (``sr.info["function_entries"
 whose blocks hold at least ``function_threshold`` samples is a *hot function*: its
 cold tails are the blocks below FUNCTION_TAIL_SHARE of its hottest block's count
 (instead of ``hot_threshold``), and a part that keeps the function entry's patch
-point is kept without a hot loop (``info["hot_function"]``).
+point is kept without a hot loop (``info["hot_function"]``).  ``info["functions"]``
+counts the hot functions' entries among a kept part's patch points.  With hot text
+(region/functions.py, ``FunctionEntries.samples``) a function's samples are counted
+over the whole function, wherever its blocks' SRs lie, and a part patched only where
+a hot function's call that leaves the copy returns (no entry of its own) is kept too.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Callable
 
 import networkx as nx
 
@@ -81,12 +86,22 @@ def prune_code(sr: SuperRegion, *, hot_threshold: float, min_loop_trip_count: fl
     counters = counters if counters is not None else Counter()
     counters["unreachable-removed"] += remove_unreachable(sr)
     fn_entries: set[int] = set()
+    in_hot_function: Callable[[int], bool] | None = None
     tail_threshold = hot_threshold
     if function_threshold is not None and not sr.transfer_only:
         blocks = [sr.block(k) for k in sr.body_nodes()]
-        if sum(b.samples for b in blocks) >= function_threshold:
-            fn_entries = set(function_entry_points(sr))
-        if fn_entries:
+        own = sum(b.samples for b in blocks)
+        # hot text counts a function's samples wherever they are (calls it makes
+        # through pointers split it into several SRs): FunctionEntries.samples
+        functions = sr.info.get("function_entries")
+        per_fn = getattr(functions, "samples", None) or {}
+        fn_entries = {e for e in function_entry_points(sr)
+                      if max(own, per_fn.get(e, 0.0)) >= function_threshold}
+        if per_fn:     # hot text: code a hot function's return comes back into too
+            def in_hot_function(p: int) -> bool:
+                return per_fn.get(functions.function_start(p), 0.0) >= function_threshold
+        if fn_entries or (in_hot_function is not None
+                          and any(in_hot_function(p) for p in sr.entry_points())):
             hottest = max(b.count for b in blocks)
             tail_threshold = min(hot_threshold, max(1e-9, FUNCTION_TAIL_SHARE * hottest))
     counters["cold-removed"] += len(remove_cold_tails(sr, tail_threshold))
@@ -103,10 +118,18 @@ def prune_code(sr: SuperRegion, *, hot_threshold: float, min_loop_trip_count: fl
         elif body_bytes(part) < min_region_size:
             counters["dropped-small"] += 1
         elif any(lp.trip_count >= min_loop_trip_count for lp in forest.loops()):
+            if fn_entries & set(part.entry_points()):
+                part.info["functions"] = len(fn_entries & set(part.entry_points()))
             kept.append(part)
         elif fn_entries & set(part.entry_points()):
             part.info["hot_function"] = True
+            part.info["functions"] = len(fn_entries & set(part.entry_points()))
             counters["kept-hot-functions"] += 1
+            kept.append(part)
+        elif in_hot_function is not None and any(map(in_hot_function, part.entry_points())):
+            part.info["hot_function"] = True     # a hot function's code after a call
+            part.info["functions"] = 0           # that leaves its copy (no entry here)
+            counters["kept-hot-function-parts"] += 1
             kept.append(part)
         else:
             counters["dropped-no-hot-loop"] += 1

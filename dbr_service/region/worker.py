@@ -235,15 +235,20 @@ def region_config(cfg: Any, total_samples: int) -> Any:
     fraction of the client's samples here and a sample count in the pipeline."""
     from dbr_service.region.pipeline import RegionConfig
 
+    share = cfg.hot_function_threshold
+    hot_text = cfg.hot_text
+    if hot_text:      # hot text: functions down to the smaller share, at their entries
+        share = min(share, cfg.hot_text_min_share) if share > 0 else cfg.hot_text_min_share
     return RegionConfig(jumps_from_hot_limit=cfg.jumps_from_hot_limit,
                         hot_threshold=max(1.0, cfg.hot_threshold * total_samples),
                         min_loop_trip_count=cfg.min_loop_trip_count,
-                        function_threshold=(max(1.0, cfg.hot_function_threshold * total_samples)
-                                            if cfg.hot_function_threshold > 0 else None),
+                        function_threshold=(max(1.0, share * total_samples)
+                                            if share > 0 else None),
                         min_region_size=cfg.min_region_size, inline=cfg.inline,
                         inline_budget=cfg.inline_budget,
                         transfer_only=cfg.transfer, real_calls=cfg.real_calls,
-                        entry_sites=cfg.entry_sites)
+                        entry_sites=cfg.entry_sites or hot_text, hot_text=hot_text,
+                        hot_text_max_bytes=cfg.hot_text_max_bytes)
 
 
 def select_client_regions(job: ClientJob, cfg: Any
@@ -265,7 +270,8 @@ def select_client_regions(job: ClientJob, cfg: Any
             rcfg = dataclasses.replace(
                 rcfg, jumps_from_hot_limit=min(rcfg.jumps_from_hot_limit, QUICK_REACH),
                 seed_min_samples=0.0 if distinct <= QUICK_ALL_SEEDS_MAX else QUICK_SEED_MIN,
-                max_discovery_blocks=QUICK_MAX_BLOCKS)
+                # hot text wants every function the samples show, not a first loop
+                max_discovery_blocks=None if cfg.hot_text else QUICK_MAX_BLOCKS)
         if job.max_blocks is not None:
             rcfg = dataclasses.replace(rcfg, max_discovery_blocks=min(
                 job.max_blocks, rcfg.max_discovery_blocks or job.max_blocks))
@@ -283,6 +289,11 @@ def select_client_regions(job: ClientJob, cfg: Any
         tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
         return None, f"region selection failed: {tb}", None
     regions = [describe_region(sr, functions.name) for sr in res.regions]
+    for d, sr in zip(regions, res.regions):
+        # the functions whose code the region copies (clones: their callees'), by FDE
+        d["function_starts"] = sorted({f for _, bb in sr.blocks()
+                                       if (f := functions.function_start(bb.start))
+                                       is not None})
     status = f"{len(regions)} region(s) selected"
     if res.failures:
         status += f", {len(res.failures)} dropped by failures ({res.failures[0].error})"
@@ -298,6 +309,8 @@ def describe_region(sr: Any, name: Any = None) -> dict[str, Any]:
             "entries": sorted(int(n) for n, _ in sr.entry_edges() if isinstance(n, int)),
             "transfer_only": sr.transfer_only,
             "blocks": len(blocks), "code_bytes": sum(bb.size for _, bb in blocks),
+            "hot_function": bool(sr.info.get("hot_function")),
+            "functions": sr.info.get("functions", 0),
             "dot": sr.to_dot(sr.id, name)}
 
 

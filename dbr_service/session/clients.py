@@ -95,6 +95,11 @@ class _Notes(collections.deque):
         super().append(safe_text(str(x), NOTE_MAX))
 
 
+#: Snapshots region selection sees with hot text (else 4): a flat profile's functions
+#: of 0.05 % of the samples need a few thousand of them to be seen at all.
+HOT_TEXT_SNAPSHOTS = 24
+
+
 class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks, SessionProbes,
                     SessionCounting, SessionViews):
     """One agent session: the connection, the client's threads, map, samples and regions.
@@ -176,11 +181,16 @@ class ClientSession(SessionSampling, SessionRegions, SessionSpeedChecks, Session
         self.installer: Installer | None = None
         self.evaluator: Evaluator | None = None
         #: Raw sample IPs outside replacement code, one Counter per recent snapshot:
-        #: what region selection sees (old samples of code already optimized fade out).
-        self.recent: collections.deque[collections.Counter[int]] = collections.deque(maxlen=4)
+        #: what region selection sees (old samples of code already optimized fade out);
+        #: hot text, after functions too rare for a few windows, keeps more of them.
+        self.recent: collections.deque[collections.Counter[int]] = collections.deque(
+            maxlen=HOT_TEXT_SNAPSHOTS if service.config.hot_text else 4)
         #: The speed check under way (dbr_service/installation/speedcheck.py), its finished ones,
         #: and original code a region was found slower than: (module, lo, hi).
         self.speed_check: SpeedCheck | None = None
+        #: The last job's selection (SRs, region ids) that came during a speed check:
+        #: installed when the check ends (install_selected).
+        self.install_after_check: tuple[list, list[str]] | None = None
         self.speed_checks: collections.deque[dict[str, Any]] = collections.deque(
             maxlen=SPEED_CHECKS_KEPT)
         self.slow_ranges: list[tuple[str, int, int]] = []

@@ -150,7 +150,10 @@ class SessionRegions:
         by an installed one); regions installed.  One region's failure is recorded;
         the others go on."""
         if self.speed_check is not None:
-            return 0   # not while one is measured: selected again at the next snapshot
+            # not while one is measured: the latest selection waits for its end
+            self.install_after_check = (srs, ids)
+            return 0
+        self.install_after_check = None
         book = self.region_book
         if book.operator_hold_all:
             return 0   # the operator unpatched this client: until `dbr ctl resume`

@@ -249,6 +249,8 @@ class SessionSpeedChecks:
             self.service.events.publish("speed-check", pid=self.pid, **summary)
             self._write_perf_map()
         self.counted_install_waiting()   # regions whose counting ended during the check
+        if self.install_after_check is not None:     # selected during the check
+            self.install_selected(*self.install_after_check)
 
     @staticmethod
     def _abandoned_again(rec: RegionRecord) -> int:
