@@ -36,6 +36,7 @@ from dbr_service.common.errors import DbrError
 from dbr_service.common.procmaps import MapEntry
 from dbr_service.profiles.modkey import ModuleKeyError, module_key
 from dbr_service.profiles.profiledata import HotRegion, ModuleProfile
+from dbr_service.profiles.rebase import rebase
 from dbr_service.region.worker import ClientJob, JobResult, optimize_client
 
 #: The selection thresholds a warm job takes from the hot text it reproduces.
@@ -173,7 +174,7 @@ def prepare(profile: ModuleProfile, path: str, config: Mapping[str, Any]
     res = optimize_client(job)
     if res.regions is None:
         raise DbrError(f"{path}: {res.region_status}")
-    emitted_ahead(res.srs or [], maps)
+    emitted_ahead(res.srs or [], maps, movable=base is not None)
     return maps, res
 
 
@@ -190,14 +191,29 @@ class _FileTarget:
         self.cfi = CfiSource(lambda: ranges)
 
 
-def emitted_ahead(srs: list[Any], maps: list[MapEntry]) -> None:
+def emitted_ahead(srs: list[Any], maps: list[MapEntry], movable: bool = True) -> None:
     """Keep with each region what its emission near its patch sites gives placement
     (installation/optimize.py Provisional), so that a client emits it once, at its
     place; not for a region whose unwind information cannot be made here (its size
-    would be that of a copy without real calls)."""
-    from dbr_service.installation.optimize import provisional
+    would be that of a copy without real calls).  Keep its code too, with the fields
+    that move (installation/keptcode.py), so that a client places it without emitting
+    it; ``movable``: the module is position independent (it moves between processes)."""
+    from dbr_service.installation.keptcode import GAP, keep
+    from dbr_service.installation.optimize import emit_with_frames, provisional
 
     target = _FileTarget(maps)
+    base = (max(m.hi for m in maps) + GAP + 0xFFF) & ~0xFFF
+    shifted: dict[int, tuple[list[MapEntry], _FileTarget]] = {}
+
+    def emit(sr: Any, at: int, shift: int) -> Any:
+        if not shift:
+            return emit_with_frames(target, sr, at)
+        if shift not in shifted:
+            there = [m._replace(lo=m.lo + shift, hi=m.hi + shift) for m in maps]
+            shifted[shift] = (there, _FileTarget(there))
+        there, tgt = shifted[shift]
+        return emit_with_frames(tgt, rebase(sr, maps, there), at)
+
     for sr in srs:
         try:
             pre, why = provisional(target, sr)
@@ -205,6 +221,9 @@ def emitted_ahead(srs: list[Any], maps: list[MapEntry]) -> None:
             continue
         if why is None:
             sr.info["provisional"] = pre
+        kept = keep(sr, base, movable, emit)
+        if kept is not None:
+            sr.info["kept_code"] = kept
 
 
 def merge_results(parts: list[JobResult], session_id: int, pid: int) -> JobResult:
