@@ -254,3 +254,32 @@ def test_a_kept_selection_of_nothing_gives_way_to_one_made_ahead(tmp_path, monke
         assert ws.kept_selection(client) == (None, "")
     finally:
         store.close()
+
+
+def test_a_kept_selection_gives_way_to_one_made_ahead_once_it_is_ready(tmp_path, monkeypatch):
+    """A warm job's selection with a region to patch, kept while the selections ahead
+    were not ready, serves the next process until they are; then they do (their code
+    is kept: no emission) and it is dropped."""
+    from types import SimpleNamespace
+
+    from dbr_service.profiles.warmstart import WarmStart
+
+    store = ProfileStore(tmp_path / "state")
+    try:
+        ws = WarmStart(store, Config())
+        client = SimpleNamespace(build_id="ab" * 20, session_id=7, pid=4242, exe="/bin/x",
+                                 maps=[])
+        ws._pending[client.session_id] = (ws._exe_key(client), [], {})
+        ws.job_done(client.session_id, SimpleNamespace(regions=[{"transfer_only": False}]))
+        live = SimpleNamespace(regions=[{"transfer_only": False}])
+        monkeypatch.setattr(ws, "reused_result", lambda s, key: live if key in ws._results
+                            else None)
+        monkeypatch.setattr(ws, "prepared_result", lambda s: None)
+        assert ws.kept_selection(client) == (live, "warm_selection_reused")
+        ahead = SimpleNamespace(regions=[{"transfer_only": False}])
+        monkeypatch.setattr(ws, "prepared_result", lambda s: ahead)
+        assert ws.kept_selection(client) == (ahead, "warm_selection_prepared")
+        monkeypatch.setattr(ws, "prepared_result", lambda s: None)
+        assert ws.kept_selection(client) == (None, "")
+    finally:
+        store.close()

@@ -295,24 +295,19 @@ class WarmStart:
 
     def kept_selection(self, s: Any) -> tuple[Any, str]:
         """Session thread, when a warm client connects (its map read): a selection to
-        install at once, and the timeline mark that names it: the kept one of its
-        program (reused_result), else those made ahead of its files
-        (prepared_result); (None, "") when there is none."""
+        install at once, and the timeline mark that names it: those made ahead of its
+        files (prepared_result), else the kept one of its program (reused_result);
+        (None, "") when there is none.  A kept selection stood in for those made ahead
+        while they were not ready (its job ran first); once they are, it gives way to
+        them (their code is kept, installation/keptcode.py) and is dropped."""
         key = self._exe_key(s)
-        kept = self._results.get(key) if key else None
-        # a kept selection of nothing gives way to those made ahead once they are
-        # ready (the job that made it may have run before they were)
-        ahead_first = kept is not None and _patchless(kept[1])
-        if ahead_first:
-            res = self.prepared_result(s)
-            if res is not None:
-                self._results.pop(key, None)
-                return res, "warm_selection_prepared"
-        res = self.reused_result(s, key)
+        res = self.prepared_result(s)
         if res is not None:
-            return res, "warm_selection_reused"
-        res = None if ahead_first else self.prepared_result(s)
-        return (res, "warm_selection_prepared") if res is not None else (None, "")
+            if key:
+                self._results.pop(key, None)
+            return res, "warm_selection_prepared"
+        res = self.reused_result(s, key)
+        return (res, "warm_selection_reused") if res is not None else (None, "")
 
     def reused_result(self, s: Any, key: str | None) -> Any:
         """Session thread, when a warm client connects (its map read): the kept
