@@ -8,10 +8,12 @@ For each real program of the suite (gzip, xz, zstd, bzip2, sqlite3, perl, python
    go to the store when it ends.  The training service is then stopped (a store has
    one writer).
 2. **Timed rounds**, alternated: native; a host service with default settings on that
-   store (warm: the program's agents connect at their start and its first job
-   selects from the stored profile); and one with ``warm_start=false`` (cold: what
-   the same run gets without a store).  Every run's output is checked against
-   native's.
+   store (warm: the program's agents connect at their start and get the selections
+   it made ahead from the stored profile, or a job that selects from it); and one
+   with ``warm_start=false`` (cold: what the same run gets without a store).  The
+   rounds start once the warm service has made its selections ahead, as one that has
+   been up a while has (bounded: AHEAD_WAIT_S; the time is reported).  Every run's
+   output is checked against native's.
 
 The runs are the suite's full inputs (about 1-4 s here).
 
@@ -41,6 +43,9 @@ from bench.suite import Ctx, Skip, registry
 from dbr_service.commands.cmd_run import collect_report, preload_env
 from dbr_service.commands.ctlclient import ControlClient
 
+#: Seconds the timed rounds wait at most for the warm service's selections ahead.
+AHEAD_WAIT_S = 120.0
+
 
 def _report(svc: HostService, pid: int) -> dict[str, Any]:
     entries = collect_report(ControlClient(svc.rt), pid)
@@ -60,6 +65,18 @@ def _recorded(svc: HostService, runs: int, timeout: float = 10.0) -> None:
         if st.get("runs_recorded", 0) >= runs:
             return
         time.sleep(0.05)
+
+
+def _selected_ahead(svc: HostService, timeout: float = AHEAD_WAIT_S) -> float | None:
+    """Wait (bounded) until the service has made its selections ahead (a service that
+    has been up a while has them): how long that took, None if not within ``timeout``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = ControlClient(svc.rt).result("status").get("warm_start") or {}
+        if st.get("prepare_pending", 0) == 0:
+            return round(time.monotonic() - t0, 2)
+        time.sleep(0.1)
+    return None
 
 
 def _train(prog: Any, train: int, work: Path, agent: str, base: dict[str, str],
@@ -103,6 +120,7 @@ def _bench_one(name: str, prog: Any, pairs: int, train: int, work: Path,
             why = svc.start(base)
             if why is not None:
                 return dict(row, error=f"service {why}")
+        row["selected_ahead_s"] = _selected_ahead(warm)
         env = {n: preload_env(dict(base, DBR_RUNTIME_DIR=s.rt), agent)
                for n, s in (("warm", warm), ("cold", cold))}
         env["native"] = base
@@ -205,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{wm['service_cpu_ms_per_run']} ms/run | cold x{cd['ratio']:.3f} "
                   f"[{cd['ratio_min']:.3f}-{cd['ratio_max']:.3f}] patched "
                   f"{cd['runs_patched']}/{cd['runs']} | wrong outputs {row['wrong_outputs']}"
+                  f" | selected ahead in {row['selected_ahead_s']} s"
                   f"{'' if row['trained'] else ' | training never patched'}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -283,3 +283,40 @@ def test_a_kept_selection_gives_way_to_one_made_ahead_once_it_is_ready(tmp_path,
         assert ws.kept_selection(client) == (None, "")
     finally:
         store.close()
+
+
+def test_selections_ahead_not_done_are_counted_until_done(tmp_path):
+    """status' prepare_pending: modules queued for a selection ahead and not done,
+    whatever their outcome (here: the worker fails)."""
+    import concurrent.futures
+    import threading
+    import time
+
+    from dbr_service.profiles.warmstart import WarmStart
+
+    prog_key = "k" * 40
+    store = ProfileStore(tmp_path / "state")
+    gate = threading.Event()
+
+    def runner(fn, *args):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def finish():
+            gate.wait(10)
+            fut.set_exception(DbrError("no such module"))
+        threading.Thread(target=finish, daemon=True).start()
+        return fut
+
+    try:
+        ws = WarmStart(store, Config(), runner)
+        ws._lookup = lambda key: ModuleProfile(key, "/x", "", 1, 0.0, 0.0, {1: 1.0}, {},
+                                               [HotRegion([EntrySite(1, b"\x90")], [(1, 2)], {})])
+        ws.prepare_ahead(prog_key, "/x")
+        assert ws.status()["prepare_pending"] == 1
+        gate.set()
+        deadline = time.monotonic() + 10
+        while ws.status()["prepare_pending"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ws.status()["prepare_pending"] == 0 and ws.status()["prepared_selections"] == 0
+    finally:
+        ws.close()

@@ -105,6 +105,9 @@ class WarmStart:
         self._prep_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._prep_thread: threading.Thread | None = None
         self.prepared_used = 0
+        #: Modules queued for a selection ahead and not done (kept, found patchless or
+        #: failed).
+        self.prepare_pending = 0
         #: session id -> the settings its warm selection was made under, which its
         #: run's hot text records (the next warm selections take them again).
         self._selected_under: dict[int, dict[str, Any]] = {}
@@ -149,7 +152,8 @@ class WarmStart:
         return {"store": str(self.store.path), "runs_recorded": self.runs_recorded,
                 "warm_jobs": self.warm_jobs, "reused_selections": self.reuses,
                 "prepared_selections": len(self._prepared),
-                "prepared_used": self.prepared_used, "errors": self.errors}
+                "prepared_used": self.prepared_used,
+                "prepare_pending": self.prepare_pending, "errors": self.errors}
 
     # ---------------------------------------------------------------- module keys
     def _key(self, path: str, maps: list[MapEntry]) -> ModuleKey | None:
@@ -360,6 +364,8 @@ class WarmStart:
         service waits for each."""
         if self._closed or self.runner is None:
             return
+        with self._lock:
+            self.prepare_pending += 1
         self._prep_queue.put((key, path))
         if self._prep_thread is None:
             self._prep_thread = threading.Thread(target=self._prepare_loop, daemon=True,
@@ -368,29 +374,37 @@ class WarmStart:
 
     def _prepare_loop(self) -> None:
         while (item := self._prep_queue.get()) is not None and not self._closed:
-            key, path = item
-            prof = self._lookup(key)
-            if prof is None or not prof.hot_text:
-                continue
-            t0 = time.monotonic()
             try:
-                got = self.runner(prepare, prof, path, self.config.to_dict()).result(
-                    timeout=PREPARE_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - one module's file: logged, go on
-                log.info("no selection ahead for %s: %s", path, exc or type(exc).__name__)
-                got = None
-            if got is None or _patchless(got[1]):
-                # nothing a client could be patched with (no region, or none with a
-                # patch site): its clients get a warm job (job_input)
-                self._prepared.pop(key, None)
-                continue
-            self._prepared[key] = got
-            while len(self._prepared) > MAX_KEPT_SELECTIONS:
-                self._prepared.pop(next(iter(self._prepared)))
-            log.info("%s: %d region(s) selected ahead in %.0f ms", path,
-                     len(got[1].regions), (time.monotonic() - t0) * 1e3)
-            if self.on_prepared is not None:
-                self.on_prepared()
+                self._prepare_one(*item)
+            finally:
+                with self._lock:
+                    self.prepare_pending -= 1
+
+    def _prepare_one(self, key: str, path: str) -> None:
+        """The selection ahead of one module (prepare_ahead), kept when it has a region
+        with a patch site."""
+        prof = self._lookup(key)
+        if prof is None or not prof.hot_text:
+            return
+        t0 = time.monotonic()
+        try:
+            got = self.runner(prepare, prof, path, self.config.to_dict()).result(
+                timeout=PREPARE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - one module's file: logged, go on
+            log.info("no selection ahead for %s: %s", path, exc or type(exc).__name__)
+            got = None
+        if got is None or _patchless(got[1]):
+            # nothing a client could be patched with (no region, or none with a
+            # patch site): its clients get a warm job (job_input)
+            self._prepared.pop(key, None)
+            return
+        self._prepared[key] = got
+        while len(self._prepared) > MAX_KEPT_SELECTIONS:
+            self._prepared.pop(next(iter(self._prepared)))
+        log.info("%s: %d region(s) selected ahead in %.0f ms", path,
+                 len(got[1].regions), (time.monotonic() - t0) * 1e3)
+        if self.on_prepared is not None:
+            self.on_prepared()
 
     def prepared_result(self, s: Any) -> Any:
         """Session thread, when a warm client connects (its map read): the selections
