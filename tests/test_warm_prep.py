@@ -245,7 +245,7 @@ def test_a_kept_selection_of_nothing_gives_way_to_one_made_ahead(tmp_path, monke
         ws = WarmStart(store, Config())
         client = SimpleNamespace(build_id="ab" * 20, session_id=7, pid=4242, exe="/bin/x",
                                  maps=[])
-        ws._pending[client.session_id] = (ws._exe_key(client), [], {})
+        ws._pending[client.session_id] = (ws._exe_key(client), [], {}, False)
         ws.job_done(client.session_id, SimpleNamespace(regions=[]))
         ahead = SimpleNamespace(regions=[{"transfer_only": False}])
         monkeypatch.setattr(ws, "prepared_result", lambda s: ahead)
@@ -269,7 +269,7 @@ def test_a_kept_selection_gives_way_to_one_made_ahead_once_it_is_ready(tmp_path,
         ws = WarmStart(store, Config())
         client = SimpleNamespace(build_id="ab" * 20, session_id=7, pid=4242, exe="/bin/x",
                                  maps=[])
-        ws._pending[client.session_id] = (ws._exe_key(client), [], {})
+        ws._pending[client.session_id] = (ws._exe_key(client), [], {}, False)
         ws.job_done(client.session_id, SimpleNamespace(regions=[{"transfer_only": False}]))
         live = SimpleNamespace(regions=[{"transfer_only": False}])
         monkeypatch.setattr(ws, "reused_result", lambda s, key: live if key in ws._results
@@ -320,3 +320,48 @@ def test_selections_ahead_not_done_are_counted_until_done(tmp_path):
         assert ws.status()["prepare_pending"] == 0 and ws.status()["prepared_selections"] == 0
     finally:
         ws.close()
+
+
+def test_a_quick_selection_with_nothing_to_patch_gives_way_to_a_full_one(prog, monkeypatch):
+    """A selection ahead whose quick job finds only regions without a patch site (a
+    loop entered only by moving threads in, which a process at its start has none in)
+    selects again without the quick bounds, and keeps that when it has a patch site."""
+    from dbr_service.profiles import warmprep
+    from dbr_service.region.worker import JobResult
+
+    quick_flags = []
+
+    def fake(job):
+        quick_flags.append(job.quick)
+        return JobResult(0, 0, [], [{"transfer_only": job.quick}], "", srs=[])
+
+    monkeypatch.setattr(warmprep, "optimize_client", fake)
+    _, res = prepare(_profile(prog, _flat(prog), selection_params(Config(**AGGRESSIVE))),
+                     prog, Config().to_dict())
+    assert quick_flags == [True, False] and res.regions == [{"transfer_only": False}]
+
+
+def test_a_quick_warm_job_with_nothing_to_patch_asks_for_a_full_one(tmp_path):
+    """Its result is not kept (the next processes would get nothing to patch again);
+    the full job's result is, whatever it found."""
+    from types import SimpleNamespace
+
+    from dbr_service.profiles.warmstart import WarmStart
+
+    store = ProfileStore(tmp_path / "state")
+    try:
+        ws = WarmStart(store, Config())
+        client = SimpleNamespace(build_id="ab" * 20, session_id=7, pid=4242, exe="/bin/x",
+                                 maps=[])
+        key = ws._exe_key(client)
+        ws.job_queued(client, [], {})
+        assert ws.job_done(7, SimpleNamespace(regions=[{"transfer_only": True}])) is True
+        assert key not in ws._results
+        ws.job_queued(client, [], {}, quick=False)
+        assert ws.job_done(7, SimpleNamespace(regions=[{"transfer_only": True}])) is False
+        assert key in ws._results
+        ws.job_queued(client, [], {})
+        assert ws.job_done(7, SimpleNamespace(regions=[{"transfer_only": False}])) is False
+        assert ws._results[key][1].regions == [{"transfer_only": False}]
+    finally:
+        store.close()

@@ -6,7 +6,8 @@ client from a module's file (docs/decisions/0042-warm-selection.md).
   counts under the thresholds the hot text was made with (WARM_KEYS of its regions'
   ``params``, each checked against the configuration's bounds; the service's own
   where none is recorded); where those select no region with a patch site, it
-  selects again under the service's own (``ClientJob.fallback_config``).  The
+  selects again under the service's own (``ClientJob.fallback_config``), and where
+  that too gives none, without the quick bounds (a full selection).  The
   service's defaults, made for a live window, select nothing in some whole-run
   profiles (zstd's loops run fewer than 16 times an entry; sqlite3's profile is flat),
   and the hot text's, in some others, nothing a client can be patched with.
@@ -172,6 +173,12 @@ def prepare(profile: ModuleProfile, path: str, config: Mapping[str, Any]
                   fallback_config=None if settings == dict(config) else dict(config),
                   path=path, view_base=base)
     res = optimize_client(job)
+    if res.regions is not None and patchless(res):
+        # the quick bounds can stop short of every entry a patch could go at (an
+        # interpreter's loop entered only by its dispatch): a full selection instead
+        full = optimize_client(dataclasses.replace(job, quick=False))
+        if full.regions is not None and not patchless(full):
+            res = full
     if res.regions is None:
         raise DbrError(f"{path}: {res.region_status}")
     emitted_ahead(res.srs or [], maps, movable=base is not None)
@@ -224,6 +231,11 @@ def emitted_ahead(srs: list[Any], maps: list[MapEntry], movable: bool = True) ->
         kept = keep(sr, base, movable, emit)
         if kept is not None:
             sr.info["kept_code"] = kept
+
+
+def patchless(res: Any) -> bool:
+    """A selection nothing can be patched with: no region, or none with a patch site."""
+    return all(d["transfer_only"] for d in (res.regions or []))
 
 
 def merge_results(parts: list[JobResult], session_id: int, pid: int) -> JobResult:

@@ -45,7 +45,8 @@ from dbr_service.profiles.profiledata import (HotRegion, ModuleProfile,
                                               ProfileDataError, module_counts,
                                               module_hot_text, selection_params)
 from dbr_service.profiles.rebase import NoRebase, rebase
-from dbr_service.profiles.warmprep import WARM_KEYS, merge_results, prepare, warm_settings
+from dbr_service.profiles.warmprep import (WARM_KEYS, merge_results, patchless, prepare,
+                                           warm_settings)
 from dbr_service.profiles.profilestore import ProfileStore, StoreBusyError, StoreError
 
 log = logging.getLogger("dbr.warm")
@@ -275,27 +276,34 @@ class WarmStart:
         while len(self._selected_under) > 4096:          # sessions that never ended
             self._selected_under.pop(next(iter(self._selected_under)))
 
-    def job_queued(self, s: Any, maps: list[MapEntry], settings: dict[str, Any]) -> None:
+    def job_queued(self, s: Any, maps: list[MapEntry], settings: dict[str, Any],
+                   quick: bool = True) -> None:
         """Control thread: a warm job of session ``s`` selects on ``maps`` under the
-        configuration ``settings``."""
+        configuration ``settings``, a quick one or not."""
         self.selected_under(s, settings)
         key = self._exe_key(s)
         if key:
-            self._pending[s.session_id] = (key, list(maps), dict(settings))
+            self._pending[s.session_id] = (key, list(maps), dict(settings), quick)
             while len(self._pending) > MAX_KEPT_SELECTIONS:   # jobs lost on the way
                 self._pending.pop(next(iter(self._pending)))
 
-    def job_done(self, session_id: int, res: Any) -> None:
+    def job_done(self, session_id: int, res: Any) -> bool:
         """Control thread, before the result is installed: keep a warm job's result (a
         copy: installation annotates the regions it emits) to reuse for the next
-        processes of the program."""
-        key, maps, settings = self._pending.pop(session_id, (None, None, None))
+        processes of the program.  True when it was a quick job that selected nothing
+        with a patch site: a full selection should follow (the quick bounds can stop
+        short of every entry a patch could go at), and this one is not kept."""
+        key, maps, settings, quick = self._pending.pop(session_id, (None,) * 4)
+        if not key or res is None or res.regions is None:
+            return False
+        if quick and patchless(res):
+            return True
         # kept also when it selected nothing: the next processes get that at once
         # instead of a job each that selects nothing again
-        if key and res is not None and res.regions is not None:
-            self._results[key] = [maps, copy.deepcopy(res), time.monotonic(), 0, settings]
-            while len(self._results) > MAX_KEPT_SELECTIONS:
-                self._results.pop(next(iter(self._results)))
+        self._results[key] = [maps, copy.deepcopy(res), time.monotonic(), 0, settings]
+        while len(self._results) > MAX_KEPT_SELECTIONS:
+            self._results.pop(next(iter(self._results)))
+        return False
 
     def kept_selection(self, s: Any) -> tuple[Any, str]:
         """Session thread, when a warm client connects (its map read): a selection to
@@ -393,7 +401,7 @@ class WarmStart:
         except Exception as exc:  # noqa: BLE001 - one module's file: logged, go on
             log.info("no selection ahead for %s: %s", path, exc or type(exc).__name__)
             got = None
-        if got is None or _patchless(got[1]):
+        if got is None or patchless(got[1]):
             # nothing a client could be patched with (no region, or none with a
             # patch site): its clients get a warm job (job_input)
             self._prepared.pop(key, None)
@@ -473,11 +481,6 @@ class WarmStart:
             self.write_hint(program_key(st), dir_fd)
             n += 1
         return n
-
-
-def _patchless(res: Any) -> bool:
-    """A selection nothing can be patched with: no region, or none with a patch site."""
-    return all(d["transfer_only"] for d in (res.regions or []))
 
 
 def _moved_here(res: Any) -> None:
