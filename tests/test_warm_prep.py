@@ -228,6 +228,11 @@ def test_a_fresh_services_first_warm_client_is_patched_with_no_job(prog, tmp_pat
         assert rep["time_to_first_patch_s"] is not None, rep
         st = svc.call("status")["warm_start"]
         assert st["prepared_used"] == 1 and st["warm_jobs"] == 0, st
+        assert st["prepare_pending"] == 0, st
+        # its code was kept with the selection: placed, not emitted
+        live = [r for r in svc.call("regions", {"pid": pid})["regions"]
+                if r["state"] == "installed"]
+        assert live and all(r["info"]["code_from"] == "kept" for r in live), live
     finally:
         svc.stop()
 
