@@ -4,9 +4,9 @@ soon, and what do they cost against native?
 For each real program of the suite (gzip, xz, zstd, bzip2, sqlite3, perl, python3):
 
 1. **Training**: the program under a ``dbr service --aggressive`` with a fresh profile
-   store, until a run is patched (at most ``--train`` runs); its profile and hot text
-   go to the store when it ends.  The training service is then stopped (a store has
-   one writer).
+   store, until a run is patched and leaves hot text in the store (at most ``--train``
+   runs); its profile and hot text go to the store when it ends.  The training
+   service is then stopped (a store has one writer).
 2. **Timed rounds**, alternated: native; a host service with default settings on that
    store (warm: the program's agents connect at their start and get the selections
    it made ahead from the stored profile, or a job that selects from it); and one
@@ -42,6 +42,7 @@ from bench.runner import HostService, run_once
 from bench.suite import Ctx, Skip, registry
 from dbr_service.commands.cmd_run import collect_report, preload_env
 from dbr_service.commands.ctlclient import ControlClient
+from dbr_service.profiles.profilestore import ProfileStore
 
 #: Seconds the timed rounds wait at most for the warm service's selections ahead.
 AHEAD_WAIT_S = 120.0
@@ -79,10 +80,21 @@ def _selected_ahead(svc: HostService, timeout: float = AHEAD_WAIT_S) -> float | 
     return None
 
 
+def _hot_text_stored(state: str) -> bool:
+    """Whether the store in ``state`` holds hot text (read-only: the training service
+    holds it)."""
+    store = ProfileStore(state, readonly=True)
+    try:
+        return any(sm.regions for sm in store.summaries())
+    finally:
+        store.close()
+
+
 def _train(prog: Any, train: int, work: Path, agent: str, base: dict[str, str],
            timeout: float) -> tuple[int | None, str]:
-    """Runs of ``prog`` under an aggressive service until one is patched: how many
-    (None: none was), and an error text."""
+    """Runs of ``prog`` under an aggressive service until one is patched and leaves hot
+    text in the store (a run whose regions were all taken out again leaves none): how
+    many (None: none did), and an error text."""
     svc = HostService(flags=["--aggressive"], prefix="dbr-bench-train-")
     try:
         why = svc.start(base)
@@ -95,7 +107,8 @@ def _train(prog: Any, train: int, work: Path, agent: str, base: dict[str, str],
                 return None, f"training run exited {r.exit_code}: {r.stderr_tail}"
             if _ttfp(_report(svc, r.pid)) is not None:
                 _recorded(svc, i + 1)
-                return i + 1, ""
+                if _hot_text_stored(base["DBR_STATE_DIR"]):
+                    return i + 1, ""
         return None, ""
     finally:
         svc.stop()
@@ -224,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"[{cd['ratio_min']:.3f}-{cd['ratio_max']:.3f}] patched "
                   f"{cd['runs_patched']}/{cd['runs']} | wrong outputs {row['wrong_outputs']}"
                   f" | selected ahead in {row['selected_ahead_s']} s"
-                  f"{'' if row['trained'] else ' | training never patched'}", flush=True)
+                  f"{'' if row['trained'] else ' | training left no hot text'}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     path = write_results("warm", {"machine": machine(), "pairs": args.pairs,
