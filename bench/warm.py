@@ -12,7 +12,7 @@ For each real program of the suite (gzip, xz, zstd, bzip2, sqlite3, perl, python
    it made ahead from the stored profile, or a job that selects from it); and one
    with ``warm_start=false`` (cold: what the same run gets without a store).  The
    rounds start once the warm service has made its selections ahead, as one that has
-   been up a while has (bounded: AHEAD_WAIT_S; the time is reported).  Every run's
+   been up a while has (bounded: AHEAD_WAIT_S; the wait is reported).  Every run's
    output is checked against native's.
 
 The runs are the suite's full inputs (about 1-4 s here).
@@ -70,7 +70,8 @@ def _recorded(svc: HostService, runs: int, timeout: float = 10.0) -> None:
 
 def _selected_ahead(svc: HostService, timeout: float = AHEAD_WAIT_S) -> float | None:
     """Wait (bounded) until the service has made its selections ahead (a service that
-    has been up a while has them): how long that took, None if not within ``timeout``."""
+    has been up a while has them): how long the wait took (they started with the
+    service, before the cold one was started), None if not within ``timeout``."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         st = ControlClient(svc.rt).result("status").get("warm_start") or {}
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{wm['service_cpu_ms_per_run']} ms/run | cold x{cd['ratio']:.3f} "
                   f"[{cd['ratio_min']:.3f}-{cd['ratio_max']:.3f}] patched "
                   f"{cd['runs_patched']}/{cd['runs']} | wrong outputs {row['wrong_outputs']}"
-                  f" | selected ahead in {row['selected_ahead_s']} s"
+                  f" | waited {row['selected_ahead_s']} s for the selections ahead"
                   f"{'' if row['trained'] else ' | training left no hot text'}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
