@@ -211,3 +211,68 @@ def test_a_module_file_changed_since_gets_no_kept_selection(prog, tmp_path):
         assert ws.prepared_result(client) is None
     finally:
         store.close()
+
+
+def test_a_warm_jobs_kept_selection_gets_its_code_kept_for_the_next_processes(prog, tmp_path):
+    """A warm job's result, kept for the program's next processes, has its regions'
+    code kept in a worker after the job; a next process, its module elsewhere, gets
+    code that placing gives as emitting would."""
+    import concurrent.futures
+    import time
+
+    from dbr_service.profiles.profilestore import ProfileStore
+    from dbr_service.profiles.warmstart import WarmStart
+
+    maps, res = _prepared(prog)
+    for sr in res.srs:              # as a job on a process gives it: no code kept
+        sr.info.pop("kept_code", None)
+
+    def runner(fn, *args):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(fn(*args))
+        return fut
+
+    store = ProfileStore(tmp_path / "state")
+    ws = WarmStart(store, Config(), runner)
+    try:
+        first = SimpleNamespace(build_id="cd" * 20, session_id=1, pid=11, exe=prog, maps=maps)
+        ws.job_queued(first, maps, {})
+        assert ws.job_done(1, res) is False
+        deadline = time.monotonic() + 60
+        while ws.codes_kept == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ws.codes_kept >= 1
+        there = [m._replace(lo=m.lo + SHIFT, hi=m.hi + SHIFT) for m in maps]
+        nxt = SimpleNamespace(build_id="cd" * 20, session_id=2, pid=12, exe=prog, maps=there)
+        moved, how = ws.kept_selection(nxt)
+        assert how == "warm_selection_reused"
+        sr = next(sr for sr in moved.srs if "kept_code" in sr.info)
+        at = (max(m.hi for m in there) + 0x100000) & ~15
+        gen, _ = keptcode.placed(sr.info["kept_code"], sr, at)
+        want, _, _ = optimize.emit_with_frames(_FileTarget(there), sr, at)
+        assert gen.code == want.code and gen.addr_map == want.addr_map
+    finally:
+        ws.close()
+
+
+def test_kept_code_is_refused_where_its_module_could_move_apart_or_did(prog):
+    """Code reaching outside its module's span is not kept (another module moves by
+    another displacement); code of a module that does not move is not placed where
+    it did."""
+    maps, res = _prepared(prog)
+    sr = next(sr for sr in res.srs if "kept_code" in sr.info)
+    kept = sr.info["kept_code"]
+
+    def emit(s, at, shift):
+        assert shift == 0
+        return optimize.emit_with_frames(_FileTarget(maps), s, at)
+
+    assert keptcode.keep(sr, kept.base, (0, 0x1000), True, emit) is None
+    fixed = dataclasses.replace(kept, movable=False)
+    at = kept.base + 0x10000
+    assert keptcode.placed(fixed, sr, at) is not None
+    _, moved = _moved(maps, res)
+    msr = next(s for s in moved.srs if "kept_code" in s.info)
+    assert keptcode.placed(fixed, msr, at + SHIFT) is None
+    assert keptcode.placed(kept, msr, at + SHIFT) is not None
+    assert keptcode.placed(kept, msr, at) is None          # out of rel32 reach

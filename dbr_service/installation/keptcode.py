@@ -74,6 +74,9 @@ class KeptCode:
     gen: GeneratedCode
     blobs: tuple[CfiBlob, ...]
     cfi_refused: str | None
+    #: Its module moves between processes (position independent); one that does not
+    #: was not moved to find the fields, and is placed only where it has not moved.
+    movable: bool = True
 
     @property
     def size(self) -> int:
@@ -200,7 +203,7 @@ def placed(kept: KeptCode, sr: SuperRegion, addr: int
     ``sr`` where the client has it: (the code's record, its unwind information); None
     when that place does not suit it (alignment, a field out of reach)."""
     dc, dm = addr - kept.base, anchor_of(sr) - kept.anchor
-    if dc % ALIGN:
+    if dc % ALIGN or (dm and not kept.movable):
         return None
     image = moved_image(kept.image, kept.fixups, dc, dm)
     if image is None:
@@ -215,15 +218,25 @@ def placed(kept: KeptCode, sr: SuperRegion, addr: int
 Emit = Callable[[SuperRegion, int, int], tuple[GeneratedCode, list[CfiBlob], str | None]]
 
 
-def keep(sr: SuperRegion, base: int, movable: bool, emit: Emit) -> KeptCode | None:
+def _within(gen: GeneratedCode, lo: int, hi: int) -> bool:
+    """Whether every original address the code was made from (its instructions, exit
+    targets, data operands) lies in [lo, hi): one module, which moves as a whole."""
+    addrs = [x for _, _, x in gen.addr_map] + [t for _, t in gen.exits] + gen.data_refs
+    return all(lo <= a < hi for a in addrs)
+
+
+def keep(sr: SuperRegion, base: int, module: tuple[int, int], movable: bool,
+         emit: Emit) -> KeptCode | None:
     """``sr``'s code emitted at ``base`` and its fields (the module's docstring), or
-    None when they cannot be found or do not predict the check emission.
+    None when they cannot be found, do not predict the check emission, or the code
+    reaches outside its ``module`` (its [lo, hi) span: another module moves apart).
     ``emit(sr, code_at, module_shift)``: (code, unwind blobs, why real calls were
-    given up) with the module moved by ``module_shift``; ``movable``: whether the module
-    is position independent."""
+    given up) with the module moved by ``module_shift`` (CodegenError if it cannot
+    be); ``movable``: whether the module is position independent."""
     try:
         gen, blobs, why = emit(sr, base, 0)
-        if gen.far_exits or gen.call_copies or gen.counting is not None:
+        if gen.far_exits or gen.call_copies or gen.counting is not None or \
+                not _within(gen, *module):
             return None
         a = _image(gen, blobs)
         code = _image(*emit(sr, base + CODE_STEP, 0)[:2])
@@ -237,4 +250,4 @@ def keep(sr: SuperRegion, base: int, movable: bool, emit: Emit) -> KeptCode | No
         return None
     if moved_image(a, fixups, shift + CHECK_CODE, shift) != want:
         return None
-    return KeptCode(a, base, anchor_of(sr), tuple(fixups), gen, tuple(blobs), why)
+    return KeptCode(a, base, anchor_of(sr), tuple(fixups), gen, tuple(blobs), why, movable)

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dbr_service.common.config import Config
-from dbr_service.common.errors import DbrError
-from dbr_service.common.procmaps import MapEntry
+from dbr_service.common.errors import CodegenError, DbrError
+from dbr_service.common.procmaps import MapEntry, module_base
 from dbr_service.profiles.modkey import ModuleKeyError, module_key
 from dbr_service.profiles.profiledata import HotRegion, ModuleProfile
-from dbr_service.profiles.rebase import rebase
+from dbr_service.profiles.rebase import NoRebase, rebase
 from dbr_service.region.worker import ClientJob, JobResult, optimize_client
 
 #: The selection thresholds a warm job takes from the hot text it reproduces.
@@ -181,7 +181,7 @@ def prepare(profile: ModuleProfile, path: str, config: Mapping[str, Any]
             res = full
     if res.regions is None:
         raise DbrError(f"{path}: {res.region_status}")
-    emitted_ahead(res.srs or [], maps, movable=base is not None)
+    emitted_ahead(res.srs or [], maps)
     return maps, res
 
 
@@ -198,18 +198,30 @@ class _FileTarget:
         self.cfi = CfiSource(lambda: ranges)
 
 
-def emitted_ahead(srs: list[Any], maps: list[MapEntry], movable: bool = True) -> None:
-    """Keep with each region what its emission near its patch sites gives placement
-    (installation/optimize.py Provisional), so that a client emits it once, at its
-    place; not for a region whose unwind information cannot be made here (its size
-    would be that of a copy without real calls).  Keep its code too, with the fields
-    that move (installation/keptcode.py), so that a client places it without emitting
-    it; ``movable``: the module is position independent (it moves between processes)."""
-    from dbr_service.installation.keptcode import GAP, keep
-    from dbr_service.installation.optimize import emit_with_frames, provisional
+def _code_place(sr: Any, maps: list[MapEntry]) -> tuple[int, tuple[int, int], bool] | None:
+    """Where ``sr``'s code is kept from (a page GAP beyond its module), its module's
+    span and whether the module moves between processes (mapped above 4 GiB: a
+    position-independent one; one at its link address below does not move); None
+    when its lowest block is in no file mapping."""
+    from dbr_service.installation.keptcode import GAP, anchor_of
+
+    at = anchor_of(sr)
+    m = next((m for m in maps if m.lo <= at < m.hi), None)
+    if m is None or not m.path.startswith("/"):
+        return None
+    mine = [x for x in maps if x.path == m.path]
+    lo, hi = min(x.lo for x in mine), max(x.hi for x in mine)
+    return (hi + GAP + 0xFFF) & ~0xFFF, (lo, hi), module_base(maps, m.path) >= 1 << 32
+
+
+def kept_codes(srs: list[Any], maps: list[MapEntry]) -> list[Any]:
+    """Each region's code kept with its moving fields (installation/keptcode.py),
+    emitted on the mappings ``maps`` it was selected on (a module's file as prepare
+    maps it, or a process), or None for a region whose code cannot be kept."""
+    from dbr_service.installation.keptcode import keep
+    from dbr_service.installation.optimize import emit_with_frames
 
     target = _FileTarget(maps)
-    base = (max(m.hi for m in maps) + GAP + 0xFFF) & ~0xFFF
     shifted: dict[int, tuple[list[MapEntry], _FileTarget]] = {}
 
     def emit(sr: Any, at: int, shift: int) -> Any:
@@ -219,16 +231,35 @@ def emitted_ahead(srs: list[Any], maps: list[MapEntry], movable: bool = True) ->
             there = [m._replace(lo=m.lo + shift, hi=m.hi + shift) for m in maps]
             shifted[shift] = (there, _FileTarget(there))
         there, tgt = shifted[shift]
-        return emit_with_frames(tgt, rebase(sr, maps, there), at)
+        try:
+            moved = rebase(sr, maps, there)
+        except NoRebase as exc:
+            raise CodegenError(f"{sr.id}: {exc}") from None
+        return emit_with_frames(tgt, moved, at)
 
+    out = []
     for sr in srs:
+        place = _code_place(sr, maps)
+        out.append(None if place is None else keep(sr, place[0], place[1], place[2], emit))
+    return out
+
+
+def emitted_ahead(srs: list[Any], maps: list[MapEntry]) -> None:
+    """Keep with each region what its emission near its patch sites gives placement
+    (installation/optimize.py Provisional), so that a client emits it once, at its
+    place; not for a region whose unwind information cannot be made here (its size
+    would be that of a copy without real calls).  Keep its code too (kept_codes), so
+    that a client places it without emitting it."""
+    from dbr_service.installation.optimize import provisional
+
+    target = _FileTarget(maps)
+    for sr, kept in zip(srs, kept_codes(srs, maps)):
         try:
             pre, why = provisional(target, sr)
         except DbrError:
             continue
         if why is None:
             sr.info["provisional"] = pre
-        kept = keep(sr, base, movable, emit)
         if kept is not None:
             sr.info["kept_code"] = kept
 

@@ -48,8 +48,8 @@ from dbr_service.profiles.profiledata import (HotRegion, ModuleProfile,
                                               ProfileDataError, module_counts,
                                               module_hot_text, selection_params)
 from dbr_service.profiles.rebase import NoRebase, rebase
-from dbr_service.profiles.warmprep import (WARM_KEYS, merge_results, patchless, prepare,
-                                           warm_settings)
+from dbr_service.profiles.warmprep import (WARM_KEYS, kept_codes, merge_results, patchless,
+                                           prepare, warm_settings)
 from dbr_service.profiles.profilestore import ProfileStore, StoreBusyError, StoreError
 
 log = logging.getLogger("dbr.warm")
@@ -112,6 +112,8 @@ class WarmStart:
         #: Modules queued for a selection ahead and not done (kept, found patchless or
         #: failed).
         self.prepare_pending = 0
+        #: Regions of warm jobs' kept selections whose code was kept (_keep_code).
+        self.codes_kept = 0
         #: session id -> the settings its warm selection was made under, which its
         #: run's hot text records (the next warm selections take them again).
         self._selected_under: dict[int, dict[str, Any]] = {}
@@ -157,7 +159,8 @@ class WarmStart:
                 "warm_jobs": self.warm_jobs, "reused_selections": self.reuses,
                 "prepared_selections": len(self._prepared),
                 "prepared_used": self.prepared_used,
-                "prepare_pending": self.prepare_pending, "errors": self.errors}
+                "prepare_pending": self.prepare_pending, "codes_kept": self.codes_kept,
+                "errors": self.errors}
 
     # ---------------------------------------------------------------- module keys
     def _key(self, path: str, maps: list[MapEntry]) -> ModuleKey | None:
@@ -303,9 +306,11 @@ class WarmStart:
             return True
         # kept also when it selected nothing: the next processes get that at once
         # instead of a job each that selects nothing again
-        self._results[key] = [maps, copy.deepcopy(res), time.monotonic(), 0, settings]
+        kept = self._results[key] = [maps, copy.deepcopy(res), time.monotonic(), 0, settings]
         while len(self._results) > MAX_KEPT_SELECTIONS:
             self._results.pop(next(iter(self._results)))
+        if getattr(res, "srs", None) and self.runner is not None and not self._closed:
+            self._queue_side(self._keep_code, key, kept)
         return False
 
     def kept_selection(self, s: Any) -> tuple[Any, str]:
@@ -377,7 +382,12 @@ class WarmStart:
             return
         with self._lock:
             self.prepare_pending += 1
-        self._prep_queue.put((key, path))
+        self._queue_side(self._prepare_one, key, path)
+
+    def _queue_side(self, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` on the thread that waits for the work done ahead in workers,
+        one item at a time."""
+        self._prep_queue.put((fn, args))
         if self._prep_thread is None:
             self._prep_thread = threading.Thread(target=self._prepare_loop, daemon=True,
                                                  name="dbr-warm-prepare")
@@ -385,15 +395,42 @@ class WarmStart:
 
     def _prepare_loop(self) -> None:
         while (item := self._prep_queue.get()) is not None and not self._closed:
-            try:
-                self._prepare_one(*item)
-            finally:
-                with self._lock:
-                    self.prepare_pending -= 1
+            fn, args = item
+            fn(*args)
+
+    def _keep_code(self, key: str, kept: list) -> None:
+        """A warm job's kept selection ``kept`` gets its regions' code kept
+        (warmprep.kept_codes, in a worker), so that the next processes place it
+        without emitting it; replaced whole, as session threads may be moving it."""
+        maps, res = kept[0], kept[1]
+        try:
+            codes = self.runner(kept_codes, res.srs or [], maps).result(
+                timeout=PREPARE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - logged, the selection is kept as it is
+            log.info("no code kept for a warm job's selection: %s", exc or type(exc).__name__)
+            return
+        if self._results.get(key) is not kept or not any(codes):
+            return
+        out = copy.copy(res)
+        out.srs = []
+        for sr, code in zip(res.srs or [], codes):
+            if code is not None:
+                sr = copy.copy(sr)
+                sr.info = dict(sr.info, kept_code=code)
+            out.srs.append(sr)
+        kept[1] = out
+        self.codes_kept += sum(c is not None for c in codes)
 
     def _prepare_one(self, key: str, path: str) -> None:
         """The selection ahead of one module (prepare_ahead), kept when it has a region
         with a patch site."""
+        try:
+            self._prepare_module(key, path)
+        finally:
+            with self._lock:
+                self.prepare_pending -= 1
+
+    def _prepare_module(self, key: str, path: str) -> None:
         prof = self._lookup(key)
         if prof is None or not prof.hot_text:
             return
