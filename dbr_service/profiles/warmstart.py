@@ -16,8 +16,9 @@
   get it at connection with no job, moved to where each maps its files
   (profiles/rebase.py), REUSE_MAX_TIMES times within REUSE_MAX_S, until the
   selections made ahead of their files (profiles/warmprep.py, their code kept too:
-  installation/keptcode.py) are ready, which come first.  A quick job that found
-  nothing with a patch site is followed by a full one, whose result is kept instead.
+  installation/keptcode.py) are ready, which come first.  A kept selection's code is
+  kept too, in a worker after the job (_keep_code).  A quick job that found nothing
+  with a patch site is followed by a full one, whose result is kept instead.
 * **Born at once.**  A warm program's agents are told to connect at their start: the
   program's own birth age, 0, beside the service's hint (paths.program_quiet_file),
   written when a run leaves hot text and, at the service's start, for the stored
