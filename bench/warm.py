@@ -19,7 +19,8 @@ The runs are the suite's full inputs (about 1-4 s here).
 
 Reported per program: runs patched, time from the agent's connection to the first
 patch (median and range), wall time over native (median of the paired ratios, with
-their range), and the services' CPU per run.
+their range), the services' CPU per run, and how many of the warm runs' installed
+regions were placed from code kept with their selection rather than emitted.
 
 usage: python -m bench.warm [--pairs N] [--train N] [--only NAME,...] [--logs DIR]
 """
@@ -143,6 +144,8 @@ def _bench_one(name: str, prog: Any, pairs: int, train: int, work: Path,
         cpu: dict[str, list[float]] = {"warm": [], "cold": []}
         ttfp: dict[str, list[float | None]] = {"warm": [], "cold": []}
         timelines: dict[str, list[Any]] = {"warm": [], "cold": []}
+        #: regions installed, and of them placed from kept code (not emitted)
+        placed: dict[str, list[int]] = {"warm": [0, 0], "cold": [0, 0]}
         wrong = 0
         names = list(walls)
         svcs = {"warm": warm, "cold": cold}
@@ -162,6 +165,10 @@ def _bench_one(name: str, prog: Any, pairs: int, train: int, work: Path,
                     entry = _report(svc, r.pid)
                     ttfp[n].append(_ttfp(entry))
                     timelines[n].append(entry.get("timeline"))
+                    live = [g for g in entry.get("regions") or [] if g.get("state") == "installed"]
+                    placed[n][0] += len(live)
+                    placed[n][1] += sum((g.get("info") or {}).get("code_from") == "kept"
+                                        for g in live)
                     c1 = svc.cpu_s()
                     if c0 is not None and c1 is not None:
                         cpu[n].append(c1 - c0)
@@ -179,6 +186,7 @@ def _bench_one(name: str, prog: Any, pairs: int, train: int, work: Path,
                                                round(max(got) * 1e3, 1)] if got else None,
                       "service_cpu_ms_per_run": round(statistics.mean(cpu[n]) * 1e3, 1)
                       if cpu[n] else None,
+                      "regions_installed": placed[n][0], "regions_placed_kept": placed[n][1],
                       "timelines": timelines[n]}
         return row
     finally:
@@ -238,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"[{cd['ratio_min']:.3f}-{cd['ratio_max']:.3f}] patched "
                   f"{cd['runs_patched']}/{cd['runs']} | wrong outputs {row['wrong_outputs']}"
                   f" | waited {row['selected_ahead_s']} s for the selections ahead"
+                  f" | warm regions placed from kept code {wm['regions_placed_kept']}"
+                  f"/{wm['regions_installed']}"
                   f"{'' if row['trained'] else ' | training left no hot text'}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -10,7 +10,7 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
-from harness import compile_c
+from harness import compile_c, symbols
 from test_warm_prep import _flat, _profile
 
 from dbr_service.codegen.emit import GeneratedCode
@@ -59,6 +59,22 @@ def _libbz2_prepared():
     return prepare(prof, LIBBZ2, Config().to_dict())
 
 
+def _switch_prepared():
+    """tests/agent_progs/switchwork.c's mix(), a switch through a jump table, selected
+    ahead from a flat profile over it: a region with a dispatch table in its code."""
+    import capstone
+
+    prog = str(compile_c(["switchwork.c"], flags=["-O2", "-fPIE", "-pie"],
+                         out_name="switchwork"))
+    lo, hi = symbols(prog)["mix"]
+    with open(prog, "rb") as f:
+        data = f.read()
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    counts = {i.address: 6.0 for i in md.disasm(data[lo:hi], lo)}
+    return prepare(_profile(prog, counts, selection_params(Config(**AGGRESSIVE))), prog,
+                   Config().to_dict())
+
+
 def _moved(maps, res):
     there = [m._replace(lo=m.lo + SHIFT, hi=m.hi + SHIFT) for m in maps]
     return there, rebase(res, maps, there)
@@ -83,18 +99,22 @@ def test_fields_are_found_and_a_change_that_fits_none_refuses():
                                 0) is None
 
 
-@pytest.mark.parametrize("which", ["warmwork", "libbz2"])
+@pytest.mark.parametrize("which", ["warmwork", "switch", "libbz2"])
 def test_kept_code_placed_elsewhere_is_what_emitting_it_there_gives(prog, which):
     """The module moved (another process) and a chunk anywhere in reach: the kept
     bytes with their fields moved, the unwind information and every record of the code
     are those of an emission at that chunk."""
-    maps, res = _prepared(prog) if which == "warmwork" else _libbz2_prepared()
+    maps, res = {"warmwork": lambda: _prepared(prog), "switch": _switch_prepared,
+                 "libbz2": _libbz2_prepared}[which]()
     kept_srs = [sr for sr in res.srs if isinstance(sr.info.get("kept_code"), keptcode.KeptCode)]
     assert kept_srs, [sr.id for sr in res.srs]
     there, moved = _moved(maps, res)
+    kinds = {k for sr in kept_srs for _, k in sr.info["kept_code"].fixups}
     if which == "libbz2":
         assert any(sr.info["kept_code"].gen.calls and sr.info["kept_code"].blobs
                    for sr in moved.srs if "kept_code" in sr.info)
+    if which == "switch":        # its table: addresses of its own code, its base's offset
+        assert {keptcode.CODE64, keptcode.BACK32} <= kinds, kinds
     for sr in moved.srs:
         kept = sr.info.get("kept_code")
         if kept is None:

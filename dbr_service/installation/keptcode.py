@@ -11,8 +11,10 @@ does not move).  Every byte that differs belongs to one field:
 * ``REL32``: a rel32 from the code to the module (an exit, a data operand, a real
   call, a pc-relative pointer of the unwind information): moves by the module's
   displacement minus the code's;
-* ``CODE64`` / ``CODE32``: an absolute address of the code itself (32 bits only
-  below 4 GiB): moves with the code;
+* ``CODE64``: an absolute address of the code itself: moves with the code;
+* ``BACK32``: a 32-bit offset from the module to the code (a dispatch table's
+  base), or, where the module does not move, an absolute address of the code below
+  4 GiB: moves by the code's displacement minus the module's;
 * ``MOD64``: an absolute address in the module (a return address a call pushes, a
   table of targets): moves with the module.
 
@@ -44,7 +46,7 @@ from dbr_service.codegen.layout import ALIGN
 from dbr_service.common.errors import CodegenError
 from dbr_service.region.model import CloneKey, SuperRegion
 
-REL32, CODE64, CODE32, MOD64 = "rel32", "code64", "code32", "mod64"
+REL32, CODE64, BACK32, MOD64 = "rel32", "code64", "back32", "mod64"
 #: The code moved alone (in rel32 reach of the module), and code and module moved
 #: together (down: PREP_BASE is near the top of the user address space).  Page
 #: multiples whose other bytes are all non-zero, so that every byte of a field but the
@@ -56,7 +58,7 @@ CHECK_CODE, CHECK_BOTH = 0x0765_4000, -0x0222_2222_3000
 #: The kept code's own distance from its module's highest byte.
 GAP = 0x0100_0000
 
-_FIELDS = {REL32: 4, CODE64: 8, CODE32: 4, MOD64: 8}
+_FIELDS = {REL32: 4, CODE64: 8, BACK32: 4, MOD64: 8}
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ def find_fixups(a: bytes, code: bytes, both: bytes | None, dc: int, db: int
         if s < 0 or s + 4 > len(a) or covered & set(range(s, s + 4)):
             return None
         d = (_int(code, s, 4) - _int(a, s, 4)) & m32
-        kind = REL32 if d == -dc & m32 else CODE32 if d == dc & m32 else None
+        kind = REL32 if d == -dc & m32 else BACK32 if d == dc & m32 else None
         if kind is None:
             return None
         out.append((s, kind))
@@ -140,19 +142,20 @@ def find_fixups(a: bytes, code: bytes, both: bytes | None, dc: int, db: int
 
 
 def moved_image(image: bytes, fixups: tuple[tuple[int, str], ...] | list, dc: int,
-                dm: int) -> bytes | None:
+                dm: int, movable: bool = True) -> bytes | None:
     """``image`` with its fields moved for code moved by ``dc`` and module by ``dm``;
-    None when a field's new value does not fit it (the place is out of reach)."""
+    None when a field's new value does not fit it (the place is out of reach).
+    ``movable``: the module moves (a BACK32 is a signed offset, else an address)."""
     out = bytearray(image)
     for at, kind in fixups:
         width = _FIELDS[kind]
-        if kind == REL32:
-            v = struct.unpack_from("<i", out, at)[0] + dm - dc
+        if kind in (REL32, BACK32) and (kind == REL32 or movable):
+            v = struct.unpack_from("<i", out, at)[0] + (dm - dc if kind == REL32 else dc - dm)
             if not -(1 << 31) <= v < 1 << 31:
                 return None
             struct.pack_into("<i", out, at, v)
             continue
-        v = _int(out, at, width) + (dm if kind == MOD64 else dc)
+        v = _int(out, at, width) + (dm if kind == MOD64 else dc - dm if kind == BACK32 else dc)
         if not 0 <= v < 1 << (8 * width):
             return None
         out[at:at + width] = v.to_bytes(width, "little")
@@ -173,14 +176,17 @@ GEN_FIELDS = ("code", "base", "entries", "addr_map", "exits", "dynamic_exits",
               "counting", "counted_sides")
 
 
-def moved_gen(gen: GeneratedCode, code: bytes, dc: int, dm: int) -> GeneratedCode:
-    """``gen``'s record for its code moved by ``dc`` (bytes ``code``) and its module by
-    ``dm``."""
+def moved_gen(gen: GeneratedCode, code: bytes, dc: int, dm: int, size: int) -> GeneratedCode:
+    """``gen``'s record for its code moved by ``dc`` (bytes ``code``; ``size`` bytes
+    with its unwind information) and its module by ``dm``."""
     def c(x: int) -> int:
         return x + dc
 
     def o(x: int) -> int:
         return x + dm
+
+    def ref(x: int) -> int:                 # a data operand: its own table, or the module's
+        return x + (dc if gen.base <= x < gen.base + size else dm)
 
     return dataclasses.replace(
         gen, code=code, base=c(gen.base),
@@ -190,7 +196,7 @@ def moved_gen(gen: GeneratedCode, code: bytes, dc: int, dm: int) -> GeneratedCod
         dynamic_exits=[c(a) for a in gen.dynamic_exits],
         block_addr={_key(k, dm): c(v) for k, v in gen.block_addr.items()},
         layout=[_key(k, dm) for k in gen.layout],
-        data_refs=[o(x) for x in gen.data_refs],
+        data_refs=[ref(x) for x in gen.data_refs],
         transfers={o(k): c(v) for k, v in gen.transfers.items()},
         evictions={c(k): o(v) for k, v in gen.evictions.items()},
         calls={c(k): o(v) for k, v in gen.calls.items()},
@@ -205,24 +211,32 @@ def placed(kept: KeptCode, sr: SuperRegion, addr: int
     dc, dm = addr - kept.base, anchor_of(sr) - kept.anchor
     if dc % ALIGN or (dm and not kept.movable):
         return None
-    image = moved_image(kept.image, kept.fixups, dc, dm)
+    image = moved_image(kept.image, kept.fixups, dc, dm, kept.movable)
     if image is None:
         return None
     n = kept.gen.size
     blobs = [CfiBlob(image[b.at - kept.base:b.at - kept.base + len(b.data)], b.at + dc,
                      b.register_at + dc, tuple((lo + dc, hi + dc) for lo, hi in b.ranges),
                      b.has_lsda) for b in kept.blobs]
-    return moved_gen(kept.gen, image[:n], dc, dm), blobs
+    return moved_gen(kept.gen, image[:n], dc, dm, kept.size), blobs
 
 
 Emit = Callable[[SuperRegion, int, int], tuple[GeneratedCode, list[CfiBlob], str | None]]
 
 
-def _within(gen: GeneratedCode, lo: int, hi: int) -> bool:
+def _within(gen: GeneratedCode, lo: int, hi: int, size: int) -> bool:
     """Whether every original address the code was made from (its instructions, exit
-    targets, data operands) lies in [lo, hi): one module, which moves as a whole."""
-    addrs = [x for _, _, x in gen.addr_map] + [t for _, t in gen.exits] + gen.data_refs
+    targets, data operands other than its own tables in its ``size`` bytes) lies in
+    [lo, hi): one module, which moves as a whole."""
+    addrs = [x for _, _, x in gen.addr_map] + [t for _, t in gen.exits] + \
+        module_refs(gen.data_refs, gen.base, size)
     return all(lo <= a < hi for a in addrs)
+
+
+def module_refs(refs: list[int], base: int, size: int) -> list[int]:
+    """The data operands of code at ``base`` (``size`` bytes) that are not its own
+    (dispatch tables, return-address slots): those in its module."""
+    return [x for x in refs if not base <= x < base + size]
 
 
 def keep(sr: SuperRegion, base: int, module: tuple[int, int], movable: bool,
@@ -235,10 +249,10 @@ def keep(sr: SuperRegion, base: int, module: tuple[int, int], movable: bool,
     be); ``movable``: whether the module is position independent."""
     try:
         gen, blobs, why = emit(sr, base, 0)
-        if gen.far_exits or gen.call_copies or gen.counting is not None or \
-                not _within(gen, *module):
-            return None
         a = _image(gen, blobs)
+        if gen.far_exits or gen.call_copies or gen.counting is not None or \
+                not _within(gen, *module, len(a)):
+            return None
         code = _image(*emit(sr, base + CODE_STEP, 0)[:2])
         both = _image(*emit(sr, base + BOTH_STEP, BOTH_STEP)[:2]) if movable else None
         fixups = find_fixups(a, code, both, CODE_STEP, BOTH_STEP)
@@ -248,6 +262,6 @@ def keep(sr: SuperRegion, base: int, module: tuple[int, int], movable: bool,
         want = _image(*emit(sr, base + shift + CHECK_CODE, shift)[:2])
     except CodegenError:
         return None
-    if moved_image(a, fixups, shift + CHECK_CODE, shift) != want:
+    if moved_image(a, fixups, shift + CHECK_CODE, shift, movable) != want:
         return None
     return KeptCode(a, base, anchor_of(sr), tuple(fixups), gen, tuple(blobs), why, movable)

@@ -27,7 +27,7 @@ from dbr_service.codegen.frames import blobs_size, region_blobs
 from dbr_service.common.errors import AgentError, CodegenError, DbrError
 from dbr_service.installation.install import Installer
 from dbr_service.installation.installed import InstalledRegion
-from dbr_service.installation.keptcode import KeptCode, anchor_of, placed
+from dbr_service.installation.keptcode import KeptCode, anchor_of, module_refs, placed
 from dbr_service.region.model import START, SuperRegion
 from dbr_service.common.states import InstallState, RegionState
 
@@ -146,7 +146,7 @@ def kept_code(installer: Installer, sr: SuperRegion, counting: CountPlan | None,
         return None
     _, reach = region_extent(sr)
     dm = anchor_of(sr) - kept.anchor
-    full = reach + [x + dm for x in kept.gen.data_refs]
+    full = reach + [x + dm for x in module_refs(kept.gen.data_refs, kept.base, kept.size)]
     return (kept.size, full) if installer.space.span_fits(kept.size, full) else None
 
 
