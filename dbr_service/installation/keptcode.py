@@ -2,11 +2,12 @@
 and its module are, so that a client places it by moving those fields instead of
 emitting it (docs/decisions/0043-kept-code.md).
 
-A selection made ahead from a module's file (profiles/warmprep.py) emits each region
-at a code address ``base`` (a page of the module's reach, clear of the module) and
-finds its fields by emitting it again: with the code moved by CODE_STEP, and with code
-and module moved together by BOTH_STEP (a module that is not position independent
-does not move).  Every byte that differs belongs to one field:
+A selection made ahead from a module's file, or a warm job's selection kept for the
+next processes (profiles/warmprep.py kept_codes, in a worker), emits each region at
+a code address ``base`` (a page GAP beyond its module) and finds its fields by
+emitting it again: with the code moved by CODE_STEP, and with code and module moved
+together by BOTH_STEP (a module mapped below 4 GiB, at its link address, does not
+move).  Every byte that differs belongs to one field:
 
 * ``REL32``: a rel32 from the code to the module (an exit, a data operand, a real
   call, a pc-relative pointer of the unwind information): moves by the module's
@@ -18,8 +19,9 @@ does not move).  Every byte that differs belongs to one field:
 * ``MOD64``: an absolute address in the module (a return address a call pushes, a
   table of targets): moves with the module.
 
-A byte that changes in any other way, a length that differs, a far-exit stub or a call
-to a live copy: nothing is kept.  The fields found are then checked on a fourth
+A byte that changes in any other way, a length that differs, a far-exit stub, a call
+to a live copy or an address outside the region's own module (modules move apart
+between processes): nothing is kept.  The fields found are then checked on a fourth
 emission at other places: the kept bytes with their fields moved there must be that
 emission's bytes exactly, else nothing is kept.  Emission is deterministic in the
 region and its two addresses, so a field list that predicts an emission it was not
