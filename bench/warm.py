@@ -4,20 +4,23 @@ soon, and what do they cost against native?
 For each real program of the suite (gzip, xz, zstd, bzip2, sqlite3, perl, python3):
 
 1. **Training**: the program under a ``dbr service --aggressive`` with a fresh profile
-   store, until a run is patched (at most ``--train`` runs); its profile and hot text
-   go to the store when it ends.  The training service is then stopped (a store has
-   one writer).
+   store, until a run is patched and leaves hot text in the store (at most ``--train``
+   runs); its profile and hot text go to the store when it ends.  The training
+   service is then stopped (a store has one writer).
 2. **Timed rounds**, alternated: native; a host service with default settings on that
-   store (warm: the program's agents connect at their start and its first job
-   selects from the stored profile); and one with ``warm_start=false`` (cold: what
-   the same run gets without a store).  Every run's output is checked against
-   native's.
+   store (warm: the program's agents connect at their start and get the selections
+   it made ahead from the stored profile, or a job that selects from it); and one
+   with ``warm_start=false`` (cold: what the same run gets without a store).  The
+   rounds start once the warm service has made its selections ahead, as one that has
+   been up a while has (bounded: AHEAD_WAIT_S; the wait is reported).  Every run's
+   output is checked against native's.
 
 The runs are the suite's full inputs (about 1-4 s here).
 
 Reported per program: runs patched, time from the agent's connection to the first
 patch (median and range), wall time over native (median of the paired ratios, with
-their range), and the services' CPU per run.
+their range), the services' CPU per run, and how many of the warm runs' installed
+regions were placed from code kept with their selection rather than emitted.
 
 usage: python -m bench.warm [--pairs N] [--train N] [--only NAME,...] [--logs DIR]
 """
@@ -40,6 +43,10 @@ from bench.runner import HostService, run_once
 from bench.suite import Ctx, Skip, registry
 from dbr_service.commands.cmd_run import collect_report, preload_env
 from dbr_service.commands.ctlclient import ControlClient
+from dbr_service.profiles.profilestore import ProfileStore
+
+#: Seconds the timed rounds wait at most for the warm service's selections ahead.
+AHEAD_WAIT_S = 120.0
 
 
 def _report(svc: HostService, pid: int) -> dict[str, Any]:
@@ -62,10 +69,34 @@ def _recorded(svc: HostService, runs: int, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def _selected_ahead(svc: HostService, timeout: float = AHEAD_WAIT_S) -> float | None:
+    """Wait (bounded) until the service has made its selections ahead (a service that
+    has been up a while has them): how long the wait took (they started with the
+    service, before the cold one was started), None if not within ``timeout``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = ControlClient(svc.rt).result("status").get("warm_start") or {}
+        if st.get("prepare_pending", 0) == 0:
+            return round(time.monotonic() - t0, 2)
+        time.sleep(0.1)
+    return None
+
+
+def _hot_text_stored(state: str) -> bool:
+    """Whether the store in ``state`` holds hot text (read-only: the training service
+    holds it)."""
+    store = ProfileStore(state, readonly=True)
+    try:
+        return any(sm.regions for sm in store.summaries())
+    finally:
+        store.close()
+
+
 def _train(prog: Any, train: int, work: Path, agent: str, base: dict[str, str],
            timeout: float) -> tuple[int | None, str]:
-    """Runs of ``prog`` under an aggressive service until one is patched: how many
-    (None: none was), and an error text."""
+    """Runs of ``prog`` under an aggressive service until one is patched and leaves hot
+    text in the store (a run whose regions were all taken out again leaves none): how
+    many (None: none did), and an error text."""
     svc = HostService(flags=["--aggressive"], prefix="dbr-bench-train-")
     try:
         why = svc.start(base)
@@ -78,7 +109,8 @@ def _train(prog: Any, train: int, work: Path, agent: str, base: dict[str, str],
                 return None, f"training run exited {r.exit_code}: {r.stderr_tail}"
             if _ttfp(_report(svc, r.pid)) is not None:
                 _recorded(svc, i + 1)
-                return i + 1, ""
+                if _hot_text_stored(base["DBR_STATE_DIR"]):
+                    return i + 1, ""
         return None, ""
     finally:
         svc.stop()
@@ -103,6 +135,7 @@ def _bench_one(name: str, prog: Any, pairs: int, train: int, work: Path,
             why = svc.start(base)
             if why is not None:
                 return dict(row, error=f"service {why}")
+        row["selected_ahead_s"] = _selected_ahead(warm)
         env = {n: preload_env(dict(base, DBR_RUNTIME_DIR=s.rt), agent)
                for n, s in (("warm", warm), ("cold", cold))}
         env["native"] = base
@@ -111,6 +144,8 @@ def _bench_one(name: str, prog: Any, pairs: int, train: int, work: Path,
         cpu: dict[str, list[float]] = {"warm": [], "cold": []}
         ttfp: dict[str, list[float | None]] = {"warm": [], "cold": []}
         timelines: dict[str, list[Any]] = {"warm": [], "cold": []}
+        #: regions installed, and of them placed from kept code (not emitted)
+        placed: dict[str, list[int]] = {"warm": [0, 0], "cold": [0, 0]}
         wrong = 0
         names = list(walls)
         svcs = {"warm": warm, "cold": cold}
@@ -130,6 +165,10 @@ def _bench_one(name: str, prog: Any, pairs: int, train: int, work: Path,
                     entry = _report(svc, r.pid)
                     ttfp[n].append(_ttfp(entry))
                     timelines[n].append(entry.get("timeline"))
+                    live = [g for g in entry.get("regions") or [] if g.get("state") == "installed"]
+                    placed[n][0] += len(live)
+                    placed[n][1] += sum((g.get("info") or {}).get("code_from") == "kept"
+                                        for g in live)
                     c1 = svc.cpu_s()
                     if c0 is not None and c1 is not None:
                         cpu[n].append(c1 - c0)
@@ -147,6 +186,7 @@ def _bench_one(name: str, prog: Any, pairs: int, train: int, work: Path,
                                                round(max(got) * 1e3, 1)] if got else None,
                       "service_cpu_ms_per_run": round(statistics.mean(cpu[n]) * 1e3, 1)
                       if cpu[n] else None,
+                      "regions_installed": placed[n][0], "regions_placed_kept": placed[n][1],
                       "timelines": timelines[n]}
         return row
     finally:
@@ -205,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{wm['service_cpu_ms_per_run']} ms/run | cold x{cd['ratio']:.3f} "
                   f"[{cd['ratio_min']:.3f}-{cd['ratio_max']:.3f}] patched "
                   f"{cd['runs_patched']}/{cd['runs']} | wrong outputs {row['wrong_outputs']}"
-                  f"{'' if row['trained'] else ' | training never patched'}", flush=True)
+                  f" | waited {row['selected_ahead_s']} s for the selections ahead"
+                  f" | warm regions placed from kept code {wm['regions_placed_kept']}"
+                  f"/{wm['regions_installed']}"
+                  f"{'' if row['trained'] else ' | training left no hot text'}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     path = write_results("warm", {"machine": machine(), "pairs": args.pairs,

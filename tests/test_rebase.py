@@ -142,3 +142,18 @@ def test_a_selection_moved_to_another_process_is_the_one_selected_there(tmp_path
         for p in procs:
             p.kill()
             p.wait(5)
+
+
+@dataclass(frozen=True)
+class _AsIs:
+    """Something that moves itself when it is used (as installation/keptcode.py's
+    KeptCode): its addresses stay those of where it was made."""
+
+    REBASE_AS_IS = True
+    at: int
+
+
+def test_an_object_that_says_rebase_as_is_is_kept_as_it_is():
+    kept = _AsIs(0x5555_5555_5010)
+    moved = rebase({"kept": kept, "at": kept.at}, OLD, _new())
+    assert moved["kept"] is kept and moved["at"] == kept.at + D_PROG

@@ -228,6 +228,11 @@ def test_a_fresh_services_first_warm_client_is_patched_with_no_job(prog, tmp_pat
         assert rep["time_to_first_patch_s"] is not None, rep
         st = svc.call("status")["warm_start"]
         assert st["prepared_used"] == 1 and st["warm_jobs"] == 0, st
+        assert st["prepare_pending"] == 0, st
+        # its code was kept with the selection: placed, not emitted
+        live = [r for r in svc.call("regions", {"pid": pid})["regions"]
+                if r["state"] == "installed"]
+        assert live and all(r["info"]["code_from"] == "kept" for r in live), live
     finally:
         svc.stop()
 
@@ -245,12 +250,123 @@ def test_a_kept_selection_of_nothing_gives_way_to_one_made_ahead(tmp_path, monke
         ws = WarmStart(store, Config())
         client = SimpleNamespace(build_id="ab" * 20, session_id=7, pid=4242, exe="/bin/x",
                                  maps=[])
-        ws._pending[client.session_id] = (ws._exe_key(client), [], {})
+        ws._pending[client.session_id] = (ws._exe_key(client), [], {}, False)
         ws.job_done(client.session_id, SimpleNamespace(regions=[]))
         ahead = SimpleNamespace(regions=[{"transfer_only": False}])
         monkeypatch.setattr(ws, "prepared_result", lambda s: ahead)
         assert ws.kept_selection(client) == (ahead, "warm_selection_prepared")
         monkeypatch.setattr(ws, "prepared_result", lambda s: None)
         assert ws.kept_selection(client) == (None, "")
+    finally:
+        store.close()
+
+
+def test_a_kept_selection_gives_way_to_one_made_ahead_once_it_is_ready(tmp_path, monkeypatch):
+    """A warm job's selection with a region to patch, kept while the selections ahead
+    were not ready, serves the next process until they are; then they do (their code
+    is kept: no emission) and it is dropped."""
+    from types import SimpleNamespace
+
+    from dbr_service.profiles.warmstart import WarmStart
+
+    store = ProfileStore(tmp_path / "state")
+    try:
+        ws = WarmStart(store, Config())
+        client = SimpleNamespace(build_id="ab" * 20, session_id=7, pid=4242, exe="/bin/x",
+                                 maps=[])
+        ws._pending[client.session_id] = (ws._exe_key(client), [], {}, False)
+        ws.job_done(client.session_id, SimpleNamespace(regions=[{"transfer_only": False}]))
+        live = SimpleNamespace(regions=[{"transfer_only": False}])
+        monkeypatch.setattr(ws, "reused_result", lambda s, key: live if key in ws._results
+                            else None)
+        monkeypatch.setattr(ws, "prepared_result", lambda s: None)
+        assert ws.kept_selection(client) == (live, "warm_selection_reused")
+        ahead = SimpleNamespace(regions=[{"transfer_only": False}])
+        monkeypatch.setattr(ws, "prepared_result", lambda s: ahead)
+        assert ws.kept_selection(client) == (ahead, "warm_selection_prepared")
+        monkeypatch.setattr(ws, "prepared_result", lambda s: None)
+        assert ws.kept_selection(client) == (None, "")
+    finally:
+        store.close()
+
+
+def test_selections_ahead_not_done_are_counted_until_done(tmp_path):
+    """status' prepare_pending: modules queued for a selection ahead and not done,
+    whatever their outcome (here: the worker fails)."""
+    import concurrent.futures
+    import threading
+    import time
+
+    from dbr_service.profiles.warmstart import WarmStart
+
+    prog_key = "k" * 40
+    store = ProfileStore(tmp_path / "state")
+    gate = threading.Event()
+
+    def runner(fn, *args):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def finish():
+            gate.wait(10)
+            fut.set_exception(DbrError("no such module"))
+        threading.Thread(target=finish, daemon=True).start()
+        return fut
+
+    try:
+        ws = WarmStart(store, Config(), runner)
+        ws._lookup = lambda key: ModuleProfile(key, "/x", "", 1, 0.0, 0.0, {1: 1.0}, {},
+                                               [HotRegion([EntrySite(1, b"\x90")], [(1, 2)], {})])
+        ws.prepare_ahead(prog_key, "/x")
+        assert ws.status()["prepare_pending"] == 1
+        gate.set()
+        deadline = time.monotonic() + 10
+        while ws.status()["prepare_pending"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ws.status()["prepare_pending"] == 0 and ws.status()["prepared_selections"] == 0
+    finally:
+        ws.close()
+
+
+def test_a_quick_selection_with_nothing_to_patch_gives_way_to_a_full_one(prog, monkeypatch):
+    """A selection ahead whose quick job finds only regions without a patch site (a
+    loop entered only by moving threads in, which a process at its start has none in)
+    selects again without the quick bounds, and keeps that when it has a patch site."""
+    from dbr_service.profiles import warmprep
+    from dbr_service.region.worker import JobResult
+
+    quick_flags = []
+
+    def fake(job):
+        quick_flags.append(job.quick)
+        return JobResult(0, 0, [], [{"transfer_only": job.quick}], "", srs=[])
+
+    monkeypatch.setattr(warmprep, "optimize_client", fake)
+    _, res = prepare(_profile(prog, _flat(prog), selection_params(Config(**AGGRESSIVE))),
+                     prog, Config().to_dict())
+    assert quick_flags == [True, False] and res.regions == [{"transfer_only": False}]
+
+
+def test_a_quick_warm_job_with_nothing_to_patch_asks_for_a_full_one(tmp_path):
+    """Its result is not kept (the next processes would get nothing to patch again);
+    the full job's result is, whatever it found."""
+    from types import SimpleNamespace
+
+    from dbr_service.profiles.warmstart import WarmStart
+
+    store = ProfileStore(tmp_path / "state")
+    try:
+        ws = WarmStart(store, Config())
+        client = SimpleNamespace(build_id="ab" * 20, session_id=7, pid=4242, exe="/bin/x",
+                                 maps=[])
+        key = ws._exe_key(client)
+        ws.job_queued(client, [], {})
+        assert ws.job_done(7, SimpleNamespace(regions=[{"transfer_only": True}])) is True
+        assert key not in ws._results
+        ws.job_queued(client, [], {}, quick=False)
+        assert ws.job_done(7, SimpleNamespace(regions=[{"transfer_only": True}])) is False
+        assert key in ws._results
+        ws.job_queued(client, [], {})
+        assert ws.job_done(7, SimpleNamespace(regions=[{"transfer_only": False}])) is False
+        assert ws._results[key][1].regions == [{"transfer_only": False}]
     finally:
         store.close()

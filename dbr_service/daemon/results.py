@@ -24,13 +24,18 @@ class JobResults:
         self.post(lambda: self._apply_result(res, session_id))
 
     def _apply_result(self, res: JobResult | BaseException, session_id: int) -> None:
+        full = False
         if self.warm is not None:
             # a warm job's selection is kept for the program's next processes, also
             # when this one has ended meanwhile; before installation annotates it
-            self.warm.job_done(session_id, None if isinstance(res, BaseException) else res)
+            full = self.warm.job_done(session_id,
+                                      None if isinstance(res, BaseException) else res)
         s = self._session_by_id(session_id)
         if s is None:
             return
+        if full and s.alive:
+            # a quick warm job found nothing to patch: a full one from the same counts
+            self.post(lambda: self.start_warm_job(s, *self.warm.job_input(s), quick=False))
         s.jobs_done += 1
         s.mark("first_job_done")
         if isinstance(res, BaseException):

@@ -291,22 +291,23 @@ class SnapshotCycle:
                 self.apply_reused_selection(s, res, "warm_selection_prepared")
 
     def start_warm_job(self, s: ClientSession, selection: dict[int, int],
-                       settings: dict[str, Any]) -> None:
+                       settings: dict[str, Any], quick: bool = True) -> None:
         """Control thread: a warm client's first region job, from its stored profile
         (``selection``, samples by address, under ``settings``, a configuration:
         warmstart.WarmStart.job_input), queued at once rather than after its first
-        sampling windows."""
-        if not s.alive or s.paused or self.paused or s.jobs_done or \
-                s.session_id in self.scheduler.running:
+        sampling windows; ``quick=False``: the full selection that follows a quick one
+        that found nothing to patch (its second job)."""
+        if not s.alive or s.paused or self.paused or s.jobs_done > (0 if quick else 1) or \
+                s.session_id in self.scheduler.running or not selection:
             return
         own = self.config.to_dict()
         job = ClientJob(s.session_id, s.pid, s.exe, dict(selection), dict(selection),
-                        list(s.maps), settings, patched=s.patched_ranges(), quick=True,
+                        list(s.maps), settings, patched=s.patched_ranges(), quick=quick,
                         fallback_config=None if settings == own else own)
         if self.scheduler.schedule([job], self.config.max_workers):
-            s.mark("warm_job_queued")
+            s.mark("warm_job_queued" if quick else "warm_full_job_queued")
             if self.warm is not None:      # its result is kept with these (_apply_result)
-                self.warm.job_queued(s, job.maps, settings)
+                self.warm.job_queued(s, job.maps, settings, quick)
             if self.warm is not None:
                 self.warm.warm_jobs += 1
 

@@ -91,6 +91,7 @@ class Installer(EntrySiteChecks):
         self.patches_installed = 0
         self.patches_removed = 0
         self.first_patch_at: float | None = None
+        self.kept_placed = 0      # regions placed from kept code (installation/keptcode.py)
         #: Installed regions' code as (lo, hi, region), replaced whole on every change so
         #: other threads (sample attribution) read it without a lock.
         self.live: tuple[tuple[int, int, InstalledRegion], ...] = ()

@@ -27,6 +27,7 @@ from dbr_service.codegen.frames import blobs_size, region_blobs
 from dbr_service.common.errors import AgentError, CodegenError, DbrError
 from dbr_service.installation.install import Installer
 from dbr_service.installation.installed import InstalledRegion
+from dbr_service.installation.keptcode import KeptCode, anchor_of, module_refs, placed
 from dbr_service.region.model import START, SuperRegion
 from dbr_service.common.states import InstallState, RegionState
 
@@ -129,6 +130,26 @@ def placement(installer: Installer, sr: SuperRegion,
     return pre.size + far_exit_bound(pre.targets) + pre.frames, entries + pre.data_refs
 
 
+def kept_code(installer: Installer, sr: SuperRegion, counting: CountPlan | None,
+              copies: Mapping[int, Any]) -> tuple[int, list[int]] | None:
+    """Bytes to reserve for ``sr``'s code kept from a selection made ahead
+    (``sr.info["kept_code"]``, installation/keptcode.py) and the addresses its buffer
+    must reach; None when it is to be emitted instead: none kept, a counting region,
+    real calls whose unwind information this client does not take or whose callee
+    has a live copy they should call, or no buffer reaching all it reaches."""
+    kept = sr.info.get("kept_code")
+    if not isinstance(kept, KeptCode) or counting is not None:
+        return None
+    if kept.gen.calls and (not installer.frames_enabled or installer.cfi is None):
+        return None
+    if any(copies.get(t) for t in real_call_targets(sr)):
+        return None
+    _, reach = region_extent(sr)
+    dm = anchor_of(sr) - kept.anchor
+    full = reach + [x + dm for x in module_refs(kept.gen.data_refs, kept.base, kept.size)]
+    return (kept.size, full) if installer.space.span_fits(kept.size, full) else None
+
+
 def check_original(installer: Installer, sr: SuperRegion) -> None:
     """Raise CodegenError unless the client's code still holds the bytes the region
     was built from (the agent checks only the patch sites' bytes; threads moved in by
@@ -164,24 +185,38 @@ def check_original(installer: Installer, sr: SuperRegion) -> None:
 
 
 def install_region(installer: Installer, sr: SuperRegion,
-                   counting: CountPlan | None = None) -> InstalledRegion:
+                   counting: CountPlan | None = None,
+                   mark: Callable[[str], None] | None = None) -> InstalledRegion:
     """Emit ``sr`` into space reachable from everything it must reach and patch its
     entries (and move threads in, see :meth:`Installer.transfer`); with ``counting``,
-    as a counting region (codegen/blocks.py)."""
+    as a counting region (codegen/blocks.py).  ``mark(step)``: told as each step
+    ends ("code_checked", "code_reserved", "code_emitted"), for the timeline."""
+    mark = mark or (lambda step: None)
     if installer.transfer_enabled or sr.transfer_only or sr.info.get("verify_original"):
         check_original(installer, sr)
+        mark("code_checked")
     ranges, _ = region_extent(sr)
-    size, reach = placement(installer, sr, counting)   # a call to a copy: as long as any
-    chunk = installer.reserve(size, reach)
     copies = installer.copy_entries()
+    kept = kept_code(installer, sr, counting, copies)
+    # a call to a copy: as long as any
+    size, reach = kept if kept is not None else placement(installer, sr, counting)
+    chunk = installer.reserve(size, reach)
+    mark("code_reserved")
+    got = placed(sr.info["kept_code"], sr, chunk.addr) if kept is not None else None
     try:
-        gen, blobs, cfi_refused = emit_with_frames(
-            installer, sr, chunk.addr, call_target=lambda t: copies.get(t, (None,))[0],
-            counting=counting)
+        if got is not None:
+            (gen, blobs), cfi_refused = got, sr.info["kept_code"].cfi_refused
+        else:
+            gen, blobs, cfi_refused = emit_with_frames(
+                installer, sr, chunk.addr, call_target=lambda t: copies.get(t, (None,))[0],
+                counting=counting)
         check_generated(gen)
     except DbrError:
         installer.space.release(chunk)
         raise
+    sr.info["code_from"] = "kept" if got is not None else "emitted"
+    installer.kept_placed += got is not None
+    mark("code_emitted")
     end = chunk.addr + gen.size + blobs_size(blobs, chunk.addr + gen.size)
     if end > chunk.addr + chunk.size:
         installer.space.release(chunk)
@@ -213,12 +248,13 @@ class InstallOutcome:
 def install_regions(installer: Installer, regions: Iterable[SuperRegion],
                     already: Iterable[InstalledRegion] = (),
                     counting_for: Callable[[SuperRegion], CountPlan | None] | None = None,
-                    went_live: Callable[[InstalledRegion], None] | None = None
-                    ) -> InstallOutcome:
+                    went_live: Callable[[InstalledRegion], None] | None = None,
+                    mark: Callable[[str], None] | None = None) -> InstallOutcome:
     """Install every region whose entry sites are not already patched; a failure in
     one region is recorded and the others go on.  ``counting_for(sr)``: the counters
     of a region to install as a counting region, or None; ``went_live(reg)``: called as
-    each region is installed, before the next one is emitted."""
+    each region is installed, before the next one is emitted; ``mark``: see
+    :func:`install_region`."""
     out = InstallOutcome()
     taken = {s.site for r in already if r.state is InstallState.INSTALLED
              for s in r.patched_sites}
@@ -229,7 +265,8 @@ def install_regions(installer: Installer, regions: Iterable[SuperRegion],
             continue
         try:
             reg = install_region(installer, sr,
-                                 counting_for(sr) if counting_for is not None else None)
+                                 counting_for(sr) if counting_for is not None else None,
+                                 mark=mark)
         except (DbrError, OSError) as exc:
             out.failed.append((sr.id, f"{type(exc).__name__}: {exc}"))
             continue

@@ -20,8 +20,10 @@ fields:
   does not map): :class:`NoRebase`, and the caller selects anew.
 
 Floats, strings, bytes (instruction bytes are the file's, the same in both
-processes) and enums are kept as they are.  Sharing is preserved (a memo, as
-``copy.deepcopy`` keeps one), so graphs whose dicts share structure stay consistent.
+processes), enums and objects whose class says ``REBASE_AS_IS`` (code kept ahead,
+installation/keptcode.py, which is moved when it is placed) are kept as they are.
+Sharing is preserved (a memo, as ``copy.deepcopy`` keeps one), so graphs whose dicts
+share structure stay consistent.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class _Mover:
             return obj
         if isinstance(obj, int):
             return self.addr(obj)
+        if getattr(type(obj), "REBASE_AS_IS", False):
+            return obj        # moved when it is used (installation/keptcode.py)
         key = id(obj)
         if key in self.memo:
             return self.memo[key]

@@ -6,7 +6,8 @@ client from a module's file (docs/decisions/0042-warm-selection.md).
   counts under the thresholds the hot text was made with (WARM_KEYS of its regions'
   ``params``, each checked against the configuration's bounds; the service's own
   where none is recorded); where those select no region with a patch site, it
-  selects again under the service's own (``ClientJob.fallback_config``).  The
+  selects again under the service's own (``ClientJob.fallback_config``), and where
+  that too gives none, without the quick bounds (a full selection).  The
   service's defaults, made for a live window, select nothing in some whole-run
   profiles (zstd's loops run fewer than 16 times an entry; sqlite3's profile is flat),
   and the hot text's, in some others, nothing a client can be patched with.
@@ -32,10 +33,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dbr_service.common.config import Config
-from dbr_service.common.errors import DbrError
-from dbr_service.common.procmaps import MapEntry
+from dbr_service.common.errors import CodegenError, DbrError
+from dbr_service.common.procmaps import MapEntry, module_base
 from dbr_service.profiles.modkey import ModuleKeyError, module_key
 from dbr_service.profiles.profiledata import HotRegion, ModuleProfile
+from dbr_service.profiles.rebase import NoRebase, rebase
 from dbr_service.region.worker import ClientJob, JobResult, optimize_client
 
 #: The selection thresholds a warm job takes from the hot text it reproduces.
@@ -171,6 +173,12 @@ def prepare(profile: ModuleProfile, path: str, config: Mapping[str, Any]
                   fallback_config=None if settings == dict(config) else dict(config),
                   path=path, view_base=base)
     res = optimize_client(job)
+    if res.regions is not None and patchless(res):
+        # the quick bounds can stop short of every entry a patch could go at (an
+        # interpreter's loop entered only by its dispatch): a full selection instead
+        full = optimize_client(dataclasses.replace(job, quick=False))
+        if full.regions is not None and not patchless(full):
+            res = full
     if res.regions is None:
         raise DbrError(f"{path}: {res.region_status}")
     emitted_ahead(res.srs or [], maps)
@@ -190,21 +198,75 @@ class _FileTarget:
         self.cfi = CfiSource(lambda: ranges)
 
 
+def _code_place(sr: Any, maps: list[MapEntry]) -> tuple[int, tuple[int, int], bool] | None:
+    """Where ``sr``'s code is kept from (a page GAP beyond its module), its module's
+    span and whether the module moves between processes (mapped above 4 GiB: a
+    position-independent one; one at its link address below does not move); None
+    when its lowest block is in no file mapping."""
+    from dbr_service.installation.keptcode import GAP, anchor_of
+
+    at = anchor_of(sr)
+    m = next((m for m in maps if m.lo <= at < m.hi), None)
+    if m is None or not m.path.startswith("/"):
+        return None
+    mine = [x for x in maps if x.path == m.path]
+    lo, hi = min(x.lo for x in mine), max(x.hi for x in mine)
+    return (hi + GAP + 0xFFF) & ~0xFFF, (lo, hi), module_base(maps, m.path) >= 1 << 32
+
+
+def kept_codes(srs: list[Any], maps: list[MapEntry]) -> list[Any]:
+    """Each region's code kept with its moving fields (installation/keptcode.py),
+    emitted on the mappings ``maps`` it was selected on (a module's file as prepare
+    maps it, or a process), or None for a region whose code cannot be kept."""
+    from dbr_service.installation.keptcode import keep
+    from dbr_service.installation.optimize import emit_with_frames
+
+    target = _FileTarget(maps)
+    shifted: dict[int, tuple[list[MapEntry], _FileTarget]] = {}
+
+    def emit(sr: Any, at: int, shift: int) -> Any:
+        if not shift:
+            return emit_with_frames(target, sr, at)
+        if shift not in shifted:
+            there = [m._replace(lo=m.lo + shift, hi=m.hi + shift) for m in maps]
+            shifted[shift] = (there, _FileTarget(there))
+        there, tgt = shifted[shift]
+        try:
+            moved = rebase(sr, maps, there)
+        except NoRebase as exc:
+            raise CodegenError(f"{sr.id}: {exc}") from None
+        return emit_with_frames(tgt, moved, at)
+
+    out = []
+    for sr in srs:
+        place = _code_place(sr, maps)
+        out.append(None if place is None else keep(sr, place[0], place[1], place[2], emit))
+    return out
+
+
 def emitted_ahead(srs: list[Any], maps: list[MapEntry]) -> None:
     """Keep with each region what its emission near its patch sites gives placement
     (installation/optimize.py Provisional), so that a client emits it once, at its
     place; not for a region whose unwind information cannot be made here (its size
-    would be that of a copy without real calls)."""
+    would be that of a copy without real calls).  Keep its code too (kept_codes), so
+    that a client places it without emitting it."""
     from dbr_service.installation.optimize import provisional
 
     target = _FileTarget(maps)
-    for sr in srs:
+    for sr, kept in zip(srs, kept_codes(srs, maps)):
         try:
             pre, why = provisional(target, sr)
         except DbrError:
             continue
         if why is None:
             sr.info["provisional"] = pre
+        if kept is not None:
+            sr.info["kept_code"] = kept
+
+
+def patchless(res: Any) -> bool:
+    """A selection nothing can be patched with: no region, or none with a patch site."""
+    return all(d["transfer_only"] for d in (res.regions or []))
 
 
 def merge_results(parts: list[JobResult], session_id: int, pid: int) -> JobResult:

@@ -14,7 +14,11 @@
   sampling goes on to refine the choice.
 * **Kept selections.**  That job's result is kept, and the program's next processes
   get it at connection with no job, moved to where each maps its files
-  (profiles/rebase.py), REUSE_MAX_TIMES times within REUSE_MAX_S.
+  (profiles/rebase.py), REUSE_MAX_TIMES times within REUSE_MAX_S, until the
+  selections made ahead of their files (profiles/warmprep.py, their code kept too:
+  installation/keptcode.py) are ready, which come first.  A kept selection's code is
+  kept too, in a worker after the job (_keep_code).  A quick job that found nothing
+  with a patch site is followed by a full one, whose result is kept instead.
 * **Born at once.**  A warm program's agents are told to connect at their start: the
   program's own birth age, 0, beside the service's hint (paths.program_quiet_file),
   written when a run leaves hot text and, at the service's start, for the stored
@@ -45,7 +49,8 @@ from dbr_service.profiles.profiledata import (HotRegion, ModuleProfile,
                                               ProfileDataError, module_counts,
                                               module_hot_text, selection_params)
 from dbr_service.profiles.rebase import NoRebase, rebase
-from dbr_service.profiles.warmprep import WARM_KEYS, merge_results, prepare, warm_settings
+from dbr_service.profiles.warmprep import (WARM_KEYS, kept_codes, merge_results, patchless,
+                                           prepare, warm_settings)
 from dbr_service.profiles.profilestore import ProfileStore, StoreBusyError, StoreError
 
 log = logging.getLogger("dbr.warm")
@@ -105,6 +110,11 @@ class WarmStart:
         self._prep_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._prep_thread: threading.Thread | None = None
         self.prepared_used = 0
+        #: Modules queued for a selection ahead and not done (kept, found patchless or
+        #: failed).
+        self.prepare_pending = 0
+        #: Regions of warm jobs' kept selections whose code was kept (_keep_code).
+        self.codes_kept = 0
         #: session id -> the settings its warm selection was made under, which its
         #: run's hot text records (the next warm selections take them again).
         self._selected_under: dict[int, dict[str, Any]] = {}
@@ -149,7 +159,9 @@ class WarmStart:
         return {"store": str(self.store.path), "runs_recorded": self.runs_recorded,
                 "warm_jobs": self.warm_jobs, "reused_selections": self.reuses,
                 "prepared_selections": len(self._prepared),
-                "prepared_used": self.prepared_used, "errors": self.errors}
+                "prepared_used": self.prepared_used,
+                "prepare_pending": self.prepare_pending, "codes_kept": self.codes_kept,
+                "errors": self.errors}
 
     # ---------------------------------------------------------------- module keys
     def _key(self, path: str, maps: list[MapEntry]) -> ModuleKey | None:
@@ -271,48 +283,52 @@ class WarmStart:
         while len(self._selected_under) > 4096:          # sessions that never ended
             self._selected_under.pop(next(iter(self._selected_under)))
 
-    def job_queued(self, s: Any, maps: list[MapEntry], settings: dict[str, Any]) -> None:
+    def job_queued(self, s: Any, maps: list[MapEntry], settings: dict[str, Any],
+                   quick: bool = True) -> None:
         """Control thread: a warm job of session ``s`` selects on ``maps`` under the
-        configuration ``settings``."""
+        configuration ``settings``, a quick one or not."""
         self.selected_under(s, settings)
         key = self._exe_key(s)
         if key:
-            self._pending[s.session_id] = (key, list(maps), dict(settings))
+            self._pending[s.session_id] = (key, list(maps), dict(settings), quick)
             while len(self._pending) > MAX_KEPT_SELECTIONS:   # jobs lost on the way
                 self._pending.pop(next(iter(self._pending)))
 
-    def job_done(self, session_id: int, res: Any) -> None:
+    def job_done(self, session_id: int, res: Any) -> bool:
         """Control thread, before the result is installed: keep a warm job's result (a
         copy: installation annotates the regions it emits) to reuse for the next
-        processes of the program."""
-        key, maps, settings = self._pending.pop(session_id, (None, None, None))
+        processes of the program.  True when it was a quick job that selected nothing
+        with a patch site: a full selection should follow (the quick bounds can stop
+        short of every entry a patch could go at), and this one is not kept."""
+        key, maps, settings, quick = self._pending.pop(session_id, (None,) * 4)
+        if not key or res is None or res.regions is None:
+            return False
+        if quick and patchless(res):
+            return True
         # kept also when it selected nothing: the next processes get that at once
         # instead of a job each that selects nothing again
-        if key and res is not None and res.regions is not None:
-            self._results[key] = [maps, copy.deepcopy(res), time.monotonic(), 0, settings]
-            while len(self._results) > MAX_KEPT_SELECTIONS:
-                self._results.pop(next(iter(self._results)))
+        kept = self._results[key] = [maps, copy.deepcopy(res), time.monotonic(), 0, settings]
+        while len(self._results) > MAX_KEPT_SELECTIONS:
+            self._results.pop(next(iter(self._results)))
+        if getattr(res, "srs", None) and self.runner is not None and not self._closed:
+            self._queue_side(self._keep_code, key, kept)
+        return False
 
     def kept_selection(self, s: Any) -> tuple[Any, str]:
         """Session thread, when a warm client connects (its map read): a selection to
-        install at once, and the timeline mark that names it: the kept one of its
-        program (reused_result), else those made ahead of its files
-        (prepared_result); (None, "") when there is none."""
+        install at once, and the timeline mark that names it: those made ahead of its
+        files (prepared_result), else the kept one of its program (reused_result);
+        (None, "") when there is none.  A kept selection stood in for those made ahead
+        while they were not ready (its job ran first); once they are, it gives way to
+        them (their code is kept, installation/keptcode.py) and is dropped."""
         key = self._exe_key(s)
-        kept = self._results.get(key) if key else None
-        # a kept selection of nothing gives way to those made ahead once they are
-        # ready (the job that made it may have run before they were)
-        ahead_first = kept is not None and _patchless(kept[1])
-        if ahead_first:
-            res = self.prepared_result(s)
-            if res is not None:
-                self._results.pop(key, None)
-                return res, "warm_selection_prepared"
-        res = self.reused_result(s, key)
+        res = self.prepared_result(s)
         if res is not None:
-            return res, "warm_selection_reused"
-        res = None if ahead_first else self.prepared_result(s)
-        return (res, "warm_selection_prepared") if res is not None else (None, "")
+            if key:
+                self._results.pop(key, None)
+            return res, "warm_selection_prepared"
+        res = self.reused_result(s, key)
+        return (res, "warm_selection_reused") if res is not None else (None, "")
 
     def reused_result(self, s: Any, key: str | None) -> Any:
         """Session thread, when a warm client connects (its map read): the kept
@@ -365,7 +381,14 @@ class WarmStart:
         service waits for each."""
         if self._closed or self.runner is None:
             return
-        self._prep_queue.put((key, path))
+        with self._lock:
+            self.prepare_pending += 1
+        self._queue_side(self._prepare_one, key, path)
+
+    def _queue_side(self, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` on the thread that waits for the work done ahead in workers,
+        one item at a time."""
+        self._prep_queue.put((fn, args))
         if self._prep_thread is None:
             self._prep_thread = threading.Thread(target=self._prepare_loop, daemon=True,
                                                  name="dbr-warm-prepare")
@@ -373,29 +396,64 @@ class WarmStart:
 
     def _prepare_loop(self) -> None:
         while (item := self._prep_queue.get()) is not None and not self._closed:
-            key, path = item
-            prof = self._lookup(key)
-            if prof is None or not prof.hot_text:
-                continue
-            t0 = time.monotonic()
-            try:
-                got = self.runner(prepare, prof, path, self.config.to_dict()).result(
-                    timeout=PREPARE_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - one module's file: logged, go on
-                log.info("no selection ahead for %s: %s", path, exc or type(exc).__name__)
-                got = None
-            if got is None or _patchless(got[1]):
-                # nothing a client could be patched with (no region, or none with a
-                # patch site): its clients get a warm job (job_input)
-                self._prepared.pop(key, None)
-                continue
-            self._prepared[key] = got
-            while len(self._prepared) > MAX_KEPT_SELECTIONS:
-                self._prepared.pop(next(iter(self._prepared)))
-            log.info("%s: %d region(s) selected ahead in %.0f ms", path,
-                     len(got[1].regions), (time.monotonic() - t0) * 1e3)
-            if self.on_prepared is not None:
-                self.on_prepared()
+            fn, args = item
+            fn(*args)
+
+    def _keep_code(self, key: str, kept: list) -> None:
+        """A warm job's kept selection ``kept`` gets its regions' code kept
+        (warmprep.kept_codes, in a worker), so that the next processes place it
+        without emitting it; replaced whole, as session threads may be moving it."""
+        maps, res = kept[0], kept[1]
+        try:
+            codes = self.runner(kept_codes, res.srs or [], maps).result(
+                timeout=PREPARE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - logged, the selection is kept as it is
+            log.info("no code kept for a warm job's selection: %s", exc or type(exc).__name__)
+            return
+        if self._results.get(key) is not kept or not any(codes):
+            return
+        out = copy.copy(res)
+        out.srs = []
+        for sr, code in zip(res.srs or [], codes):
+            if code is not None:
+                sr = copy.copy(sr)
+                sr.info = dict(sr.info, kept_code=code)
+            out.srs.append(sr)
+        kept[1] = out
+        self.codes_kept += sum(c is not None for c in codes)
+
+    def _prepare_one(self, key: str, path: str) -> None:
+        """The selection ahead of one module (prepare_ahead), kept when it has a region
+        with a patch site."""
+        try:
+            self._prepare_module(key, path)
+        finally:
+            with self._lock:
+                self.prepare_pending -= 1
+
+    def _prepare_module(self, key: str, path: str) -> None:
+        prof = self._lookup(key)
+        if prof is None or not prof.hot_text:
+            return
+        t0 = time.monotonic()
+        try:
+            got = self.runner(prepare, prof, path, self.config.to_dict()).result(
+                timeout=PREPARE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - one module's file: logged, go on
+            log.info("no selection ahead for %s: %s", path, exc or type(exc).__name__)
+            got = None
+        if got is None or patchless(got[1]):
+            # nothing a client could be patched with (no region, or none with a
+            # patch site): its clients get a warm job (job_input)
+            self._prepared.pop(key, None)
+            return
+        self._prepared[key] = got
+        while len(self._prepared) > MAX_KEPT_SELECTIONS:
+            self._prepared.pop(next(iter(self._prepared)))
+        log.info("%s: %d region(s) selected ahead in %.0f ms", path,
+                 len(got[1].regions), (time.monotonic() - t0) * 1e3)
+        if self.on_prepared is not None:
+            self.on_prepared()
 
     def prepared_result(self, s: Any) -> Any:
         """Session thread, when a warm client connects (its map read): the selections
@@ -464,11 +522,6 @@ class WarmStart:
             self.write_hint(program_key(st), dir_fd)
             n += 1
         return n
-
-
-def _patchless(res: Any) -> bool:
-    """A selection nothing can be patched with: no region, or none with a patch site."""
-    return all(d["transfer_only"] for d in (res.regions or []))
 
 
 def _moved_here(res: Any) -> None:

@@ -179,8 +179,10 @@ class SessionRegions:
         if not todo:
             return 0
         live = [r for r in inst.regions.values() if r.state is InstallState.INSTALLED]
+        self.mark("install_started")
         out = install_regions(inst, [sr for _, sr in todo], already=live,
-                              counting_for=self.counting_plan, went_live=self._went_live)
+                              counting_for=self.counting_plan, went_live=self._went_live,
+                              mark=self.mark)
         by_name = {r.name: r for r in out.installed}
         n = 0
         with self.lock:
@@ -207,7 +209,8 @@ class SessionRegions:
                 rec.info.update(install_id=reg.region_id, code_at=reg.chunk.addr,
                                 sites=len(reg.patched_sites), transferred=reg.transferred,
                                 transfer_only=not reg.sites, layout=reg.gen.layout_kind,
-                                real_calls=len(reg.gen.calls), frames=reg.frames)
+                                real_calls=len(reg.gen.calls), frames=reg.frames,
+                                code_from=sr.info.get("code_from"))
                 if reg.cfi_refused is not None:
                     rec.info["cfi_refused"] = reg.cfi_refused
                 reg.name = rid
