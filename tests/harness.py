@@ -403,3 +403,16 @@ def fake_service_fixture():
     s = FakeService()
     yield s
     s.close()
+
+
+def cfi_maps(pid: int):
+    """/proc/PID/maps as CfiSource wants it: (lo, hi, path, (major, minor), inode)."""
+    out = []
+    with open(f"/proc/{pid}/maps") as f:
+        for ln in f:
+            p = ln.split(None, 5)
+            if len(p) == 6 and p[5].startswith("/"):
+                lo, hi = (int(x, 16) for x in p[0].split("-"))
+                major, minor = (int(x, 16) for x in p[3].split(":"))
+                out.append((lo, hi, p[5].rstrip("\n"), (major, minor), int(p[4])))
+    return out

@@ -72,3 +72,18 @@ def set_counts(sr: SuperRegion, counts: dict) -> None:
 
 def edge_count(sr: SuperRegion, u, v) -> float:
     return sr.g.edges[u, v]["count"]
+
+
+def sr_with_indirect() -> SuperRegion:
+    """An indirect jump (0x100) to a block (0x200) that jumps back, entered at 0x100 and
+    left from it to 0x300."""
+    sr = SuperRegion("t")
+    sr.add_block(BasicBlock(0x100, 2, [(0x100, 2)], b"\xff\xe0", TermKind.IJMP,
+                            targets=[0x200]))
+    sr.add_block(BasicBlock(0x200, 2, [(0x200, 2)], b"\xeb\xfe", TermKind.JMP,
+                            targets=[0x100]))
+    sr.add_edge(START, 0x100, EdgeKind.ENTRY, 1)
+    sr.add_edge(0x100, 0x200, EdgeKind.FLOW, 1)
+    sr.add_edge(0x200, 0x100, EdgeKind.FLOW, 1)
+    sr.add_edge(0x100, END, EdgeKind.EXIT, 0, target=0x300)
+    return sr

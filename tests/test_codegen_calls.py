@@ -18,285 +18,24 @@ import re
 import struct
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
-from codegen_util import CS, UREG, Machine, asm, linear, random_state
+from codegen_util import CS, linear
 from harness import compile_c
+from realcall_util import (FAR, LIB, NEAR, NESTED_SRC, ORIG, T, Program, ProgramView, Run,
+                           call_block, call_state, loop_with_call, same_run, select_program)
 from region_graphs import Builder
 
 from dbr_service.codegen.emit import check_generated, emit_region
 from dbr_service.codegen.layout import Layout
 from dbr_service.codegen.relocate import call_rel32
 from dbr_service.common.errors import CodegenError
-from dbr_service.region.discovery import hot_code_discovery
 from dbr_service.region.inline import real_call_refusal, remove_call_blocks
-from dbr_service.region.memview import MappedRange, MemoryView
-from dbr_service.region.model import END, BasicBlock, EdgeKind, SuperRegion, TermKind
-from dbr_service.region.pipeline import RegionConfig, run_pipeline
-
-T = TermKind
-ORIG = 0x40_0000                 # the program: data (rw-) then code (r-x), module "prog"
-DATA_SIZE = 0x100
-LIB = ORIG + 0x2_0000            # another module ("lib"), in rel32 reach of the program
-SENTINEL = 0x7000_0000_0000
-STACK, STACK_SIZE = 0x7FFE_0000_0000, 0x4000
-RSP = STACK + 0x3000
-NEAR, FAR = ORIG + 0x4000_0000, ORIG + 0x10_0000_0000     # buffer bases (FAR: > 2 GiB away)
-
-# Outer loop: an inner loop without calls, then a call, each iteration.  ``work`` is in
-# the program; ``plt_work`` is its PLT stub to ``lib_work`` in the other module.
-SRC = """
-result: .quad 0
-got: .quad 0
-.space 0xf0
-main:
-    mov r9d, 0
-    xor ebx, ebx
-top:
-    mov edi, r9d
-    mov ecx, 4
-inner:
-    add ebx, ecx
-    rol ebx, 3
-    dec ecx
-    jne inner
-    call {target}
-    add rbx, rax
-    inc r9d
-    cmp r9d, esi
-    jb top
-    mov rax, rbx
-    ret
-work:
-    lea eax, [rdi + rdi*2]
-    imul eax, edi
-    test al, 4
-    je w1
-    add eax, 7
-w1:
-    xor eax, 0x55
-    ret
-plt_work:
-    jmp qword ptr [rip + got]
-"""
-# The loop calls ``work`` (inlined), which calls ``leaf`` one time in eight (cold: kept as
-# a real call inside the clone of ``work``).
-NESTED_SRC = """
-result: .quad 0
-got: .quad 0
-.space 0xf0
-main:
-    mov r9d, 0
-    xor ebx, ebx
-top:
-    mov edi, r9d
-    call {target}
-    add rbx, rax
-    inc r9d
-    cmp r9d, esi
-    jb top
-    mov rax, rbx
-    ret
-work:
-    lea eax, [rdi + rdi*2]
-    test dil, 7
-    jne w1
-    push rax
-    call leaf
-    pop rdx
-    add eax, edx
-w1:
-    xor eax, 0x55
-    ret
-leaf:
-    imul eax, edi, 13
-    ret
-"""
-LIB_SRC = """
-lib_work:
-    lea eax, [rdi + 11]
-    ret
-"""
-
-
-class Program:
-    """The program assembled at ORIG calling ``target``, with the other module at LIB."""
-
-    def __init__(self, target: str, src: str = SRC) -> None:
-        lib_code = asm(LIB_SRC, LIB)
-        if target == "lib_work":
-            target = hex(LIB)
-        self.image = bytearray(asm(src.format(target=target), ORIG))
-        struct.pack_into("<Q", self.image, 8, LIB)                  # got -> lib_work
-        self.lib = lib_code
-        self.code = bytes(self.image[DATA_SIZE:])
-        insns = linear(self.code, ORIG + DATA_SIZE)
-        self.main = ORIG + DATA_SIZE
-        self.call = next(i for i in insns if i.mnemonic == "call")
-        self.callee = self.call.operands[0].imm
-        self.cont = self.call.address + self.call.size
-        self.work = next(i.address for i in insns if i.mnemonic == "lea"
-                         and i.op_str == "eax, [rdi + rdi*2]")
-        self.boundaries = {i.address for i in insns} | {i.address for i in linear(lib_code, LIB)}
-        self.view = _View(bytes(self.image), lib_code)
-
-
-class _View(MemoryView):
-    """The program's data (rw-) and code (r-x) as module "prog", the library as "lib"."""
-
-    def __init__(self, image: bytes, lib: bytes) -> None:
-        super().__init__()
-        self.image, self.lib = image.ljust(0x1000, b"\xcc"), lib.ljust(0x1000, b"\xcc")
-
-    def ranges(self):
-        return [MappedRange(ORIG, ORIG + DATA_SIZE, "rw-", "prog"),
-                MappedRange(ORIG + DATA_SIZE, ORIG + 0x1000, "r-x", "prog"),
-                MappedRange(LIB, LIB + 0x1000, "r-x", "lib")]
-
-    def _read_range(self, rng, addr, n):
-        src, base = (self.lib, LIB) if rng.start == LIB else (self.image, ORIG)
-        return src[addr - base:addr - base + n]
-
-
-# -- running ------------------------------------------------------------------------------
-
-class Run:
-    """One run to the sentinel: final state, the return addresses the callees saw (and
-    the stack slots holding them), and where control left the buffer for original code.
-    With ``evict_at``: at the ``evict_at``-th return into the buffer the thread is moved
-    to original code by the eviction map (as the agent's EVICT would) and finishes there."""
-
-    def __init__(self, p: Program, gen, st, start: int, callees: set[int],
-                 image: bytes | None = None, evict_at: int | None = None) -> None:
-        base = gen.base if gen else 0
-        size = gen.size if gen else 0
-        ranges = [(ORIG, 0x1000), (LIB, 0x1000), (STACK, STACK_SIZE), (SENTINEL, 0x1000)]
-        m = Machine(ranges + ([(base, size)] if gen else []))
-        m.write(SENTINEL, b"\xf4" * 0x1000)
-        m.write(ORIG, bytes(image or p.image))
-        m.write(LIB, p.lib)
-        if gen:
-            m.write(base, gen.code)
-        m.set_state(st)
-        self.seen: list[tuple[int, int]] = []        # (stack slot, return address)
-        self.landings: list[int] = []
-        self.buffer_steps = 0
-        self.evicted: list[int] = []
-        last_in = [False]
-        returns = [0]
-
-        def inside(a: int) -> bool:
-            if evict_at is not None and a in gen.returns:
-                returns[0] += 1
-                if returns[0] == evict_at:
-                    self.evicted.append(a)
-                    return False
-            in_buf = gen is not None and base <= a < base + size
-            self.buffer_steps += in_buf
-            if not in_buf and last_in[0]:
-                self.landings.append(a)
-            last_in[0] = in_buf
-            if a in callees:
-                rsp = m.uc.reg_read(UREG["rsp"])
-                self.seen.append((rsp, struct.unpack("<Q", m.read(rsp, 8))[0]))
-            return a != SENTINEL
-
-        rip = m.run(start, inside, limit=200000)
-        if self.evicted:
-            assert rip == self.evicted[0]
-            rip = m.run(gen.evictions[rip], inside, limit=200000)
-        assert rip == SENTINEL
-        self.state = m.snapshot([(ORIG, DATA_SIZE), (STACK, STACK_SIZE)])
-
-
-def _state(rng: random.Random, n: int):
-    st = random_state(rng, RSP, {ORIG: DATA_SIZE, STACK: STACK_SIZE})
-    st.regs["rsi"] = n
-    data = bytearray(st.mem[ORIG])
-    data[8:16] = struct.pack("<Q", LIB)                             # the GOT stays
-    st.mem[ORIG] = bytes(data)
-    st.mem[RSP] = struct.pack("<Q", SENTINEL)
-    return st
-
-
-def _same(a: Run, b: Run, ctx: str) -> None:
-    """Same registers, flags and data; the same stack but for the slots that held the
-    return addresses of real calls (dead once they returned)."""
-    assert b.state.regs == a.state.regs, ctx
-    assert b.state.rflags == a.state.rflags, ctx
-    assert b.state.mem[ORIG] == a.state.mem[ORIG], ctx
-    sa, sb = bytearray(a.state.mem[STACK]), bytearray(b.state.mem[STACK])
-    for slot, _ in b.seen:
-        o = slot - STACK
-        sa[o:o + 8] = sb[o:o + 8] = b"\0" * 8
-    low = a.state.regs["rsp"] - 128 - STACK
-    assert sb[low:] == sa[low:], f"{ctx}: stack"
-
-
-def _samples(p: Program) -> dict[int, float]:
-    """Instruction addresses of the original's run, counted: an exact IP profile."""
-    counts: Counter = Counter()
-    m = Machine([(ORIG, 0x1000), (LIB, 0x1000), (STACK, STACK_SIZE), (SENTINEL, 0x1000)])
-    m.write(SENTINEL, b"\xf4" * 0x1000)
-    m.write(ORIG, bytes(p.image))
-    m.write(LIB, p.lib)
-    m.set_state(_state(random.Random(7), 40))
-
-    def inside(a: int) -> bool:
-        counts[a] += 1
-        return a != SENTINEL
-
-    m.run(p.main, inside, limit=200000)
-    del counts[SENTINEL]
-    return dict(counts)
-
-
-CFG = dict(hot_threshold=2.0, min_loop_trip_count=4, min_region_size=8, inline_budget=0.0,
-           inline_min_budget_bytes=0, fail_fast=True)
-
-
-def _select(p: Program, real_calls: bool, **kw) -> list[SuperRegion]:
-    first = hot_code_discovery(_samples(p), p.view, jumps_from_hot_limit=2)
-    return run_pipeline(first, p.view, RegionConfig(real_calls=real_calls, **{**CFG, **kw})).regions
-
-
-def _call_block(sr: SuperRegion, p: Program):
-    return next((k for k, bb in sr.blocks() if bb.term is T.CALL
-                 and bb.last_insn[0] == p.call.address), None)
+from dbr_service.region.model import END, BasicBlock, EdgeKind, SuperRegion
 
 
 # -- golden bytes ---------------------------------------------------------------------------
-
-def _loop_with_call(callee: int = 0x401100, cont_in_region: bool = True) -> SuperRegion:
-    """0x401000: mov ecx,3 | 0x401005: call callee | 0x40100a: dec ecx; jne 0x401005 |
-    0x40100e: ret; the call kept as a real call."""
-    code = {0x401000: bytes.fromhex("b903000000"),
-            0x401005: b"\xe8" + struct.pack("<i", callee - 0x40100A),
-            0x40100A: bytes.fromhex("ffc975f7"), 0x40100E: b"\xc3"}
-    b = Builder("golden")
-    sr = b.sr
-    sr.add_block(BasicBlock(0x401000, 5, [(0x401000, 5)], code[0x401000], T.FALLTHROUGH,
-                            fallthrough=0x401005, known_exec=True))
-    sr.add_block(BasicBlock(0x401005, 5, [(0x401005, 5)], code[0x401005], T.CALL, [callee],
-                            fallthrough=0x40100A, known_exec=True, count=3))
-    b.entry(0x401000, 1)
-    b.ft(0x401000, 0x401005, 1)
-    b.exit(0x401005, callee, 3)
-    if cont_in_region:
-        sr.add_block(BasicBlock(0x40100A, 4, [(0x40100A, 2), (0x40100C, 2)], code[0x40100A],
-                                T.JCC, [0x401005], fallthrough=0x40100E, known_exec=True))
-        b.ft(0x401005, 0x40100A, 3)
-        b.flow(0x40100A, 0x401005, 2)
-        b.exit(0x40100A, 0x40100E, 1)
-    else:
-        b.exit(0x401005, 0x40100A, 3)
-    sr.info["inline"] = {"budget": 0, "growth": 0, "sites": {0x401005: {
-        "call_insn": 0x401005, "decision": "call", "callee": callee}}}
-    sr.verify()
-    return sr
-
 
 def _golden(code: bytes, at: int, expected: list[tuple[str, str]]) -> None:
     got = [(i.bytes.hex(), f"{i.mnemonic} {i.op_str}") for i in CS.disasm(code, at)]
@@ -310,7 +49,7 @@ def test_golden_call_rel32() -> None:
 
 
 def test_golden_real_call_in_a_loop() -> None:
-    sr = _loop_with_call()
+    sr = loop_with_call()
     base = 0x50_0000
     gen = emit_region(sr, base, layout=Layout([0x401000, 0x401005, 0x40100A]))
     _golden(gen.code, base, [
@@ -330,7 +69,7 @@ def test_golden_real_call_in_a_loop() -> None:
 
 
 def test_golden_real_call_through_a_far_stub_and_exit_to_the_continuation() -> None:
-    sr = _loop_with_call(cont_in_region=False)
+    sr = loop_with_call(cont_in_region=False)
     base = 0x7F00_0000_0000
     gen = emit_region(sr, base, layout=Layout([0x401000, 0x401005]))
     stub = gen.far_exits[0x401100]
@@ -350,16 +89,16 @@ def test_golden_real_call_through_a_far_stub_and_exit_to_the_continuation() -> N
 
 
 def test_check_generated_allows_calls_only_where_recorded() -> None:
-    gen = emit_region(_loop_with_call(), 0x50_0000)
+    gen = emit_region(loop_with_call(), 0x50_0000)
     at = next(iter(gen.calls))
     gen.calls.clear()
     with pytest.raises(CodegenError, match="call in replacement code"):
         check_generated(gen)
-    gen = emit_region(_loop_with_call(), 0x50_0000)
+    gen = emit_region(loop_with_call(), 0x50_0000)
     gen.exits = [(a, 0x401234 if a == at else t) for a, t in gen.exits]   # another target
     with pytest.raises(CodegenError, match="call in replacement code"):
         check_generated(gen)
-    gen = emit_region(_loop_with_call(), 0x50_0000)
+    gen = emit_region(loop_with_call(), 0x50_0000)
     gen.calls[at + 1] = 0x401005                       # recorded, but no call there
     with pytest.raises(CodegenError, match="real calls recorded"):
         check_generated(gen)
@@ -368,7 +107,7 @@ def test_check_generated_allows_calls_only_where_recorded() -> None:
 def test_padding_before_the_continuation_is_an_eviction_point() -> None:
     """The continuation aligned after the call: the return address is padding, which
     still maps (and evicts) to the continuation."""
-    sr = _loop_with_call()
+    sr = loop_with_call()
     gen = emit_region(sr, 0x50_0000, layout=Layout([0x401000, 0x401005, 0x40100A],
                                                    aligned={0x40100A}))
     r = 0x50_0000 + 10
@@ -409,10 +148,10 @@ def test_refusal_by_call_shape() -> None:
     code = bytearray(p.view.image)
     off = p.work - ORIG
     code[off:off + 11] = bytes.fromhex("f30f1efa f2ff2500000000".replace(" ", ""))
-    v = _View(bytes(code), p.lib)
+    v = ProgramView(bytes(code), p.lib)
     assert real_call_refusal(blk(), v) == "plt-stub"
     code[off:off + 5] = b"\xe9" + struct.pack("<i", LIB - (p.work + 5))
-    v = _View(bytes(code), p.lib)
+    v = ProgramView(bytes(code), p.lib)
     assert real_call_refusal(blk(), v) == "other-module"
     v.exclude(p.work, 5)                 # another region's patch there: loop code
     assert real_call_refusal(blk(), v) is None
@@ -444,8 +183,8 @@ def test_never_returning_call_is_removed_as_before() -> None:
 
 def test_pipeline_keeps_the_loop_with_its_call() -> None:
     p = Program("work")
-    [sr] = _select(p, real_calls=True)
-    c = _call_block(sr, p)
+    [sr] = select_program(p, real_calls=True)
+    c = call_block(sr, p)
     assert c is not None
     site = sr.info["inline"]["sites"][c]
     assert site["decision"] == "call" and site["callee"] == p.work
@@ -458,8 +197,8 @@ def test_pipeline_keeps_the_loop_with_its_call() -> None:
     outer = max(sr.info["loops"].loops(), key=lambda lp: len(lp.blocks))
     assert c in outer.blocks and p.cont in outer.blocks
     # without real calls the call block goes, and with it the outer loop
-    off = _select(p, real_calls=False)
-    assert all(_call_block(r, p) is None for r in off)
+    off = select_program(p, real_calls=False)
+    assert all(call_block(r, p) is None for r in off)
     assert all(c not in r.g for r in off)
     assert max(len(lp.blocks) for r in off for lp in r.info["loops"].loops()) < len(outer.blocks)
 
@@ -469,7 +208,7 @@ def test_real_call_differential(base: int) -> None:
     """The region with its real call runs as the original from random states; each call
     returns into the buffer, right after the call, mapped to the continuation."""
     p = Program("work")
-    [sr] = _select(p, real_calls=True)
+    [sr] = select_program(p, real_calls=True)
     gen = emit_region(sr, base)
     check_generated(gen)
     assert len(gen.calls) == 1 and set(gen.returns.values()) == {p.cont}
@@ -479,11 +218,11 @@ def test_real_call_differential(base: int) -> None:
     rng = random.Random(base)
     for i in range(5):
         n = rng.choice([1, 2, 5, rng.randrange(6, 40)])
-        st = _state(rng, n)
+        st = call_state(rng, n)
         a = Run(p, None, st, p.main, {p.work})
         b = Run(p, gen, st, gen.entries[p.main], {p.work})
         ctx = f"run {i} n={n}"
-        _same(a, b, ctx)
+        same_run(a, b, ctx)
         assert len(b.seen) == len(a.seen) == n
         assert all(r in gen.returns for _, r in b.seen), ctx        # back into the buffer
         assert all(r == p.cont for _, r in a.seen)
@@ -494,7 +233,7 @@ def test_real_call_differential(base: int) -> None:
         k = rng.randrange(1, n + 1)
         e = Run(p, gen, st, gen.entries[p.main], {p.work}, evict_at=k)
         assert len(e.evicted) == 1 and gen.evictions[e.evicted[0]] == p.cont
-        _same(a, e, ctx + f" evicted at return {k}")
+        same_run(a, e, ctx + f" evicted at return {k}")
 
 
 @pytest.mark.parametrize("target,why", [("plt_work", "plt-stub"),
@@ -503,10 +242,10 @@ def test_call_not_kept_behaves_as_before(target: str, why: str) -> None:
     """A call real_calls may not keep: the same regions and the same bytes as without
     real calls; the call exits to original code and the run matches the original."""
     p = Program(target)
-    on, off = _select(p, real_calls=True), _select(p, real_calls=False)
+    on, off = select_program(p, real_calls=True), select_program(p, real_calls=False)
     assert [r.to_dot("x") for r in on] == [r.to_dot("x") for r in off] and on
     for r_on, r_off in zip(on, off):
-        assert _call_block(r_on, p) is None
+        assert call_block(r_on, p) is None
         g_on, g_off = emit_region(r_on, NEAR), emit_region(r_off, NEAR)
         assert g_on.code == g_off.code and not g_on.calls
         assert g_on.addr_map == g_off.addr_map and g_on.evictions == g_off.evictions
@@ -515,13 +254,13 @@ def test_call_not_kept_behaves_as_before(target: str, why: str) -> None:
     gen = emit_region(on[0], NEAR)
     rng = random.Random(3)
     for i in range(3):
-        st = _state(rng, rng.randrange(1, 20))
+        st = call_state(rng, rng.randrange(1, 20))
         a = Run(p, None, st, p.main, set())
         image = bytearray(p.image)
         for site, to in gen.entries.items():
             image[site - ORIG:site - ORIG + 5] = b"\xe9" + struct.pack("<i", to - (site + 5))
         b = Run(p, gen, st, p.main, set(), bytes(image))
-        _same(a, b, f"{target} run {i}")
+        same_run(a, b, f"{target} run {i}")
         assert b.buffer_steps > 0 and p.call.address in b.landings
 
 
@@ -531,7 +270,7 @@ def test_real_call_inside_an_inlined_clone() -> None:
     address the inlined call pushed, and the run matches the original."""
     p = Program("work", NESTED_SRC)
     leaf = next(i.address for i in linear(p.code, p.main) if i.mnemonic == "imul")
-    regions = _select(p, real_calls=True, hot_threshold=8.0, inline_budget=4.0)
+    regions = select_program(p, real_calls=True, hot_threshold=8.0, inline_budget=4.0)
     [sr] = [r for r in regions if any(bb.is_clone for _, bb in r.blocks())]
     kept = [(k, s) for k, s in sr.info["inline"]["sites"].items() if s["decision"] == "call"]
     assert [(type(k).__name__, s["callee"]) for k, s in kept] == [("CloneKey", leaf)]
@@ -542,10 +281,10 @@ def test_real_call_inside_an_inlined_clone() -> None:
     rng = random.Random(11)
     for i in range(4):
         n = rng.randrange(9, 40)
-        st = _state(rng, n)
+        st = call_state(rng, n)
         a = Run(p, None, st, p.main, {leaf})
         b = Run(p, gen, st, gen.entries[p.main], {leaf})
-        _same(a, b, f"run {i} n={n}")
+        same_run(a, b, f"run {i} n={n}")
         assert len(b.seen) == len(a.seen) == (n + 7) // 8
         assert all(r in gen.returns for _, r in b.seen)
         # above leaf's return address: the one the inlined call pushed, as in the original

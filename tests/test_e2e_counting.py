@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from harness import compile_c
+from region_graphs import sr_with_indirect
 
 from dbr_service.session.counting_monitor import (
     FIRST_POLL_S,
@@ -32,7 +33,6 @@ from dbr_service.session.counting_monitor import (
     next_wait,
 )
 from dbr_service.installation.exact_counts import plan_counters
-from dbr_service.region.model import END, START, BasicBlock, EdgeKind, SuperRegion, TermKind
 
 E2E = Path(__file__).resolve().parent / "e2e_progs"
 N1, N2 = 70, 130
@@ -104,21 +104,8 @@ def test_counting_region_replaced_by_the_optimised_one(tmp_path) -> None:
         assert err["branch_direction_wrong"] is None or 0 <= err["branch_direction_wrong"] <= 1
 
 
-def _sr_with_indirect() -> SuperRegion:
-    sr = SuperRegion("t")
-    sr.add_block(BasicBlock(0x100, 2, [(0x100, 2)], b"\xff\xe0", TermKind.IJMP,
-                            targets=[0x200]))
-    sr.add_block(BasicBlock(0x200, 2, [(0x200, 2)], b"\xeb\xfe", TermKind.JMP,
-                            targets=[0x100]))
-    sr.add_edge(START, 0x100, EdgeKind.ENTRY, 1)
-    sr.add_edge(0x100, 0x200, EdgeKind.FLOW, 1)
-    sr.add_edge(0x200, 0x100, EdgeKind.FLOW, 1)
-    sr.add_edge(0x100, END, EdgeKind.EXIT, 0, target=0x300)
-    return sr
-
-
 def test_monitor_promotes_at_the_thresholds() -> None:
-    sr = _sr_with_indirect()
+    sr = sr_with_indirect()
     addrs = iter(range(0x1000, 0x2000, 8))
     plan = plan_counters(sr, lambda: next(addrs))
     values = {a: 0 for a in plan.blocks.values()}
@@ -154,7 +141,7 @@ def test_next_read_when_the_threshold_is_due() -> None:
 def test_monitor_ends_the_phase_when_the_threshold_is_reached() -> None:
     """A loop counting a million entries a second reaches 3,000 in 3 ms: with a
     longest poll interval of 2 s the phase still ends within milliseconds."""
-    sr = _sr_with_indirect()
+    sr = sr_with_indirect()
     addrs = iter(range(0x1000, 0x2000, 8))
     plan = plan_counters(sr, lambda: next(addrs))
     t0 = time.monotonic()
@@ -180,7 +167,7 @@ def test_monitor_ends_the_phase_when_the_threshold_is_reached() -> None:
 
 
 def test_monitor_does_not_spin_on_a_region_whose_phase_is_over() -> None:
-    sr = _sr_with_indirect()
+    sr = sr_with_indirect()
     plan = plan_counters(sr, iter(range(0x1000, 0x2000, 8)).__next__)
     done = []
     mon = CountMonitor(direct=1, indirect=1, max_s=60.0, poll_s=0.05, on_done=done.append)

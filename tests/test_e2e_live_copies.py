@@ -34,9 +34,8 @@ from dbr_service.installation.optimize import install_regions
 from dbr_service.region.memview import LiveMemoryView
 from dbr_service.region.pipeline import RegionConfig, select_regions
 from dbr_service.sampling.perf import sample_ips
-from harness import Client, FakeService, compile_c, count_executions, read_mem
+from harness import Client, FakeService, cfi_maps, compile_c, count_executions, read_mem
 from service_helpers import ServiceProc, agent_path
-from test_e2e_realcalls_service import _maps
 
 E2E = Path(__file__).resolve().parent / "e2e_progs"
 #: inner()'s first instruction: imul eax, edi, 0x9e3779b1
@@ -98,7 +97,7 @@ def test_outer_copy_calls_inner_copy_and_goes_with_it(exe):
             and sr is not inner_sr), None)
         assert outer_sr is not None, [sr.info.get("inline") for sr in res.regions]
         inst = Installer(conn, lambda a, n: read_mem(pid, a, n), frames=True,
-                         cfi=CfiSource(lambda: _maps(pid)), transfer=True,
+                         cfi=CfiSource(lambda: cfi_maps(pid)), transfer=True,
                          evict=bool(conn.hello.flags & P.HELLO_EVICT),
                          space=CodeSpace(conn, quarantine_s=0.0))
         # the caller first: the batch is reordered callees first

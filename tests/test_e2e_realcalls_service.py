@@ -37,7 +37,7 @@ from dbr_service.installation.optimize import emit_with_frames, placement, regio
 from dbr_service.region.memview import LiveMemoryView
 from dbr_service.region.pipeline import RegionConfig, select_regions
 from dbr_service.sampling.perf import sample_ips
-from harness import Client, FakeService, compile_c, read_mem
+from harness import Client, FakeService, cfi_maps, compile_c, read_mem
 from service_helpers import ServiceProc, agent_path
 
 E2E = Path(__file__).resolve().parent / "e2e_progs"
@@ -140,18 +140,6 @@ def test_unpatched_code_is_kept_while_threads_block_in_its_callee(exe):
 
 # ---- the storm ------------------------------------------------------------------
 
-def _maps(pid: int):
-    """/proc/PID/maps as CfiSource wants it: (lo, hi, path, (major, minor), inode)."""
-    out = []
-    with open(f"/proc/{pid}/maps") as f:
-        for ln in f:
-            p = ln.split(None, 5)
-            if len(p) == 6 and p[5].startswith("/"):
-                lo, hi = (int(x, 16) for x in p[0].split("-"))
-                major, minor = (int(x, 16) for x in p[3].split(":"))
-                out.append((lo, hi, p[5].rstrip("\n"), (major, minor), int(p[4])))
-    return out
-
 
 def _drain(inst: Installer) -> int:
     """Censuses until every removed chunk is free (bounded): nothing enters removed
@@ -189,7 +177,7 @@ def _storm(exe, cycles: int) -> None:
         assert calling, (res.counters, [sr.entry_points() for sr in res.regions])
         sr = calling[0]
         inst = Installer(conn, lambda a, n: read_mem(client.pid, a, n), frames=True,
-                         cfi=CfiSource(lambda: _maps(client.pid)), transfer=False,
+                         cfi=CfiSource(lambda: cfi_maps(client.pid)), transfer=False,
                          space=CodeSpace(conn, quarantine_s=0.0))
         # install_region's steps, with each address's code and unwind information
         # emitted once: the storm is about installing and removing, and chunks come

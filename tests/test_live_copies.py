@@ -23,9 +23,9 @@ from types import SimpleNamespace
 import pytest
 from codegen_util import CS, UREG, Machine, asm
 from harness import SITE_INSN, read_mem, stub_gen
-from test_codegen_calls import (
-    LIB, ORIG, SENTINEL, STACK, STACK_SIZE, DATA_SIZE, NEAR, Program, _loop_with_call, _same,
-    _select, _state)
+from realcall_util import (
+    LIB, ORIG, SENTINEL, STACK, STACK_SIZE, DATA_SIZE, NEAR, Program, loop_with_call, same_run,
+    select_program, call_state)
 
 from dbr_service.wire import protocol as P
 from dbr_service.wire.agentconn import CensusResult, CodeBufferHandle
@@ -41,7 +41,7 @@ from dbr_service.installation.optimize import EvalPolicy, Evaluator, callees_fir
 # ---- emission ----------------------------------------------------------------------------
 
 def test_golden_real_call_to_a_copy() -> None:
-    sr = _loop_with_call()
+    sr = loop_with_call()
     base, copy = 0x50_0000, 0x50_2000
     gen = emit_region(sr, base, layout=Layout([0x401000, 0x401005, 0x40100A]),
                       call_target={0x401100: copy}.get)
@@ -62,7 +62,7 @@ def test_golden_real_call_to_a_copy() -> None:
 
 
 def test_a_copy_out_of_reach_or_unknown_is_not_called() -> None:
-    sr = _loop_with_call()
+    sr = loop_with_call()
     base = 0x50_0000
     plain = emit_region(sr, base)
     for target in ({0x401100: base + (3 << 30)}.get, {0x401234: base + 0x2000}.get,
@@ -133,7 +133,7 @@ def test_call_into_a_copy_differential() -> None:
     state as the original from random states; every call enters the copy, never the
     original, and returns into the caller's code right after the call."""
     p = Program("work")
-    [sr] = _select(p, real_calls=True)
+    [sr] = select_program(p, real_calls=True)
     gen = emit_region(sr, NEAR, call_target={p.work: COPY}.get)
     check_generated(gen)
     assert list(gen.call_copies.values()) == [COPY]
@@ -141,10 +141,10 @@ def test_call_into_a_copy_differential() -> None:
     rng = random.Random(36)
     for i in range(6):
         n = rng.choice([1, 3, rng.randrange(4, 40)])
-        st = _state(rng, n)
+        st = call_state(rng, n)
         a = _run(p, None, st, p.main, None)
         b = _run(p, gen, st, gen.entries[p.main], copy)
-        _same(a, b, f"run {i} n={n}")
+        same_run(a, b, f"run {i} n={n}")
         assert b.callees == [COPY] * n and a.callees == [p.work] * n
         assert all(r in gen.returns for r in b.rets), b.rets
 

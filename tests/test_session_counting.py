@@ -13,7 +13,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from test_e2e_counting import _sr_with_indirect
+from region_graphs import sr_with_indirect
 
 from dbr_service.common.errors import AgentError
 from dbr_service.common.states import InstallState
@@ -50,7 +50,7 @@ class FakeSession(session_counting.SessionCounting):
         self.started_mono = time.monotonic()
         self.rec = SimpleNamespace(info={}, recheck_mono=math.inf)
         self.region_book = SimpleNamespace(regions={"r1": self.rec})
-        self.sr = _sr_with_indirect()
+        self.sr = sr_with_indirect()
         addrs = iter(range(0x1000, 0x2000, 8))
         plan = plan_counters(self.sr, lambda: next(addrs))
         self.counts = {a: AT_POLL for a in plan.blocks.values()}
