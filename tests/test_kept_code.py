@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 from harness import compile_c, symbols
-from test_warm_prep import _flat, _profile
+from warm_util import flat_counts as _flat
+from warm_util import mix_profile as _profile
 
 from dbr_service.codegen.emit import GeneratedCode
 from dbr_service.common.config import AGGRESSIVE, Config

@@ -11,6 +11,9 @@ import subprocess
 import pytest
 from harness import compile_c, symbols
 from service_helpers import ServiceProc, agent_path, run_client
+from warm_util import flat_counts as _flat
+from warm_util import loop_insns
+from warm_util import mix_profile as _profile
 
 from dbr_service.common.config import AGGRESSIVE, Config
 from dbr_service.common.errors import DbrError
@@ -25,39 +28,6 @@ from dbr_service.profiles.warmprep import WARM_KEYS, prepare, warm_settings
 def prog() -> str:
     """tests/agent_progs/warmwork.c: hot in one loop, mix()."""
     return str(compile_c(["warmwork.c"], flags=["-O1", "-fPIE", "-pie"], out_name="warmprep"))
-
-
-def _profile(prog: str, counts: dict[int, float], params: dict) -> ModuleProfile:
-    lo, hi = symbols(prog)["mix"]
-    hot = [HotRegion([EntrySite(lo, b"\x90")], [(lo, hi)], dict(params))]
-    return ModuleProfile(module_key(prog).key, prog, "", 1, 0.0, 0.0, counts, {}, hot)
-
-
-def _loop_insns(prog: str) -> list[int]:
-    """File offsets of the instructions of mix's loop (its backward branch's target
-    to that branch; in a PIE, offsets are addresses at base 0)."""
-    import capstone
-
-    lo, hi = symbols(prog)["mix"]
-    with open(prog, "rb") as f:
-        f.seek(lo)                      # the text segment's offsets are its addresses
-        code = f.read(hi - lo)
-    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-    insns = [(i.address, i.mnemonic, i.op_str) for i in md.disasm(code, lo)]
-    back = [(a, int(op, 16)) for a, m, op in insns
-            if m.startswith("j") and m != "jmp" and op.startswith("0x") and int(op, 16) < a]
-    assert back, insns
-    src, dst = back[-1]
-    return [a for a, _, _ in insns if dst <= a <= src]
-
-
-def _flat(prog: str) -> dict[int, float]:
-    """A whole run's counts where each instruction of mix's loop holds 0.4 % of the
-    samples (under the default hot_threshold, 1 %, over --aggressive's 0.2 %): the
-    rest on one instruction with no loop around it (_start's first)."""
-    counts = {o: 4.0 for o in _loop_insns(prog)}
-    counts[symbols(prog)["_start"][0]] = 1000.0 - 4.0 * len(counts)
-    return counts
 
 
 def test_warm_settings_take_the_hot_texts_thresholds_and_ignore_bad_values():
@@ -96,7 +66,7 @@ def test_hot_text_thresholds_that_select_nothing_give_way_to_the_services(prog):
     """A hot text whose thresholds find nothing patchable in the stored counts (here
     no block holds 90 % of them): the warm selection is the one the service's own
     settings make."""
-    counts = {o: 50.0 for o in _loop_insns(prog)}
+    counts = {o: 50.0 for o in loop_insns(prog)}
     strict = dict(selection_params(Config()), hot_threshold=0.9)
     got = prepare(_profile(prog, counts, strict), prog, Config().to_dict())
     assert got is not None and got[1].regions, got and got[1].region_status
@@ -210,7 +180,7 @@ def test_a_fresh_services_first_warm_client_is_patched_with_no_job(prog, tmp_pat
     lo, hi = symbols(prog)["mix"]
     mk = module_key(prog)
     store = ProfileStore(tmp_path / "state")
-    store.record_run(mk, {o: 50.0 for o in _loop_insns(prog)}, None,
+    store.record_run(mk, {o: 50.0 for o in loop_insns(prog)}, None,
                      [HotRegion([EntrySite(lo, b"\x90")], [(lo, hi)],
                                 selection_params(Config()))])
     store.mark_program(mk.key, prog)
