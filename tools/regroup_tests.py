@@ -61,6 +61,9 @@ OVERRIDES: dict[str, tuple[str, str]] = {
                                       "opened on a spinning Python once"),
     "test_speedcheck.py": ("unit", "made-up progress readings; one check reads a running "
                                    "Python's progress"),
+    "test_region_hot_text.py": ("unit", "the branch index and selection on a compiled "
+                                        "program, offline `dbr analyze`; it runs the program "
+                                        "once to check it works"),
     # real programs sampled or read while they run, without agent or service
     "test_sampling.py": ("live", "samples real programs with perf and the agent timer"),
     "test_stacks.py": ("live", "call-stack samples of real programs"),
