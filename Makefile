@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: build agent pyc test test-long demo bench bench-quick bench-setup bench-long bench-long-quick clean lint
+.PHONY: build agent pyc test test-long test-unit demo bench bench-quick bench-setup bench-long bench-long-quick clean lint
 
 build: $(STAMP) agent pyc
 
@@ -30,6 +30,10 @@ test: build lint
 test-long: build
 	$(PY) -m pytest -q -p no:cacheprovider -m long tests
 
+# the unit layer alone (pure Python: no service, no agent, no program of its own; seconds)
+test-unit: build
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+
 demo: build
 	$(PY) -m dbr_service.commands.demo
 
@@ -37,10 +41,10 @@ bench: build
 	$(PY) -m bench
 
 # ruff (installed by build, settings in pyproject.toml) and the structure test (import
-# cycles, package order, module sizes: tests/test_structure.py); fails on any finding
+# cycles, package order, module sizes: tests/unit/test_structure.py); fails on any finding
 lint: build
 	$(VENV)/bin/ruff check dbr_service tests bench tools
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_structure.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit/test_structure.py
 
 clean:
 	$(MAKE) -C dbr_agent clean

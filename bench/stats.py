@@ -1,7 +1,7 @@
 """Statistics of the benchmarks: the spread of a sample, paired ratios to native with
 their bootstrap and order-statistic intervals, verdicts against a limit, geometric
 means, shares of a reference's gain, and a server's throughput ratio after the first
-patch.  Pure functions (no tools, no files), checked by tests/test_bench_*.py."""
+patch.  Pure functions (no tools, no files), checked by tests/*/test_bench_*.py."""
 
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ static int agent_main_hidden(void)
  * A CPU-time timer fires at a tick of a running thread of the process, and the
  * kernel (6.3 on) gives its signal to that thread: a program thread asleep in
  * nanosleep or epoll_wait is not cut short, as a wall-clock timer's signal
- * would cut it (tests/test_agent_birth.py).  A program thread that blocks the
+ * would cut it (tests/agent/test_agent_birth.py).  A program thread that blocks the
  * signal while the birth is pending makes the thread at once (hooks.c: one that
  * blocks it everywhere would never get one); so does one about to take a
  * seccomp filter (hooks_proc.c), which a thread made from it would inherit.

@@ -186,7 +186,7 @@ void dbr_config_load(void)
     else if (v && strcmp(v, "keep") == 0)
         g_cfg.on_disconnect_env = DBR_DISCONNECT_KEEP;
     /* Tests only: a pause between an unwrapped thread start's look at the flags and
-     * its clone, the race dbr_wait_unwrapped_starts closes (tests/test_agent_notices.py) */
+     * its clone, the race dbr_wait_unwrapped_starts closes (tests/agent/test_agent_notices.py) */
     v = secure_getenv("DBR_AGENT_TEST_START_DELAY_US");
     g_cfg.start_delay_us = v ? (unsigned)strtoul(v, NULL, 10) % 1000000u : 0;
     /* How long the agent's thread waits before its first connection (agent.c,

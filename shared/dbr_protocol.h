@@ -1,7 +1,7 @@
 /*
  * dbr_protocol.h — the wire protocol between libdbr_agent.so (in each client)
  * and the dbr service.  This header is the single source of truth: the agent
- * includes it, and dbr_service/wire/protocol.py mirrors it (tests/test_protocol_layout.py
+ * includes it, and dbr_service/wire/protocol.py mirrors it (tests/unit/test_protocol_layout.py
  * compiles a probe against this file and proves every size and offset equal).
  *
  * Transport: one AF_UNIX SOCK_SEQPACKET connection per client process, to

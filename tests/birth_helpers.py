@@ -1,5 +1,5 @@
 """Running tests/agent_progs/birth.c beside a FakeService that has written the
-service's files (tests/test_agent_birth.py, tests/test_short_runs.py)."""
+service's files (tests/agent/test_agent_birth.py, tests/live/test_short_runs.py)."""
 
 from __future__ import annotations
 

@@ -394,7 +394,7 @@ def stub_gen(base: int, sites: list[int]) -> FakeGen:
     return gen
 
 
-# Kept while tests/test_agent_entry_sites.py imports it; the ``svc`` fixture of every
+# Kept while tests/agent/test_agent_entry_sites.py imports it; the ``svc`` fixture of every
 # other module comes from conftest.py.
 @pytest.fixture(name="svc")
 def fake_service_fixture():

@@ -20,7 +20,7 @@ Modules the mapping does not know (added since) are listed and nothing is change
 place each in an extra mapping file, one ``old = dbr_service.package.name`` a line
 (``#`` starts a comment), and run again with ``--extra FILE``.  Running again on a moved
 tree changes nothing.  The package order the moved tree must keep is tested by
-tests/test_structure.py.
+tests/unit/test_structure.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
  * while one busy thread hashes until the last has been joined (a server handing
  * short tasks to new threads).  Prints a checksum of the short threads' results.
  * usage: churn N [late]
- * late (tests/test_service_sampling.py): halfway, also start a long-lived thread
+ * late (tests/live/test_service_sampling.py): halfway, also start a long-lived thread
  * that prints "late tid T" and hashes until the end. */
 #include <pthread.h>
 #include <stdatomic.h>

@@ -45,7 +45,7 @@ Differences from LLVM:
   guessed profile is no reason to move code.
 
 Cost: an evaluation is O(|X| + jumps within X + candidates * jumps between X and Y),
-at most ~3 * 128 candidates.  Measured (CPU time, tests/test_layout_exttsp.py): 1,000
+at most ~3 * 128 candidates.  Measured (CPU time, tests/unit/test_layout_exttsp.py): 1,000
 CFG-like blocks ~0.1 s; 1,000 blocks with 3,000 random all-hot edges ~1.4 s.
 """
 

@@ -139,7 +139,7 @@ def untrusted_dir(path: str | Path) -> str | None:
 
 # The agent's quiet start (dbr_agent/connect.c, "quiet while the program starts", and
 # agent.c, "born when the service would look"; shared/dbr_protocol.h: DBR_QUIET_DEFAULT_MS,
-# DBR_QUIET_MAX_MS, DBR_QUIET_FILE, which tests/test_protocol_layout.py checks these
+# DBR_QUIET_MAX_MS, DBR_QUIET_FILE, which tests/unit/test_protocol_layout.py checks these
 # against).  DBR_AGENT_QUIET_MS if it holds a number, else the number a service wrote
 # to QUIET_FILE in its runtime dir (its min_client_age_s), else the default.  The
 # agent's thread waits this long before its first connection; under a service's hint

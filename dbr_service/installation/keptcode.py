@@ -171,7 +171,7 @@ def _key(k: Any, dm: int) -> Any:
 
 
 #: GeneratedCode's fields and how each moves; a field added there needs its rule here
-#: (tests/test_kept_code.py checks the list).
+#: (tests/unit/test_kept_code.py checks the list).
 GEN_FIELDS = ("code", "base", "entries", "addr_map", "exits", "dynamic_exits",
               "block_addr", "layout", "layout_kind", "reach_ok", "far_exits", "data_start",
               "data_refs", "transfers", "evictions", "calls", "returns", "call_copies",

@@ -26,7 +26,7 @@ from dbr_service.common.errors import SamplingError
 from dbr_service.sampling.base import Sample
 
 # ---------------------------------------------------------------------------------------
-# Kernel ABI: include/uapi/linux/perf_event.h.  Keep in sync (tests/test_sampling.py
+# Kernel ABI: include/uapi/linux/perf_event.h.  Keep in sync (tests/live/test_sampling.py
 # compiles a probe against the installed header and compares sizes and offsets).
 # ---------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Python mirror of shared/dbr_protocol.h — keep in sync (tests/test_protocol_layout.py).
+"""Python mirror of shared/dbr_protocol.h — keep in sync (tests/unit/test_protocol_layout.py).
 
 Every struct of the header appears here as a ``ctypes.LittleEndianStructure`` with
 the same field names, in the same order.  Variable-length messages (PATCH,

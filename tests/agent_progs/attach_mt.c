@@ -1,5 +1,5 @@
 /* attach_mt: a multi-threaded program that `dbr attach` loads the agent into while
- * it runs (tests/test_attach.py).
+ * it runs (tests/live/test_attach.py).
  *
  *   attach_mt [HOT_THREADS]      (default 2)
  *

@@ -1,5 +1,5 @@
 /* Starts detached threads one after another, each living LIFE_MS, until stdin
- * reaches EOF (tests/test_agent_notices.py: threads started while the service
+ * reaches EOF (tests/agent/test_agent_notices.py: threads started while the service
  * turns thread notices on), GAP_US apart.  usage: churner LIFE_MS GAP_US.  Prints "ready" once the
  * first thread has started, "done N" (threads started) at the end. */
 #include <poll.h>

@@ -1,4 +1,4 @@
-// Exceptions and backtraces through replacement code (tests/test_agent_frames.py).
+// Exceptions and backtraces through replacement code (tests/agent/test_agent_frames.py).
 //
 // The test copies copyme() into a code buffer, patches copyme's entry with a jump to
 // the copy and names the copy's CFI with FRAMES_ADD.  caller() calls copyme(thrower,

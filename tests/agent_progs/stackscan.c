@@ -1,5 +1,5 @@
 /* stackscan: threads that stay inside a function called from replacement code, for
- * the census's stack scan (tests/test_agent_stackscan.py).
+ * the census's stack scan (tests/agent/test_agent_stackscan.py).
  *
  * The test patches site K (sites.h) with code that makes a real `call` to park()
  * (or to outer(), which calls park()), a function of this program that blocks

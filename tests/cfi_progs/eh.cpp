@@ -1,6 +1,6 @@
 // Exceptions and backtraces through a copy of one of this program's functions.
 //
-// Used by tests/test_codegen_cfi.py.  `eh` alone runs copyme() in place.  `eh copy`
+// Used by tests/unit/test_codegen_cfi.py.  `eh` alone runs copyme() in place.  `eh copy`
 // prints where copyme and main are and maps an area near them, then reads one line
 // from stdin: "<code file> <code addr> <entry> <blob file> <blob addr> <register>"; it
 // loads the code (a relocated copy of copyme) and the .eh_frame blob the translator

@@ -1,4 +1,4 @@
-# Every call frame instruction, for the CFI parser tests (tests/test_codegen_cfi.py).
+# Every call frame instruction, for the CFI parser tests (tests/unit/test_codegen_cfi.py).
 # Linked with gcc -nostdlib -static -no-pie; never run.  Unusual instructions are
 # written with .cfi_escape (DWARF 4 6.4.2 opcodes, operands in LEB128); the .skip
 # runs make gas emit DW_CFA_advance_loc1/2/4.

@@ -1,4 +1,4 @@
-/* Varied frames for the CFI parser tests (tests/test_codegen_cfi.py): a VLA (frame
+/* Varied frames for the CFI parser tests (tests/unit/test_codegen_cfi.py): a VLA (frame
  * pointer CFA), many callee-saved registers, a large frame, a cleanup handler under
  * -fexceptions (an LSDA read by __gcc_personality_v0), a leaf and a tail call. */
 #include <stdio.h>

@@ -5,7 +5,7 @@
  * the syscall's block look as hot as the loop body).  Its I/O grows with its
  * progress, so a speed check can measure it, and a check's phases with the
  * original code in place only run the original if the thread is moved out
- * (EVICT; tests/test_speedcheck_live.py).  usage: stayloop ITERATIONS OUT [short]
+ * (EVICT; tests/live/test_speedcheck_live.py).  usage: stayloop ITERATIONS OUT [short]
  * With "short" the loop is shortloop below, whose instructions are all shorter
  * than 5 bytes: it has no patch point, and its region is entered by TRANSFER only.
  */

@@ -1,7 +1,7 @@
 /* stream.c — a filter that streams: reads FILE ROUNDS times in 64 KiB blocks,
  * scrambles each block in a hot loop and writes it to OUT; prints a checksum.
  * Its I/O grows with its progress, so a speed check can measure it
- * (tests/test_speedcheck_live.py).  usage: stream FILE ROUNDS OUT */
+ * (tests/live/test_speedcheck_live.py).  usage: stream FILE ROUNDS OUT */
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
