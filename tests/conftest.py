@@ -1,6 +1,9 @@
-"""Fixtures shared by the test modules (pytest finds them here; test modules do not
-import each other: shared helpers are in harness.py, service_helpers.py and the other
-non-test modules of this directory)."""
+"""Fixtures shared by the test modules of tests/unit, tests/agent and tests/live.
+
+pytest finds this file in their parent and, in its default import mode, puts this
+directory on sys.path, so that every layer imports the helpers here by name (harness.py,
+service_helpers.py and the other non-test modules).  A test module imports no test
+module of another layer (tests/unit/test_structure.py checks it)."""
 
 from __future__ import annotations
 

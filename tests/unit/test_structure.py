@@ -11,6 +11,7 @@ are listed here exactly, so that a new one or a removed one is noticed.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -260,3 +261,57 @@ def test_no_module_is_too_long() -> None:
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / PACKAGE).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them): {long}"
+
+
+# --- the test layers ---------------------------------------------------------------------
+
+def _regroup():
+    """tools/regroup_tests.py, the rule and table that place each test file."""
+    spec = importlib.util.spec_from_file_location("regroup_tests",
+                                                  ROOT / "tools" / "regroup_tests.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_test_file_is_in_a_layer() -> None:
+    """Test modules live in tests/unit, tests/agent or tests/live, never in tests/ itself
+    or elsewhere below it (helpers, conftest.py and program directories stay in tests/);
+    tools/regroup_tests.py moves any added in tests/."""
+    layers = _regroup().LAYERS
+    stray = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                   if p.parent.parent != ROOT / "tests" or p.parent.name not in layers)
+    assert not stray, f"test files outside tests/{{{','.join(layers)}}}/: {stray}"
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert len(names) == len(set(names)), "two test files of one name (pytest imports "\
+        "them by name)"
+
+
+def test_every_test_file_is_in_the_layer_its_rule_gives() -> None:
+    """Where a test file is agrees with the rule of tools/regroup_tests.py or its table,
+    and no test module imports one of another layer."""
+    rg = _regroup()
+    layer_of = {}
+    wrong = []
+    for layer in rg.LAYERS:
+        for p in sorted((ROOT / "tests" / layer).glob("test_*.py")):
+            layer_of[p.name] = layer
+            want, why = rg.place(p.name, p.read_text())
+            if want != layer:
+                wrong.append(f"tests/{layer}/{p.name}: the rule says {want} ({why})")
+    assert layer_of and not wrong, "\n".join(wrong)
+    rg.check_imports(ROOT, layer_of)
+
+
+def test_the_layer_rule_sees_each_layer() -> None:
+    """The rule on made-up modules, so that the check above cannot pass by placing
+    everything in one layer."""
+    rule = _regroup().rule
+    assert rule("from service_helpers import ServiceProc\n")[0] == "live"
+    dbr_run = 'DBR = ["x"]\nsubprocess.run(DBR + [' + '"run", "--", "p"])\n'
+    assert rule(dbr_run)[0] == "live"        # (split, or this file would be "live")
+    assert rule("from harness import FakeService, compile_c\n")[0] == "agent"
+    assert rule("def test_x(svc):\n    pass\n")[0] == "agent"
+    assert rule("import subprocess\nsubprocess.Popen(['./prog'])\n")[0] is None
+    assert rule("import subprocess\nsubprocess.run(['gcc', 'p.c'])\n")[0] == "unit"
+    assert rule("import math\n")[0] == "unit"
