@@ -86,9 +86,12 @@ PARAMS = [pytest.param(c, opt, False, id=f"{c.name}{opt}",
 #: The cases run again with `-o hot_text=true` (every function holding 0.05 % of the
 #: samples copied and entered at its entry): calls from copies, longjmp, C++ throws,
 #: PLT calls into a library and a translated jump table.  The whole file runs so with
-#: DBR_HOT_TEXT=true in the environment (the service reads it).
+#: DBR_HOT_TEXT=true in the environment (the service reads it).  longjmp and PLT calls
+#: run so under `make test-long` only (the suite's time budget).
 HOT_TEXT_CASES = ("calls", "sigjmp", "throw", "plt", "interp")
-PARAMS += [pytest.param(c, "-O2", True, id=f"{c.name}-O2-hot_text")
+HOT_TEXT_LONG = ("sigjmp", "plt")
+PARAMS += [pytest.param(c, "-O2", True, id=f"{c.name}-O2-hot_text",
+                        marks=[pytest.mark.long] if c.name in HOT_TEXT_LONG else [])
            for c in CASES if c.name in HOT_TEXT_CASES]
 
 
