@@ -50,3 +50,22 @@ def test_a_failed_installation_outlives_a_job_that_selects_nothing():
     _apply(s, [])
     assert set(s.region_book.regions) == {"r1", "r2", "r3"}
     assert s.region_book.regions["r1"].info["install_error"] == "E_RANGE"
+
+
+def test_a_job_that_failed_because_its_client_left_keeps_the_earlier_outcome():
+    """A client that ended while its last job read its memory: the job's failure
+    (``region selection failed: MemoryViewError: cannot read /proc/PID/maps``) is not
+    the client's outcome; its status stays what the earlier jobs said.  Had it not
+    left, the failure would be reported."""
+    for alive, want in ((False, "1 region(s) selected"), (True, None)):
+        s = _session({}, alive=alive)
+        s.region_status = "1 region(s) selected"
+        svc = SimpleNamespace(config=SimpleNamespace(patching=False, snapshot_interval_s=1.0,
+                                                     job_backoff_max_s=30.0),
+                              scheduler=SimpleNamespace(charge=lambda b, res: None),
+                              _session_by_id=lambda sid, s=s: s, warm=None,
+                              _judge_quiet=lambda s, changed: None,
+                              events=SimpleNamespace(publish=lambda *a, **k: None))
+        failed = ("region selection failed: MemoryViewError: cannot read /proc/42/maps")
+        Service._apply_result(svc, JobResult(1, 42, [], None, failed, 0.1, 7), 1)
+        assert s.region_status == (want or failed), (alive, s.region_status)
