@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from relayout import relayout  # noqa: E402
+from restructure import git, tracked_text_files  # noqa: E402
 
 LAYERS = ("unit", "agent", "live")
 
@@ -86,11 +87,6 @@ BENCH_RUN = re.compile(r'"-m"\s*,\s*"bench(?:\.\w+)*"')
 
 class Refused(Exception):
     """Nothing was changed, for the reason given."""
-
-
-def git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True,
-                          text=True).stdout
 
 
 # --- the rule ----------------------------------------------------------------------------
@@ -223,23 +219,6 @@ def deepen_file_refs(text: str) -> tuple[str, int]:
     text, a = FILE_CHAIN.subn(chain, text)
     text, b = DIRNAME.subn(lambda m: f"os.path.dirname(os.path.dirname({m[1]}))", text)
     return text, a + b
-
-
-def tracked_text_files(root: Path, skip: set[Path]) -> list[Path]:
-    out = []
-    for rel in git(root, "ls-files", "-z").split("\0"):
-        path = root / rel
-        if not rel or path in skip or path.is_symlink() or not path.is_file():
-            continue
-        data = path.read_bytes()
-        if b"\0" in data:
-            continue
-        try:
-            data.decode()
-        except UnicodeDecodeError:
-            continue
-        out.append(path)
-    return out
 
 
 class Rewriter:
