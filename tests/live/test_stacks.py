@@ -101,6 +101,23 @@ def test_known_call_paths_appear(callpath):
     assert all(s[0] == "_start" for s in folded if "leaf_work" in s)
 
 
+def _sampled(pid: int, rounds: int, enough: int | None = None) -> list[StackSample]:
+    """Call-stack samples of ``pid`` over ``rounds`` pauses of 20 ms (fewer once
+    ``enough`` are in)."""
+    sampler = StackSampler(pid)
+    samples: list[StackSample] = []
+    try:
+        sampler.add([pid])
+        for _ in range(rounds):
+            subprocess.run(["sleep", "0.02"])
+            samples += sampler.read()
+            if enough is not None and len(samples) > enough:
+                break
+    finally:
+        sampler.close()
+    return samples
+
+
 @needs_perf
 def test_cfi_preferred_over_frame_pointers(callpath):
     """With frame pointers the kernel's chain and the CFI walk agree; without them the
@@ -109,15 +126,7 @@ def test_cfi_preferred_over_frame_pointers(callpath):
     maps = read_maps(pid)
     cfi = CfiSource(lambda: [(m.lo, m.hi, m.path, m.dev, m.ino) for m in maps])
     unwinder = Unwinder(cfi.module_at)
-    sampler = StackSampler(pid)
-    samples: list[StackSample] = []
-    try:
-        sampler.add([pid])
-        for _ in range(40):
-            subprocess.run(["sleep", "0.02"])
-            samples += sampler.read()
-    finally:
-        sampler.close()
+    samples = _sampled(pid, 40)
     assert len(samples) >= 50
     agree = 0
     for s in samples:
@@ -142,17 +151,7 @@ def test_replacement_code_folds_to_original(callpath):
     maps = read_maps(pid)
     cfi = CfiSource(lambda: [(m.lo, m.hi, m.path, m.dev, m.ino) for m in maps])
     plain = Unwinder(cfi.module_at)
-    sampler = StackSampler(pid)
-    try:
-        sampler.add([pid])
-        samples: list[StackSample] = []
-        for _ in range(50):
-            subprocess.run(["sleep", "0.02"])
-            samples += sampler.read()
-            if len(samples) > 20:
-                break
-    finally:
-        sampler.close()
+    samples = _sampled(pid, 50, enough=20)
     exe = next(m for m in maps if m.path.endswith(f"callpath{_flags}") or "callpath" in m.path)
     lo, hi = exe.lo, max(m.hi for m in maps if m.path == exe.path)
     delta = 1 << 40                                  # the "code buffer" is lo+delta...
@@ -187,17 +186,7 @@ def test_a_sample_inside_a_dispatch_unwinds_with_rsp_set_back(callpath):
     maps = read_maps(pid)
     cfi = CfiSource(lambda: [(m.lo, m.hi, m.path, m.dev, m.ino) for m in maps])
     plain = Unwinder(cfi.module_at)
-    sampler = StackSampler(pid)
-    samples: list[StackSample] = []
-    try:
-        sampler.add([pid])
-        for _ in range(50):
-            subprocess.run(["sleep", "0.02"])
-            samples += sampler.read()
-            if len(samples) > 20:
-                break
-    finally:
-        sampler.close()
+    samples = _sampled(pid, 50, enough=20)
     exe = next(m for m in maps if "callpath" in m.path)
     lo, hi = exe.lo, max(m.hi for m in maps if m.path == exe.path)
     delta = 1 << 40
