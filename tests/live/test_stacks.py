@@ -14,6 +14,7 @@ import pytest
 from harness import compile_c, terminate
 
 from dbr_service.common.clientfiles import ProcHandle
+from dbr_service.codegen.cfi import evaluate
 from dbr_service.codegen.frames import CfiSource
 from dbr_service.common.procmaps import read_maps
 from dbr_service.sampling.perf import probe_event
@@ -199,7 +200,7 @@ def test_a_sample_inside_a_dispatch_unwinds_with_rsp_set_back(callpath):
 
     moved = Unwinder(cfi.module_at, attribute, sp_offset=sp_offset)
     blind = Unwinder(cfi.module_at, attribute)
-    checked = wrong = 0
+    checked = by_rsp = wrong = 0
     for s in samples:
         want = plain.unwind(s)
         if want.truncated or not lo <= s.ip < hi:
@@ -208,11 +209,19 @@ def test_a_sample_inside_a_dispatch_unwinds_with_rsp_set_back(callpath):
         fake = dataclasses.replace(s, ip=s.ip + delta, sp=s.sp - 0x90, stack=saved + s.stack,
                                    chain=())
         assert moved.unwind(fake).frames == want.frames
-        wrong += blind.unwind(fake).frames != want.frames
+        # where the IP's CFA is rsp's (rbp's with frame pointers: rsp is not read there),
+        # the row applied to the moved rsp reads a saved register as the return address
+        # (or, in a frame over 0x90 bytes, a stale slot of its own: rarely the right one)
+        mod = cfi.module_at(s.ip)
+        row = evaluate(mod.eh.find(s.ip - mod.bias)).row_at(s.ip - mod.bias)
+        if row.cfa.expr is None and row.cfa.reg == 7:
+            by_rsp += 1
+            wrong += blind.unwind(fake).frames != want.frames
         checked += 1
     assert checked >= 5
-    if flags != "-fno-omit-frame-pointer":     # with them the CFA is rbp's: rsp is not read
-        assert wrong == checked
+    assert wrong >= 0.8 * by_rsp, (wrong, by_rsp)
+    if flags != "-fno-omit-frame-pointer":
+        assert by_rsp >= checked // 2, (by_rsp, checked)
 
 
 def test_call_graph_counts_and_order():
