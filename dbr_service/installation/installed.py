@@ -85,17 +85,18 @@ class InstalledRegion:
         lo, hi = self.code_range()
         return lo <= addr < hi
 
+    def _piece(self, addr: int) -> tuple[int, int, int] | None:
+        """The address map's piece (repl_start, repl_end, original) holding ``addr``."""
+        return next((p for p in self.gen.addr_map if p[0] <= addr < p[1]), None)
+
     def original_of(self, addr: int) -> int | None:
         """Original address of a replacement-code address (sample attribution)."""
-        for lo, hi, orig in self.gen.addr_map:
-            if lo <= addr < hi:
-                return orig
-        return None
+        piece = self._piece(addr)
+        return None if piece is None else piece[2]
 
     def sp_offset_of(self, addr: int) -> int | None:
         """rsp at replacement address ``addr`` less the original's rsp at the
         instruction it stands for (codegen/spoffset.py); None: unknown."""
-        for lo, hi, _orig in self.gen.addr_map:
-            if lo <= addr < hi:
-                return sp_offset(self.gen.code, self.gen.base, lo, hi, addr)
-        return None
+        piece = self._piece(addr)
+        return None if piece is None else sp_offset(self.gen.code, self.gen.base,
+                                                     piece[0], piece[1], addr)
