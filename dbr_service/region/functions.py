@@ -52,11 +52,8 @@ class FunctionEntries:
             return False
         if addr in self._addrs:
             return True
-        if self._module_at is None:
-            return False
-        try:
-            mod = self._module_at(addr)
-        except (CfiError, OSError):
+        mod = self._module(addr)
+        if mod is None:
             return False
         link = addr - mod.bias
         fde = mod.eh.find(link)
@@ -64,13 +61,20 @@ class FunctionEntries:
             return True
         return link in symbols_of(mod.path).starts()
 
-    def function_start(self, addr: int) -> int | None:
-        """The run-time start of the ``.eh_frame`` FDE holding ``addr``, or None."""
+    def _module(self, addr: int) -> Any:
+        """The module holding ``addr`` with its parsed CFI, or None (no look-up, no
+        module file, unreadable CFI)."""
         if self._module_at is None:
             return None
         try:
-            mod = self._module_at(addr)
+            return self._module_at(addr)
         except (CfiError, OSError):
+            return None
+
+    def function_start(self, addr: int) -> int | None:
+        """The run-time start of the ``.eh_frame`` FDE holding ``addr``, or None."""
+        mod = self._module(addr)
+        if mod is None:
             return None
         fde = mod.eh.find(addr - mod.bias)
         return None if fde is None else fde.start + mod.bias
@@ -104,11 +108,8 @@ class FunctionEntries:
         """``func+0x12`` for a run-time address: the module's symbol holding it, else
         ``fn_START`` for the ``.eh_frame`` FDE holding it (START: its link address in
         hex); None where neither does (region graphs label their nodes with it)."""
-        if self._module_at is None:
-            return None
-        try:
-            mod = self._module_at(addr)
-        except (CfiError, OSError):
+        mod = self._module(addr)
+        if mod is None:
             return None
         link = addr - mod.bias
         hit = symbols_of(mod.path).lookup(link)
