@@ -113,17 +113,18 @@ def prune_code(sr: SuperRegion, *, hot_threshold: float, min_loop_trip_count: fl
         forest = loop_forest(part)
         part.info["loops"] = forest
         part.info["patch_points"] = part.entry_points()     # [] when transfer-only
+        own_entries = fn_entries & set(part.info["patch_points"])
         if not part.entry_edges():
             counters["dropped-no-patch-point"] += 1
         elif body_bytes(part) < min_region_size:
             counters["dropped-small"] += 1
         elif any(lp.trip_count >= min_loop_trip_count for lp in forest.loops()):
-            if fn_entries & set(part.entry_points()):
-                part.info["functions"] = len(fn_entries & set(part.entry_points()))
+            if own_entries:
+                part.info["functions"] = len(own_entries)
             kept.append(part)
-        elif fn_entries & set(part.entry_points()):
+        elif own_entries:
             part.info["hot_function"] = True
-            part.info["functions"] = len(fn_entries & set(part.entry_points()))
+            part.info["functions"] = len(own_entries)
             counters["kept-hot-functions"] += 1
             kept.append(part)
         elif in_hot_function is not None and any(map(in_hot_function, part.entry_points())):
