@@ -48,15 +48,18 @@ def start(argv: list[str], **kw) -> subprocess.Popen:
     p = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, **kw)
     # Popen returns before the child's exec: until then the pid is a copy of this
-    # interpreter, and an attach would look at the wrong program.
-    want = os.path.realpath(shutil.which(argv[0]) or argv[0])
-    wait_until(lambda: _exe(p.pid) == want or p.poll() is not None, 10, f"exec of {want}")
+    # interpreter (its command line is this one's), and an attach would look at the
+    # wrong program.  Once exec'd, the program may exec again (unshare): any other
+    # command line will do.
+    mine = Path("/proc/self/cmdline").read_bytes()
+    wait_until(lambda: _cmdline(p.pid) not in (None, mine) or p.poll() is not None, 10,
+               f"exec of {argv[0]}")
     return p
 
 
-def _exe(pid: int) -> str | None:
+def _cmdline(pid: int) -> bytes | None:
     try:
-        return os.readlink(f"/proc/{pid}/exe")
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return None
 
